@@ -1,0 +1,33 @@
+"""overlapckpt: checkpoint PyTorch training state without stopping training."""
+
+from .checkpointer import Checkpointer
+from .errors import (
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    ConfigError,
+    CorruptCheckpointError,
+    OverlapCkptError,
+    UnsupportedOptimizerError,
+    WriterDiedError,
+)
+from .loading import list_checkpoints, load
+from .manifest import CheckpointInfo
+from .storage import CheckpointStore
+
+__all__ = [
+    "CheckpointInfo",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointStore",
+    "CheckpointWriteError",
+    "Checkpointer",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "OverlapCkptError",
+    "UnsupportedOptimizerError",
+    "WriterDiedError",
+    "list_checkpoints",
+    "load",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,219 @@
+"""The public ``Checkpointer``: wrap a model and optimizer, checkpoint without stopping training."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from .engine import SnapshotEngine
+from .errors import ConfigError, UnsupportedOptimizerError
+from .extra_state import encode
+from .gradlog import REPLAYABLE_OPTIMIZERS
+from .loading import load
+from .manifest import CheckpointInfo
+from .state import check_optimizer_matches_model
+from .storage import CheckpointStore
+from .writer import WriterProcess
+
+CONSISTENCY_MODES = ("replay", "stage")
+
+
+def _check_positive_int(name: str, value: Any, meaning: str, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} is invalid; pass an integer >= 1 ({meaning})")
+
+
+def _check_stateful(stateful: dict[str, Any]) -> None:
+    if not isinstance(stateful, dict):
+        raise ConfigError(f"stateful={stateful!r} is invalid; pass a dict mapping names to objects with state_dict()/load_state_dict()")
+    for name, obj in stateful.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"stateful key {name!r} is invalid; use a non-empty string name")
+        for method in ("state_dict", "load_state_dict"):
+            if not callable(getattr(obj, method, None)):
+                raise ConfigError(
+                    f"stateful[{name!r}] is a {type(obj).__name__} without {method}(); pass an object that "
+                    "implements the Stateful protocol (state_dict() and load_state_dict())"
+                )
+        encode(obj.state_dict(), f"stateful[{name!r}].state_dict()")
+
+
+def _check_optimizer_for_mode(optimizer: torch.optim.Optimizer, window: int, consistency: str) -> None:
+    if window > 1 and consistency == "replay" and type(optimizer).__name__ not in REPLAYABLE_OPTIMIZERS:
+        raise UnsupportedOptimizerError(
+            f"{type(optimizer).__module__}.{type(optimizer).__qualname__} cannot be replayed: replay needs an "
+            "elementwise, per-tensor update rule (SGD, Adam, AdamW, Adagrad, RMSprop, ...). Use window=1, "
+            "or window>1 with consistency='stage'"
+        )
+
+
+class Checkpointer:
+    """Checkpoints a model and optimizer from the optimizer's step hooks.
+
+    Args:
+        model: the module whose parameters the optimizer updates.
+        optimizer: a ``torch.optim.Optimizer`` over ``model``'s parameters.
+        path: a local directory or fsspec URL (``s3://bucket/prefix``); created if missing.
+        window: optimizer steps to spread the device-to-host copy over (1 = exact at the requested step).
+        every: start a checkpoint after every ``every``-th optimizer step (None: only on ``request()``).
+        keep: keep only the newest ``keep`` committed checkpoints (None: keep all).
+        stateful: name -> object with ``state_dict()``/``load_state_dict()`` (schedulers, samplers, ...).
+        storage_options: passed to fsspec (``endpoint_url``, ``key``, ``secret``, ...).
+        consistency: with ``window > 1``: ``"replay"`` (version s+W-1, replayed on the CPU, no extra
+            GPU memory) or ``"stage"`` (version s, exact, needs staging memory on the device).
+        stage_budget_bytes: the most device memory stage mode may use (None: what the window needs).
+        max_inflight: snapshots in flight at once; each holds one host slot of the state's size.
+        store_class: a ``CheckpointStore`` subclass the writer process uses to reach storage.
+
+    Call ``ckpt.step()`` at the end of each iteration (after ``scheduler.step()``): it is
+    the boundary at which stateful objects and RNG states are captured.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        path: str | os.PathLike[str],
+        window: int = 1,
+        every: int | None = None,
+        keep: int | None = None,
+        stateful: dict[str, Any] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        consistency: str = "replay",
+        stage_budget_bytes: int | None = None,
+        max_inflight: int = 1,
+        store_class: type[CheckpointStore] = CheckpointStore,
+    ) -> None:
+        _check_positive_int("window", window, "the number of optimizer steps the copy is spread over", allow_none=False)
+        _check_positive_int("every", every, "checkpoint after every N-th optimizer step, or None")
+        _check_positive_int("keep", keep, "the number of newest committed checkpoints to keep, or None")
+        _check_positive_int("max_inflight", max_inflight, "snapshots in flight at once; each costs one state of host memory", allow_none=False)
+        if consistency not in CONSISTENCY_MODES:
+            raise ConfigError(f"consistency={consistency!r} is invalid; use 'replay' or 'stage'")
+        if stage_budget_bytes is not None and (isinstance(stage_budget_bytes, bool) or not isinstance(stage_budget_bytes, int) or stage_budget_bytes < 0):
+            raise ConfigError(f"stage_budget_bytes={stage_budget_bytes!r} is invalid; pass a byte count >= 0 or None")
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model is a {type(model).__name__}; pass a torch.nn.Module")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer is a {type(optimizer).__name__}; pass a torch.optim.Optimizer")
+        check_optimizer_matches_model(model, optimizer)
+        _check_optimizer_for_mode(optimizer, window, consistency)
+        stateful = dict(stateful or {})
+        _check_stateful(stateful)
+        if not (isinstance(store_class, type) and issubclass(store_class, CheckpointStore)):
+            raise ConfigError(f"store_class={store_class!r} is invalid; pass CheckpointStore or a subclass of it")
+        if store_class.__module__ == "__main__":
+            raise ConfigError(
+                f"store_class {store_class.__qualname__} is defined in __main__, which the writer process cannot "
+                "import; define it in an importable module"
+            )
+
+        self.path = os.fspath(path)
+        self.storage_options = dict(storage_options or {})
+        store = store_class(self.path, self.storage_options)
+        store.prepare_root()
+        self.model = model
+        self.optimizer = optimizer
+        self.stateful = stateful
+        self.window = window
+        self.consistency = consistency
+        self._closed = False
+        self._writer = WriterProcess(
+            self.path, self.storage_options, (store_class.__module__, store_class.__qualname__)
+        )
+        self._engine = SnapshotEngine(
+            model,
+            optimizer,
+            window=window,
+            consistency=consistency,
+            every=every,
+            keep=keep,
+            stateful=stateful,
+            writer=self._writer,
+            max_inflight=max_inflight,
+            stage_budget_bytes=stage_budget_bytes,
+        )
+
+    # ---- training loop ---------------------------------------------------------------
+
+    def request(self) -> None:
+        """Checkpoint the state as of the last completed optimizer step (deferred while no slot is free)."""
+        self._check_open()
+        self._engine.request()
+
+    def step(self) -> None:
+        """Mark the end of a training iteration: the boundary for stateful objects and RNG states."""
+        self._check_open()
+        self._engine.mark_iteration_end()
+
+    def wait(self, timeout_s: float | None = None) -> list[CheckpointInfo]:
+        """Finish every requested checkpoint and block until each has committed.
+
+        Open windows are closed at the current step. Returns the checkpoints committed
+        since the previous ``wait()``; raises the writer's error, or TimeoutError.
+        """
+        self._check_open()
+        return self._engine.wait(timeout_s)
+
+    def close(self, timeout_s: float | None = None) -> list[CheckpointInfo]:
+        """Finish what is in flight, stop the writer and remove the hooks."""
+        if self._closed:
+            return []
+        self._closed = True
+        try:
+            return self._engine.wait(timeout_s)
+        finally:
+            self._engine.remove_hooks()
+            self._writer.close()
+            self._engine.release()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- inspection and restore ------------------------------------------------------
+
+    @property
+    def stats(self) -> list[dict[str, Any]]:
+        """Per committed checkpoint: step, bytes, copy time, device-side waits, time to commit, ledger."""
+        return [dict(s) for s in self._engine.stats]
+
+    @property
+    def deferrals(self) -> int:
+        """Requests that had to wait for a free host slot."""
+        return self._engine.deferrals
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken, continued from the restored checkpoint after ``restore()``."""
+        return self._engine.step_count
+
+    @property
+    def writer_pid(self) -> int:
+        return self._writer.pid
+
+    def restore(self, step: int | None = None) -> CheckpointInfo:
+        """Load this Checkpointer's newest (or ``step``'s) checkpoint and continue its step count."""
+        self._check_open()
+        self._engine.wait(None)
+        # get_state_dict may run one zero-gradient step to create optimizer state; it is
+        # not a training step, so the hooks must not count or checkpoint it.
+        self._engine.remove_hooks()
+        try:
+            info = load(self.path, self.model, self.optimizer, self.stateful, step, self.storage_options)
+        finally:
+            self._engine.install_hooks()
+        self._engine.step_count = info.step
+        return info
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("this Checkpointer is closed; create a new one to keep checkpointing")

@@ -1,0 +1,593 @@
+"""The snapshot engine: optimizer hooks that copy state over W steps and hand it to the writer.
+
+Per hook (host work only: enqueue copies, insert device-side fences, poll events):
+
+* post-hook of step t: advance every open window (copy the group due at t, or
+  drain a staged group), start a requested snapshot at version t, capture the
+  provisional boundary state.
+* ``ckpt.step()`` (end of the iteration): capture stateful objects and RNG for
+  snapshots whose version was just reached.
+* pre-hook of step t+1: fence the copies enqueued after step t (the compute
+  stream waits on their events before the optimizer mutates the state), log the
+  gradients and hyperparameters replay mode needs, close boundaries the user did
+  not mark, and hand landed snapshots to the writer.
+
+Snapshot states are described in ``snapshot.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import protocol as p
+from .errors import ConfigError, OverlapCkptError
+from .gradlog import GradientStep, ReplayLog, capture_hyperparameters, gradient_layout
+from .hostbuf import SharedHostBuffer, view_bytes
+from .ledger import CheckpointLedger, GroupRecord
+from .manifest import CheckpointInfo, checkpoint_name
+from .plan import CopyPlan, make_plan
+from .snapshot import OPEN, SENT, HostSlot, Snapshot
+from .state import ROLE_BUFFER, StateLayout, build_layout, capture_small_state, live_fingerprint
+from .transfer import CopyTicket, make_copier
+from .writer import WriterProcess, writer_error
+
+_BOUNDARY_WARNING = (
+    "overlapckpt: ckpt.step() was not called after the optimizer step that a checkpoint holds, so "
+    "stateful objects (LR schedulers, samplers) and RNG states were captured in the optimizer's "
+    "post-step hook, before the rest of the iteration ran (e.g. before scheduler.step()). A resumed "
+    "run then repeats that part of the iteration. Call ckpt.step() at the end of each iteration, "
+    "after scheduler.step()."
+)
+
+
+def capture_extra_state(stateful: dict[str, Any]) -> dict[str, Any]:
+    """Stateful objects and RNG states, deep-copied now (the boundary of the snapshot's version)."""
+    rng: dict[str, Any] = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["torch_cuda"] = torch.cuda.get_rng_state_all()
+    return {"stateful": {name: copy.deepcopy(obj.state_dict()) for name, obj in stateful.items()}, "rng": rng}
+
+
+class SnapshotEngine:
+    """Drives snapshots from the optimizer's step hooks; owns slots, copier and writer link."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        window: int,
+        consistency: str,
+        every: int | None,
+        keep: int | None,
+        stateful: dict[str, Any],
+        writer: WriterProcess,
+        max_inflight: int,
+        stage_budget_bytes: int | None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.window = window
+        self.mode = "window" if window == 1 else consistency
+        self.every = every
+        self.keep = keep
+        self.stateful = stateful
+        self.writer = writer
+        self.max_inflight = max_inflight
+        self.stage_budget_bytes = stage_budget_bytes
+        first = next(iter(model.parameters()), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        self.copier = make_copier(self.device)
+        self.step_count = 0
+        self._hook_serial = 0
+        self._layout: StateLayout | None = None
+        self._plan: CopyPlan | None = None
+        self._layout_id = 0
+        self._next_slot_id = 0
+        self._next_request_id = 0
+        self._slots: list[HostSlot] = []
+        self._snapshots: list[Snapshot] = []
+        self._pending_requests = 0
+        self._waiting_for_slot = False
+        self.deferrals = 0
+        self._user_marks_boundary = False
+        self._warned_boundary = False
+        self._error: OverlapCkptError | None = None
+        self._unreturned: list[CheckpointInfo] = []
+        self.stats: list[dict[str, Any]] = []
+        self._hooks: list[Any] = []
+        self.install_hooks()
+
+    def install_hooks(self) -> None:
+        if not self._hooks:
+            self._hooks = [
+                self.optimizer.register_step_pre_hook(self._pre_hook),
+                self.optimizer.register_step_post_hook(self._post_hook),
+            ]
+
+    # ---- hooks -------------------------------------------------------------------
+
+    def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        started = time.perf_counter()
+        self._hook_serial += 1
+        for snap in self._snapshots:
+            self._fence(snap)
+            if snap.boundary_open:
+                self._close_boundary(snap, provisional=True)
+            if snap.mode == "replay" and snap.version is None:
+                self._log_gradients(snap, step=self.step_count + 1)
+        self._progress()
+        self._charge(started)
+        self._raise_pending()
+
+    def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        started = time.perf_counter()
+        self._hook_serial += 1
+        self.step_count += 1
+        for snap in self._snapshots:
+            self._fence(snap)  # the gradient copies logged by this step's pre-hook
+            if snap.state == OPEN:
+                self._advance_window(snap)
+        if self.every is not None and self.step_count % self.every == 0:
+            self._pending_requests += 1
+        self._start_pending()
+        self._progress()
+        self._charge(started)
+        self._raise_pending()
+
+    def mark_iteration_end(self) -> None:
+        """``ckpt.step()``: the boundary where stateful objects are captured."""
+        self._user_marks_boundary = True
+        for snap in self._snapshots:
+            if snap.boundary_open:
+                snap.extra_state = capture_extra_state(self.stateful)
+                snap.boundary_open = False
+                snap.ledger.boundary = "step()"
+        self._progress()
+        self._raise_pending()
+
+    def request(self) -> None:
+        """Checkpoint the state of the last completed optimizer step, now or as soon as a slot frees."""
+        self._raise_pending()
+        self._pending_requests += 1
+        self._start_pending()
+        self._progress()
+        self._raise_pending()
+
+    # ---- starting and advancing snapshots ------------------------------------------
+
+    def _start_pending(self) -> None:
+        if self._pending_requests == 0:
+            return
+        if self.step_count == 0 and not self.optimizer.state:
+            self._pending_requests = 0
+            raise ConfigError(
+                "a checkpoint was requested before the first optimizer.step(): the optimizer has no "
+                "state yet, and creating it would change training. Request it after the first step"
+            )
+        if any(s.requested_step == self.step_count for s in self._snapshots):
+            return  # a snapshot of this step is already under way; the request waits for the next step
+        slot = self._free_slot()
+        if slot is None:
+            if not self._waiting_for_slot:
+                # Counted once per request that has to wait, however many hooks it waits.
+                self.deferrals += 1
+                self._waiting_for_slot = True
+            return
+        deferred, self._waiting_for_slot = self._waiting_for_slot, False
+        self._pending_requests = 0
+        self._start_snapshot(slot, deferred)
+
+    def _free_slot(self) -> HostSlot | None:
+        layout, plan = self._current_plan()
+        for slot in self._slots:
+            if not slot.busy and slot.buffer.nbytes >= plan.slot_nbytes:
+                return slot
+        for slot in list(self._slots):  # a free slot too small for a grown state is replaced
+            if not slot.busy:
+                self._release_slot(slot)
+        if len(self._slots) >= self.max_inflight:
+            return None
+        return self._new_slot(plan, layout)
+
+    def _current_plan(self) -> tuple[StateLayout, CopyPlan]:
+        fp = live_fingerprint(self.model, self.optimizer)
+        if self._layout is None or self._plan is None or self._layout.fingerprint != fp:
+            self._layout = build_layout(self.model, self.optimizer)
+            self._plan = make_plan(self._layout.entries, self.window, self._layout.fingerprint)
+            self._layout_id += 1
+            self.writer.send(p.SetLayoutRequest(self._layout_id, self._layout.entries, self._plan.offsets))
+        return self._layout, self._plan
+
+    def _new_slot(self, plan: CopyPlan, layout: StateLayout) -> HostSlot:
+        pin = self.copier.is_async
+        slot = HostSlot(slot_id=self._new_slot_id(), buffer=SharedHostBuffer(plan.slot_nbytes, pin=pin))
+        self.writer.send(p.MapSlotRequest(slot.slot_id, slot.buffer.path, slot.buffer.nbytes))
+        if self.mode == "replay":
+            offsets, nbytes = gradient_layout(plan, layout)
+            slot.grad_buffer = SharedHostBuffer(nbytes, pin=pin)
+            grad_id = self._new_slot_id()
+            slot.grad_buffer_id = grad_id  # type: ignore[attr-defined]
+            self.writer.send(p.MapSlotRequest(grad_id, slot.grad_buffer.path, nbytes))
+            by_fqn = dict(zip(layout.param_fqns, layout.params))
+            slot.grad_views = {
+                key: slot.grad_buffer.view(off, by_fqn[key[1]].dtype, tuple(by_fqn[key[1]].shape))
+                for key, off in offsets.items()
+            }
+            slot.grad_offsets = offsets  # type: ignore[attr-defined]
+        self._slots.append(slot)
+        return slot
+
+    def _new_slot_id(self) -> int:
+        self._next_slot_id += 1
+        return self._next_slot_id
+
+    def _release_slot(self, slot: HostSlot) -> None:
+        self._slots.remove(slot)
+        slot.views = []
+        slot.grad_views = {}
+        slot.staged_views = []
+        slot.staging = None
+        for buf in (slot.buffer, slot.grad_buffer):
+            if buf is not None:
+                buf.release()
+        try:
+            self.writer.send(p.ReleaseSlotRequest(slot.slot_id))
+        except OverlapCkptError:
+            pass
+
+    def _start_snapshot(self, slot: HostSlot, deferred: bool) -> None:
+        layout, plan = self._current_plan()
+        s = self.step_count
+        self._next_request_id += 1
+        ledger = CheckpointLedger(
+            requested_step=s,
+            target_version=s if self.mode != "replay" else s + self.window - 1,
+            window=self.window,
+            mode=self.mode,
+            groups=[GroupRecord(index=g.index, nbytes=g.nbytes) for g in plan.groups],
+        )
+        snap = Snapshot(
+            request_id=self._next_request_id,
+            requested_step=s,
+            window=self.window,
+            mode=self.mode,
+            slot=slot,
+            plan=plan,
+            layout=layout,
+            layout_id=self._layout_id,
+            ledger=ledger,
+            deferred=deferred,
+        )
+        slot.busy = True
+        self._snapshots.append(snap)
+        if snap.mode == "replay":
+            snap.replay_log = ReplayLog(
+                optimizer_class=(type(self.optimizer).__module__, type(self.optimizer).__qualname__),
+                grad_slot_id=slot.grad_buffer_id,  # type: ignore[attr-defined]
+                grad_offsets=slot.grad_offsets,  # type: ignore[attr-defined]
+                param_group_of={
+                    fqn: gi for gi, fqns in enumerate(layout.group_param_fqns) for fqn in fqns
+                },
+                copy_group_of=plan.group_of_param(),
+                base_step=s,
+                group_versions=[None] * len(plan.groups),
+            )
+        if snap.mode == "stage":
+            self._stage_later_groups(snap)
+        self._enqueue_group(snap, 0)
+        if snap.mode != "replay" or snap.next_group == len(plan.groups):
+            # Window 1 and stage mode hold version s: every later group was staged above.
+            self._reach_version(snap, s)
+
+    def _advance_window(self, snap: Snapshot) -> None:
+        """Post-hook of step t: copy (replay) or drain (stage) the group due now."""
+        j = snap.next_group
+        if j >= len(snap.plan.groups):
+            return
+        self._enqueue_group(snap, j)
+        if snap.version is None and snap.next_group == len(snap.plan.groups):
+            self._reach_version(snap, self.step_count)
+
+    def close_window(self, snap: Snapshot) -> None:
+        """Close an open window at the current step: copy what is missing now."""
+        if snap.state != OPEN:
+            return
+        if snap.version is None and snap.next_group < len(snap.plan.groups):
+            snap.ledger.closed_early_at = self.step_count
+        while snap.next_group < len(snap.plan.groups):
+            self._enqueue_group(snap, snap.next_group)
+        if snap.version is None:
+            self._reach_version(snap, self.step_count)
+
+    def _reach_version(self, snap: Snapshot, version: int) -> None:
+        snap.version = version
+        snap.ledger.target_version = version
+        snap.small_state = capture_small_state(snap.layout, self.optimizer)
+        snap.provisional_extra = capture_extra_state(self.stateful)
+        snap.boundary_open = True
+        if snap.replay_log is not None:
+            snap.replay_log.target_version = version
+
+    def _enqueue_group(self, snap: Snapshot, j: int) -> None:
+        plan, layout = snap.plan, snap.layout
+        idx = plan.groups[j].entry_indices
+        views = snap.slot.entry_views(plan, layout)
+        dst = [views[i] for i in idx]
+        from_staging = snap.mode == "stage" and j > 0
+        if from_staging:
+            src = [snap.slot.staged_views[i] for i in idx]
+            keepalive: list[torch.Tensor] = []
+        else:
+            src = [layout.live_tensors[i] for i in idx]
+            buffers = [k for k, i in enumerate(idx) if layout.entries[i].role == ROLE_BUFFER]
+            keepalive = []
+            if buffers and self.copier.is_async:
+                # The next forward mutates buffers (BatchNorm running stats) before any
+                # fence of ours runs: clone them on the compute stream now.
+                clones = self.copier.stage([src[k] for k in buffers])
+                for k, c in zip(buffers, clones):
+                    src[k] = c
+                keepalive = clones
+        ticket = self.copier.copy_async(src, dst, keepalive=keepalive)
+        ticket.group_index = j  # type: ignore[attr-defined]
+        snap.tickets.append(ticket)
+        if not from_staging:
+            snap.unfenced.append(ticket)
+            ticket.fence_after_hook = self._hook_serial  # type: ignore[attr-defined]
+        else:
+            snap.slot.staging_ready_tickets.append(ticket)
+        version = snap.requested_step if snap.mode == "stage" else self.step_count
+        snap.ledger.group_enqueued(j, version)
+        if snap.replay_log is not None:
+            snap.replay_log.group_versions[j] = version
+        snap.next_group = j + 1
+
+    def _stage_later_groups(self, snap: Snapshot) -> None:
+        """Stage mode: clone groups 1..W-1 before step s+1 can mutate them."""
+        plan, layout, slot = snap.plan, snap.layout, snap.slot
+        later = [i for g in plan.groups[1:] for i in g.entry_indices]
+        if not later:
+            return
+        base = min(plan.offsets[i] for i in later)
+        needed = max(plan.offsets[i] + layout.entries[i].nbytes for i in later) - base
+        if self.stage_budget_bytes is not None and needed > self.stage_budget_bytes:
+            raise ConfigError(
+                f"stage mode needs {needed} bytes of staging for window {self.window} "
+                f"(groups 1..{self.window - 1} of {layout.nbytes} bytes of state), but "
+                f"stage_budget_bytes={self.stage_budget_bytes}; raise stage_budget_bytes to at least "
+                f"{needed}, use a smaller window, or use consistency='replay'"
+            )
+        if slot.staging is None or slot.staging.numel() < needed or slot.views_fingerprint != plan.fingerprint:
+            capacity = needed if self.stage_budget_bytes is None else max(needed, self.stage_budget_bytes)
+            slot.staging = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+        for ticket in slot.staging_ready_tickets:
+            # The previous snapshot's drains read this staging area on the side stream;
+            # the compute stream must not overwrite it before they are done.
+            self.copier.fence_compute(ticket)
+        slot.staging_ready_tickets = []
+        staged = [None] * len(layout.entries)
+        for i in later:
+            staged[i] = view_bytes(slot.staging, plan.offsets[i] - base, layout.entries[i].dtype, layout.entries[i].shape)
+        targets = [staged[i] for i in later]
+        with torch.no_grad():
+            # On the compute stream, in order after step s: the staged copy is version s.
+            torch._foreach_copy_(targets, [layout.live_tensors[i].detach() for i in later])
+        slot.staged_views = staged  # type: ignore[assignment]
+
+    def _log_gradients(self, snap: Snapshot, step: int) -> None:
+        """Pre-hook of step ``step`` inside a replay window: copy the gradients it will consume."""
+        log: ReplayLog = snap.replay_log
+        i = step - snap.requested_step
+        copied = list(range(snap.next_group))
+        if i < 1 or not copied:
+            return
+        by_fqn = dict(zip(snap.layout.param_fqns, snap.layout.params))
+        srcs, dsts, none = [], [], []
+        for j in copied:
+            for fqn in snap.plan.groups[j].param_fqns:
+                grad = by_fqn[fqn].grad
+                if grad is None:
+                    none.append(fqn)
+                    continue
+                srcs.append(grad)
+                dsts.append(snap.slot.grad_views[(i, fqn)])
+        ticket = self.copier.copy_async(srcs, dsts)
+        if self.copier.is_async:
+            for g in srcs:
+                # zero_grad(set_to_none=True) frees the gradient after this step; keep the
+                # allocator from handing its memory to the compute stream before the side
+                # stream has read it. In-place zeroing is covered by the post-hook fence.
+                g.record_stream(self.copier.side_stream)  # type: ignore[union-attr]
+        snap.tickets.append(ticket)
+        snap.unfenced.append(ticket)
+        ticket.fence_after_hook = self._hook_serial  # type: ignore[attr-defined]
+        log.steps.append(GradientStep(step=step, groups=copied, hyperparameters=capture_hyperparameters(self.optimizer), grad_none=none))
+        snap.ledger.gradients_logged(step, copied)
+
+    def _fence(self, snap: Snapshot) -> None:
+        """Insert the device-side waits for copies enqueued by earlier hooks."""
+        keep = []
+        for ticket in snap.unfenced:
+            if getattr(ticket, "fence_after_hook", -1) >= self._hook_serial:
+                keep.append(ticket)
+                continue
+            # Fence 2 (see transfer.py): the optimizer step (pre-hook) or the next
+            # iteration's zero_grad/backward (post-hook) mutates what this copy reads.
+            if self.copier.fence_compute(ticket):
+                snap.device_waits_in_flight += 1
+            if self.copier.is_async:
+                snap.device_waits_inserted += 1
+        snap.unfenced = keep
+
+    def _close_boundary(self, snap: Snapshot, provisional: bool) -> None:
+        snap.extra_state = snap.provisional_extra
+        snap.boundary_open = False
+        snap.ledger.boundary = "post-hook"
+        if provisional and not self._user_marks_boundary and not self._warned_boundary and self.stateful:
+            self._warned_boundary = True
+            warnings.warn(_BOUNDARY_WARNING, stacklevel=4)
+
+    # ---- completion ----------------------------------------------------------------
+
+    def _progress(self) -> None:
+        """Poll copy events and the writer; hand landed snapshots to the writer. Never blocks."""
+        for snap in self._snapshots:
+            if self._ready_to_send(snap):
+                if all(self.copier.poll(t) for t in snap.tickets):
+                    self._send(snap)
+        try:
+            responses = self.writer.poll()
+        except OverlapCkptError as e:
+            self._fail(e)
+            return
+        for response in responses:
+            self._handle(response)
+
+    @staticmethod
+    def _ready_to_send(snap: Snapshot) -> bool:
+        return (
+            snap.state == OPEN
+            and snap.version is not None
+            and snap.next_group == len(snap.plan.groups)
+            and not snap.boundary_open
+        )
+
+    def _send(self, snap: Snapshot) -> None:
+        for g in snap.ledger.groups:
+            landed = [t.landed_at_s or 0.0 for t in snap.tickets if getattr(t, "group_index", None) == g.index]
+            if landed:
+                g.landed_s = max(landed) - snap.ledger.requested_at
+        snap.ledger.mark_complete()
+        snap.state = SENT
+        stats = self._stats_of(snap)
+        self.writer.send(
+            p.PersistRequest(
+                request_id=snap.request_id,
+                slot_id=snap.slot.slot_id,
+                layout_id=snap.layout_id,
+                name=checkpoint_name(snap.version),
+                step=snap.version,
+                requested_step=snap.requested_step,
+                mode=snap.mode,
+                window=snap.window,
+                small_state=snap.small_state,
+                extra_state=snap.extra_state,
+                ledger=snap.ledger.to_json(),
+                stats=stats,
+                keep=self.keep,
+                replay=snap.replay_log,
+            )
+        )
+
+    def _stats_of(self, snap: Snapshot) -> dict[str, Any]:
+        copy_s = sum(t.copy_s or 0.0 for t in snap.tickets)
+        return {
+            "step": snap.version,
+            "requested_step": snap.requested_step,
+            "mode": snap.mode,
+            "window": snap.window,
+            "nbytes": snap.nbytes,
+            "copy_s": copy_s,
+            "device_waits_inserted": snap.device_waits_inserted,
+            "device_waits_in_flight": snap.device_waits_in_flight,
+            "hook_host_s": snap.hook_host_s,
+            "deferred": snap.deferred,
+        }
+
+    def _handle(self, response: object) -> None:
+        if isinstance(response, p.MappedResponse):
+            for slot in self._slots:
+                if slot.slot_id == response.slot_id:
+                    slot.buffer.unlink()  # both processes map it now; nothing to leak in /dev/shm
+                if slot.grad_buffer is not None and getattr(slot, "grad_buffer_id", None) == response.slot_id:
+                    slot.grad_buffer.unlink()
+            return
+        if isinstance(response, p.CommittedResponse):
+            snap = self._pop_snapshot(response.request_id)
+            stats = self._stats_of(snap) if snap else {}
+            if snap is not None:
+                stats["time_to_commit_s"] = response.committed_at - snap.requested_wall_s
+                stats["persist_s"] = response.persist_s
+                stats["ledger"] = snap.ledger.to_json()
+            stats["path"] = response.info.path
+            self.stats.append(stats)
+            self._unreturned.append(response.info)
+            return
+        if isinstance(response, p.ErrorResponse):
+            snap = self._pop_snapshot(response.request_id) if response.request_id is not None else None
+            what = (
+                f"the writer failed to persist the checkpoint of step {snap.version}"
+                if snap is not None
+                else "the writer failed"
+            )
+            self._fail(writer_error(response, what))
+
+    def _pop_snapshot(self, request_id: int | None) -> Snapshot | None:
+        for snap in self._snapshots:
+            if snap.request_id == request_id:
+                self._snapshots.remove(snap)
+                snap.slot.busy = False
+                return snap
+        return None
+
+    def _fail(self, error: OverlapCkptError) -> None:
+        if self._error is None:
+            self._error = error
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _charge(self, started: float) -> None:
+        spent = time.perf_counter() - started
+        for snap in self._snapshots:
+            snap.hook_host_s += spent
+
+    # ---- blocking calls (never from a hook) ------------------------------------------
+
+    def wait(self, timeout_s: float | None) -> list[CheckpointInfo]:
+        """Finish every requested snapshot now and block until the writer committed each."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._raise_pending()
+        self._start_pending()
+        for snap in list(self._snapshots):
+            self.close_window(snap)
+            if snap.boundary_open:
+                self._close_boundary(snap, provisional=False)
+            for t in snap.tickets:
+                self.copier.wait(t)
+        self._progress()
+        self._raise_pending()
+        while self._snapshots:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(
+                    f"checkpoints of steps {[s.version for s in self._snapshots]} were not committed within "
+                    f"timeout_s={timeout_s}; pass a larger timeout_s or None"
+                )
+            try:
+                response = self.writer.wait_response(remaining)
+            except OverlapCkptError as e:
+                self._snapshots.clear()
+                raise e
+            self._handle(response)
+            self._raise_pending()
+        out, self._unreturned = self._unreturned, []
+        return out
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def release(self) -> None:
+        for slot in list(self._slots):
+            self._release_slot(slot)

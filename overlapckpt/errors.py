@@ -1,0 +1,40 @@
+"""The error types overlapckpt raises.
+
+Every error derives from :class:`OverlapCkptError`, so one ``except`` catches them
+all; configuration errors are also ``ValueError`` and lookups that find nothing are
+also ``FileNotFoundError``, so code written against the standard types keeps working.
+"""
+
+from __future__ import annotations
+
+
+class OverlapCkptError(Exception):
+    """Base class of every error raised by overlapckpt."""
+
+
+class ConfigError(OverlapCkptError, ValueError):
+    """A constructor argument or call argument is invalid; the message names the fix."""
+
+
+class UnsupportedOptimizerError(ConfigError):
+    """The optimizer cannot be checkpointed in the requested mode."""
+
+
+class WriterDiedError(OverlapCkptError):
+    """The writer process exited or stopped answering; in-flight checkpoints are lost."""
+
+
+class CheckpointWriteError(OverlapCkptError):
+    """The writer process failed to persist a checkpoint; the cause is chained."""
+
+
+class CorruptCheckpointError(OverlapCkptError):
+    """A committed checkpoint does not match its manifest (checksum, missing item, bad manifest)."""
+
+
+class CheckpointMismatchError(OverlapCkptError, ValueError):
+    """A checkpoint does not fit the objects it is loaded into (names or shapes differ)."""
+
+
+class CheckpointNotFoundError(OverlapCkptError, FileNotFoundError):
+    """No committed checkpoint matches the request."""

@@ -1,0 +1,244 @@
+"""Turn a model and its optimizer into named tensor entries, and back.
+
+The names are those of ``torch.distributed.checkpoint.state_dict.get_state_dict``:
+``{"model": {fqn: tensor}, "optimizer": {"state": {fqn: {key: tensor}},
+"param_groups": [...]}}``. A checkpoint written from these entries is therefore
+an ordinary DCP checkpoint that the stock recipe (``get_state_dict``, ``dcp.load``,
+``set_state_dict``) reads and reshards.
+
+Tensor entries are the live tensors themselves (parameters, buffers, optimizer
+state), captured by reference once per layout; everything else (``param_groups``,
+non-tensor optimizer state) is *small state*, deep-copied at the version it belongs
+to.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import CheckpointMismatchError, ConfigError
+
+ROLE_PARAM = "param"
+ROLE_BUFFER = "buffer"
+ROLE_OPTIM = "optim"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of the checkpoint: where it lives in the DCP state dict and what it is."""
+
+    key: str  # DCP's flattened key, e.g. "optimizer.state.fc.weight.exp_avg"
+    path: tuple[str, ...]  # the same key as a path into the nested state dict
+    role: str  # ROLE_PARAM, ROLE_BUFFER or ROLE_OPTIM
+    param_fqn: str | None  # the parameter a param or optim entry belongs to
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass
+class StateLayout:
+    """The tensor entries of one model + optimizer, with references to the live tensors."""
+
+    entries: list[TensorEntry]
+    live_tensors: list[torch.Tensor]
+    param_fqns: list[str]  # every optimized parameter, in optimizer order
+    params: list[torch.Tensor]  # the live parameters, aligned with param_fqns
+    group_param_fqns: list[list[str]]  # param_groups[i]["params"] as FQNs
+    # Non-tensor leaves of optimizer.state, as (fqn, key) pairs read at capture time.
+    small_optim_keys: list[tuple[str, str]] = field(default_factory=list)
+    fingerprint: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+
+def live_fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """A cheap identity of every tracked tensor: it changes when a layout must be rebuilt.
+
+    It reads identities only (no tensor data), so it costs microseconds per hundred
+    tensors; it changes when a parameter, buffer or optimizer state tensor is
+    replaced (``load_state_dict``, a lazily created state, a reassigned buffer).
+    """
+    parts: list[object] = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            parts.append(id(p))
+            st = optimizer.state.get(p)
+            if st:
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor):
+                        parts.append((k, id(v), v.data_ptr()))
+                    else:
+                        parts.append(k)
+    for t in model.state_dict(keep_vars=True).values():
+        if isinstance(t, torch.Tensor):
+            parts.append((t.data_ptr(), t.dtype, tuple(t.shape)))
+    return hash(tuple(parts))
+
+
+def check_optimizer_matches_model(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Raise ConfigError when the optimizer updates tensors that are not the model's parameters."""
+    model_params = {id(p) for p in model.parameters()}
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            if id(p) not in model_params:
+                raise ConfigError(
+                    f"optimizer.param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) is not a "
+                    "parameter of the model passed to Checkpointer; build the optimizer from "
+                    "model.parameters() of that same model"
+                )
+
+
+def _param_fqns(model: nn.Module) -> dict[int, str]:
+    # named_parameters() lists a shared (tied) parameter once, under its first name,
+    # which is also the name get_state_dict gives its optimizer state.
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def build_layout(model: nn.Module, optimizer: torch.optim.Optimizer) -> StateLayout:
+    """Describe every tensor to checkpoint, in a deterministic order.
+
+    Order: model entries in ``state_dict`` order, then optimizer state per parameter
+    in optimizer order, each parameter's keys sorted. The optimizer state must exist
+    (after the first ``optimizer.step()``); an empty state would make
+    ``get_state_dict`` run a zero-gradient step, which changes Adam's step count.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    fqn_by_id = _param_fqns(model)
+    param_ptrs = {p.data_ptr() for p in model.parameters()}
+    entries: list[TensorEntry] = []
+    live: list[torch.Tensor] = []
+
+    model_sd = get_model_state_dict(model)
+    for fqn, t in model_sd.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        local = _local_tensor(t)
+        role = ROLE_PARAM if local.data_ptr() in param_ptrs and fqn in fqn_by_id.values() else ROLE_BUFFER
+        entries.append(_entry(("model", fqn), role, fqn if role == ROLE_PARAM else None, local))
+        live.append(local)
+
+    params: list[torch.Tensor] = []
+    param_fqns: list[str] = []
+    group_fqns: list[list[str]] = []
+    small_keys: list[tuple[str, str]] = []
+    for group in optimizer.param_groups:
+        names = []
+        for p in group["params"]:
+            fqn = fqn_by_id[id(p)]
+            names.append(fqn)
+            params.append(p)
+            param_fqns.append(fqn)
+            for k in sorted(optimizer.state.get(p, {}).keys(), key=str):
+                v = optimizer.state[p][k]
+                if isinstance(v, torch.Tensor):
+                    local = _local_tensor(v)
+                    entries.append(_entry(("optimizer", "state", fqn, str(k)), ROLE_OPTIM, fqn, local))
+                    live.append(local)
+                else:
+                    small_keys.append((fqn, k))
+        group_fqns.append(names)
+
+    return StateLayout(
+        entries=entries,
+        live_tensors=live,
+        param_fqns=param_fqns,
+        params=params,
+        group_param_fqns=group_fqns,
+        small_optim_keys=small_keys,
+        fingerprint=live_fingerprint(model, optimizer),
+    )
+
+
+def _local_tensor(t: torch.Tensor) -> torch.Tensor:
+    # DTensor (FSDP2, TP) checkpoints its local shard; DCP's metadata carries the layout.
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _entry(path: tuple[str, ...], role: str, param_fqn: str | None, t: torch.Tensor) -> TensorEntry:
+    return TensorEntry(
+        key=".".join(path),
+        path=path,
+        role=role,
+        param_fqn=param_fqn,
+        dtype=t.dtype,
+        shape=tuple(t.shape),
+        nbytes=t.numel() * t.element_size(),
+    )
+
+
+def capture_small_state(layout: StateLayout, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Deep-copy the non-tensor optimizer state at the current version.
+
+    ``param_groups`` change every step (a scheduler sets lr), so they are read at the
+    version the snapshot holds. Tensors inside them (a tensor lr) are copied to CPU.
+    """
+    groups = []
+    for group, fqns in zip(optimizer.param_groups, layout.group_param_fqns):
+        g = {k: _detached_copy(v) for k, v in group.items() if k != "params"}
+        g["params"] = list(fqns)
+        groups.append(g)
+    by_fqn = dict(zip(layout.param_fqns, layout.params))
+    small_optim = {
+        f"{fqn}\x00{k}": copy.deepcopy(optimizer.state[by_fqn[fqn]][k]) for fqn, k in layout.small_optim_keys
+    }
+    return {"param_groups": groups, "small_optim": small_optim}
+
+
+def _detached_copy(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.detach().to("cpu", copy=True)
+    return copy.deepcopy(v)
+
+
+def build_state_dict(
+    entries: list[TensorEntry], tensors: list[torch.Tensor], small_state: dict[str, Any]
+) -> dict[str, Any]:
+    """Nest flat entries back into ``{"model": ..., "optimizer": ...}`` (what DCP saves)."""
+    sd: dict[str, Any] = {"model": {}, "optimizer": {"state": {}, "param_groups": small_state["param_groups"]}}
+    for entry, t in zip(entries, tensors):
+        node = sd
+        for part in entry.path[:-1]:
+            node = node.setdefault(part, {})
+        node[entry.path[-1]] = t
+    for joined, value in small_state.get("small_optim", {}).items():
+        fqn, k = joined.split("\x00", 1)
+        sd["optimizer"]["state"].setdefault(fqn, {})[k] = value
+    return sd
+
+
+def flatten_tensors(state_dict: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
+    """DCP's flattened key of every tensor leaf reached through nested dicts."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state_dict.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, torch.Tensor):
+            out[key] = v
+        elif isinstance(v, dict):
+            out.update(flatten_tensors(v, key + "."))
+    return out
+
+
+def check_shapes(expected: dict[str, tuple[int, ...]], target: dict[str, torch.Tensor]) -> None:
+    """Raise CheckpointMismatchError naming the first tensor whose shape differs."""
+    for key, t in target.items():
+        shape = expected.get(key)
+        if shape is None:
+            raise CheckpointMismatchError(
+                f"tensor {key!r} of the objects being loaded is not in the checkpoint; load into the "
+                "same model/optimizer architecture that was saved"
+            )
+        if tuple(shape) != tuple(t.shape):
+            raise CheckpointMismatchError(
+                f"tensor {key!r} has shape {tuple(shape)} in the checkpoint but {tuple(t.shape)} in the "
+                "object being loaded; build the model with the configuration that was saved"
+            )

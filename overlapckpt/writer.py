@@ -1,0 +1,175 @@
+"""The training side of the writer process: start it, talk to it, notice if it dies.
+
+The writer is a plain subprocess (``python -m overlapckpt.writer_process``), not a
+``multiprocessing`` spawn: spawn re-imports the user's ``__main__``, which reruns a
+training script that lacks an ``if __name__ == "__main__"`` guard.
+
+No thread runs here: hooks poll the pipe without blocking, and every blocking wait
+has a timeout and checks that the process is still alive. The parent closes its
+copy of the child's end of the socket pair, so a dead writer shows up as EOF on
+the pipe at once, never as a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from . import protocol as p
+from .errors import CheckpointWriteError, OverlapCkptError, WriterDiedError
+
+# How long one blocking wait may go without news before it checks the process again.
+_LIVENESS_POLL_S = 0.5
+
+
+def _package_parent_dir() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "stopped answering"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class WriterProcess:
+    """One long-lived writer process and the pipe to it."""
+
+    def __init__(
+        self,
+        root: str,
+        storage_options: dict[str, Any],
+        store_class: tuple[str, str],
+        startup_timeout_s: float = 120.0,
+    ) -> None:
+        self.startup_timeout_s = startup_timeout_s
+        parent_sock, child_sock = socket.socketpair()
+        env = dict(os.environ)
+        # The writer works on host memory only; hiding the GPUs keeps it from creating a CUDA context.
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        env["PYTHONPATH"] = os.pathsep.join([_package_parent_dir(), *filter(None, [env.get("PYTHONPATH")])])
+        child_fd = child_sock.fileno()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "overlapckpt.writer_process", str(child_fd)],
+            pass_fds=[child_fd],
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        # Close our copy of the child's end: when the child dies, its end closes and
+        # our reads see EOF immediately.
+        child_sock.close()
+        self._conn = Connection(parent_sock.detach())
+        self._ready = False
+        self._dead: WriterDiedError | None = None
+        self._send_now(p.InitRequest(sys_path=list(sys.path), root=root, storage_options=storage_options, store_class=store_class))
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def send(self, request: object) -> None:
+        self._raise_if_dead()
+        try:
+            self._send_now(request)
+        except (BrokenPipeError, ConnectionResetError, OSError) as e:
+            raise self._died("while sending a request") from e
+
+    def _send_now(self, request: object) -> None:
+        # Plain pickle, not multiprocessing's: its reducers would share tensors through
+        # file descriptors and a side channel; small CPU tensors travel inline instead.
+        self._conn.send_bytes(pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def poll(self) -> list[object]:
+        """Every response that has arrived, without blocking; raises WriterDiedError if it died."""
+        self._raise_if_dead()
+        out: list[object] = []
+        while True:
+            try:
+                if not self._conn.poll(0):
+                    break
+                out.append(self._receive())
+            except (EOFError, OSError) as e:
+                self._dead = self._died("while checkpoints were in flight")
+                if out:  # hand over what did arrive; the death is raised on the next call
+                    return out
+                raise self._dead from e
+        if not out and self._proc.poll() is not None:
+            raise self._died("while checkpoints were in flight")
+        return out
+
+    def wait_response(self, timeout_s: float | None) -> object:
+        """Block for the next response, up to ``timeout_s``; check liveness as it waits."""
+        self._raise_if_dead()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(f"no answer from the writer process within {timeout_s} s")
+            step_s = _LIVENESS_POLL_S if remaining is None else min(_LIVENESS_POLL_S, remaining)
+            if wait([self._conn], timeout=step_s):
+                try:
+                    return self._receive()
+                except (EOFError, OSError) as e:
+                    raise self._died("while a checkpoint was being persisted") from e
+            if self._proc.poll() is not None:
+                raise self._died("while a checkpoint was being persisted")
+
+    def _receive(self) -> object:
+        response = pickle.loads(self._conn.recv_bytes())
+        if isinstance(response, p.ReadyResponse):
+            self._ready = True
+        elif isinstance(response, p.ErrorResponse) and response.request_id is None and not self._ready:
+            raise writer_error(response, "the writer process failed to start")
+        return response
+
+    def _raise_if_dead(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+
+    def _died(self, when: str) -> WriterDiedError:
+        try:
+            code = self._proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        self._dead = WriterDiedError(
+            f"the writer process (pid {self._proc.pid}) {_describe_exit(code)} {when}; checkpoints not yet "
+            "committed are lost, committed ones are intact. Check the writer's stderr, host memory "
+            "(an OOM kill shows as SIGKILL) and the storage path"
+        )
+        return self._dead
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Ask the writer to stop; kill it if it does not exit in ``timeout_s``."""
+        if self._proc.poll() is None:
+            try:
+                self._send_now(p.ShutdownRequest())
+            except OSError:
+                pass
+            try:
+                self._proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(timeout=timeout_s)
+        self._conn.close()
+
+
+def writer_error(response: p.ErrorResponse, what: str) -> OverlapCkptError:
+    """The training-side error for a writer failure, with the original exception chained."""
+    cause = response.exception
+    error = CheckpointWriteError(
+        f"{what}: {response.type_name}: {response.message}\n--- writer traceback ---\n{response.traceback_text}"
+    )
+    error.__cause__ = cause
+    return error

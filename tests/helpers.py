@@ -1,0 +1,99 @@
+"""Small models, training loops and comparisons shared by the tests."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class TinyNet(nn.Module):
+    """Linear layers, BatchNorm (a buffer that forward mutates) and dropout."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.norm = nn.BatchNorm1d(width)
+        self.drop = nn.Dropout(0.1)
+        self.out = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.drop(torch.relu(self.norm(self.inp(x)))))
+
+
+class StatefulSampler:
+    """A data source with its own generator and position: state a resume must restore."""
+
+    def __init__(self, seed: int = 1234) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+        self.position = 0
+
+    def next_batch(self, n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+        self.position += 1
+        x = torch.randn(n, 8, generator=self.generator)
+        return x, x[:, :4] * 2.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state(), "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+        self.position = state["position"]
+
+
+def make_run(seed: int = 0, optimizer: str = "adamw", width: int = 16, **opt_kwargs: Any):
+    torch.manual_seed(seed)
+    model = TinyNet(width)
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **opt_kwargs)
+    elif optimizer == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, **opt_kwargs)
+    elif optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, weight_decay=1e-4, **opt_kwargs)
+    else:
+        raise ValueError(optimizer)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.05 * s))
+    sampler = StatefulSampler()
+    return model, opt, sched, sampler
+
+
+def train_step(model, opt, sched, sampler, clip: float | None = 1.0, skip: bool = False) -> float:
+    x, y = sampler.next_batch()
+    loss = nn.functional.mse_loss(model(x), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    if not skip:  # a skipped step, as GradScaler does on inf: optimizer.step() is not called
+        opt.step()
+    sched.step()
+    return float(loss.detach())
+
+
+def snapshot(model, opt) -> tuple[dict, dict]:
+    return copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+
+
+def assert_state_equal(model_sd: dict, opt_sd: dict, model, opt) -> None:
+    """Bit-for-bit equality of a reference (model, optimizer) state with live objects."""
+    live_m = model.state_dict()
+    assert set(model_sd) == set(live_m)
+    for k, v in model_sd.items():
+        assert torch.equal(v, live_m[k]), f"model tensor {k} differs"
+    live_o = opt.state_dict()
+    assert set(opt_sd["state"]) == set(live_o["state"])
+    for pid, st in opt_sd["state"].items():
+        for k, v in st.items():
+            w = live_o["state"][pid][k]
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, w), f"optimizer state {pid}.{k} differs"
+            else:
+                assert v == w
+    for g_ref, g_live in zip(opt_sd["param_groups"], live_o["param_groups"]):
+        assert g_ref == g_live
+
+
+def states_differ(model_sd: dict, model) -> bool:
+    return any(not torch.equal(v, model.state_dict()[k]) for k, v in model_sd.items())

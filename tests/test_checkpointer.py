@@ -1,0 +1,106 @@
+"""Window 1 end to end: the committed snapshot is the state at the requested step."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from helpers import assert_state_equal, make_run, snapshot, states_differ, train_step
+from overlapckpt import Checkpointer, list_checkpoints, load
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_snapshot_equals_state_at_request_step(tmp_path, optimizer):
+    model, opt, sched, sampler = make_run(optimizer=optimizer)
+    with Checkpointer(model, opt, tmp_path, window=1, stateful={"sched": sched, "sampler": sampler}) as ckpt:
+        for _ in range(4):
+            train_step(model, opt, sched, sampler)
+            ckpt.step()
+        ckpt.request()
+        ref_model, ref_opt = snapshot(model, opt)
+        # Training runs on past s before the snapshot is persisted.
+        for _ in range(5):
+            train_step(model, opt, sched, sampler)
+            ckpt.step()
+        infos = ckpt.wait(timeout_s=120)
+    assert [i.step for i in infos] == [4]
+    assert states_differ(ref_model, model)  # precondition: the live state moved on
+
+    fresh_model, fresh_opt, fresh_sched, fresh_sampler = make_run(seed=99, optimizer=optimizer)
+    info = load(str(tmp_path), fresh_model, fresh_opt, stateful={"sched": fresh_sched, "sampler": fresh_sampler})
+    assert info.step == 4 and info.window == 1 and info.mode == "window"
+    assert_state_equal(ref_model, ref_opt, fresh_model, fresh_opt)
+    assert fresh_sampler.position == 4 and fresh_sched.last_epoch == 4
+
+
+def test_stock_dcp_load_reads_the_same_tensors(tmp_path):
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path) as ckpt:
+        for _ in range(3):
+            train_step(model, opt, sched, sampler)
+        ckpt.request()
+        ref_model, ref_opt = snapshot(model, opt)
+        train_step(model, opt, sched, sampler)
+        (info,) = ckpt.wait(timeout_s=120)
+
+    # The stock recipe, with no overlapckpt code.
+    fresh_model, fresh_opt, _, _ = make_run(seed=7)
+    msd, osd = get_state_dict(fresh_model, fresh_opt)
+    dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=info.path)
+    set_state_dict(fresh_model, fresh_opt, model_state_dict=msd, optim_state_dict=osd)
+    assert_state_equal(ref_model, ref_opt, fresh_model, fresh_opt)
+
+
+def test_layout_and_manifest_on_disk(tmp_path):
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path, every=2, stateful={"sampler": sampler}) as ckpt:
+        for _ in range(5):
+            train_step(model, opt, sched, sampler)
+            ckpt.step()
+            ckpt.wait(timeout_s=120)  # commit each before the next is due, so none is deferred
+        stats = ckpt.stats
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["latest", "step-000000002", "step-000000004"]
+    assert (tmp_path / "latest").read_text() == "step-000000004"
+    files = sorted(os.listdir(tmp_path / "step-000000004"))
+    assert ".metadata" in files and "overlapckpt.json" in files
+    manifest = json.loads((tmp_path / "step-000000004" / "overlapckpt.json").read_text())
+    assert manifest["step"] == 4 and manifest["window"] == 1 and manifest["torch_version"] == torch.__version__
+    assert "model.inp.weight" in manifest["items"] and "optimizer.state.inp.weight.exp_avg" in manifest["items"]
+    assert manifest["extra_state_index"] == ["rng", "stateful"]
+    assert manifest["ledger"]["groups"][0]["version"] == 4
+    assert [s["step"] for s in stats] == [2, 4]
+    assert all(s["nbytes"] == manifest["nbytes"] for s in stats)
+    assert [i.step for i in list_checkpoints(str(tmp_path))] == [2, 4]
+
+
+def test_keep_retention_removes_oldest_after_newer_commit(tmp_path):
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path, every=1, keep=2) as ckpt:
+        for _ in range(4):
+            train_step(model, opt, sched, sampler)
+            ckpt.wait(timeout_s=120)
+    assert [i.step for i in list_checkpoints(str(tmp_path))] == [3, 4]
+    assert sorted(p for p in os.listdir(tmp_path) if p.startswith("step-")) == ["step-000000003", "step-000000004"]
+
+
+def test_restore_continues_step_count(tmp_path):
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path, every=3) as ckpt:
+        for _ in range(4):
+            train_step(model, opt, sched, sampler)
+        ckpt.wait(timeout_s=120)
+    model2, opt2, sched2, sampler2 = make_run(seed=5)
+    with Checkpointer(model2, opt2, tmp_path, every=3) as ckpt2:
+        info = ckpt2.restore()
+        assert info.step == 3 and ckpt2.step_count == 3
+        for _ in range(3):
+            train_step(model2, opt2, sched2, sampler2)
+        (new,) = ckpt2.wait(timeout_s=120)
+    assert new.step == 6
+    assert [i.step for i in list_checkpoints(str(tmp_path))] == [3, 6]
