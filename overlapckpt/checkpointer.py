@@ -167,6 +167,8 @@ class Checkpointer:
             return []
         self._closed = True
         try:
+            if self._engine.dead is not None:
+                return []  # the death was raised already; nothing is left to finish
             return self._engine.wait(timeout_s)
         finally:
             self._engine.remove_hooks()

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from . import protocol as p
-from .errors import ConfigError, OverlapCkptError
+from .errors import ConfigError, OverlapCkptError, WriterDiedError
 from .gradlog import GradientStep, ReplayLog, capture_hyperparameters, gradient_layout
 from .hostbuf import SharedHostBuffer, view_bytes
 from .ledger import CheckpointLedger, GroupRecord
@@ -99,6 +99,7 @@ class SnapshotEngine:
         self._user_marks_boundary = False
         self._warned_boundary = False
         self._error: OverlapCkptError | None = None
+        self.dead: WriterDiedError | None = None  # set once a writer death has been raised
         self._unreturned: list[CheckpointInfo] = []
         self.stats: list[dict[str, Any]] = []
         self._hooks: list[Any] = []
@@ -114,6 +115,8 @@ class SnapshotEngine:
     # ---- hooks -------------------------------------------------------------------
 
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.dead is not None:
+            return  # reported once; training goes on without checkpoints until close()
         started = time.perf_counter()
         self._hook_serial += 1
         for snap in self._snapshots:
@@ -127,6 +130,9 @@ class SnapshotEngine:
         self._raise_pending()
 
     def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.dead is not None:
+            self.step_count += 1
+            return
         started = time.perf_counter()
         self._hook_serial += 1
         self.step_count += 1
@@ -143,6 +149,8 @@ class SnapshotEngine:
 
     def mark_iteration_end(self) -> None:
         """``ckpt.step()``: the boundary where stateful objects are captured."""
+        if self.dead is not None:
+            return
         self._user_marks_boundary = True
         for snap in self._snapshots:
             if snap.boundary_open:
@@ -154,6 +162,8 @@ class SnapshotEngine:
 
     def request(self) -> None:
         """Checkpoint the state of the last completed optimizer step, now or as soon as a slot frees."""
+        if self.dead is not None:
+            raise self.dead
         self._raise_pending()
         self._pending_requests += 1
         self._start_pending()
@@ -544,6 +554,10 @@ class SnapshotEngine:
     def _raise_pending(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, WriterDiedError):
+                # In-flight snapshots are gone with the writer; their slots are unusable.
+                self.dead = error
+                self._snapshots.clear()
             raise error
 
     def _charge(self, started: float) -> None:
@@ -556,6 +570,8 @@ class SnapshotEngine:
     def wait(self, timeout_s: float | None) -> list[CheckpointInfo]:
         """Finish every requested snapshot now and block until the writer committed each."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if self.dead is not None:
+            raise self.dead
         self._raise_pending()
         self._start_pending()
         for snap in list(self._snapshots):
@@ -575,9 +591,9 @@ class SnapshotEngine:
                 )
             try:
                 response = self.writer.wait_response(remaining)
-            except OverlapCkptError as e:
-                self._snapshots.clear()
-                raise e
+            except WriterDiedError as e:
+                self._fail(e)
+                self._raise_pending()
             self._handle(response)
             self._raise_pending()
         out, self._unreturned = self._unreturned, []

@@ -105,7 +105,18 @@ class _WriterState:
         )
 
 
+def _root_cause(e: BaseException) -> BaseException:
+    """DCP wraps storage errors in CheckpointException (a BaseException) per rank: unwrap them."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+            return _root_cause(inner[0])
+    return e
+
+
 def _error_response(request_id: int | None, e: BaseException) -> p.ErrorResponse:
+    e = _root_cause(e)
     exc: BaseException | None = e
     try:
         pickle.loads(pickle.dumps(e))
@@ -167,7 +178,9 @@ def serve(conn: Connection) -> None:
                 _send(conn, state.persist(req))
             else:
                 raise TypeError(f"unknown request {type(req).__name__}")
-        except Exception as e:
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # DCP's CheckpointException derives from BaseException
             _send(conn, _error_response(request_id, e))
 
 

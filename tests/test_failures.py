@@ -1,0 +1,117 @@
+"""The writer dies or storage fails: the error surfaces, nothing committed is lost."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import time
+
+import pytest
+
+from fakes import BLOCK_FIFO_ENV, FAIL_AT_ENV, ONLY_NAME_ENV, BlockingStore, FailingStore
+from helpers import assert_state_equal, make_run, snapshot, train_step
+from overlapckpt import Checkpointer, CheckpointWriteError, WriterDiedError, list_checkpoints, load
+
+LIVENESS_BOUND_S = 10.0
+
+
+def _read_fifo(path: str, timeout_s: float) -> str:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        deadline = time.monotonic() + timeout_s
+        data = b""
+        while not data.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            readable, _, _ = select.select([fd], [], [], max(0.0, remaining))
+            if not readable:
+                raise TimeoutError(f"nothing arrived on {path} within {timeout_s} s")
+            data += os.read(fd, 64)
+        return data.decode()
+    finally:
+        os.close(fd)
+
+
+def test_writer_killed_while_persisting(tmp_path, monkeypatch):
+    fifo = str(tmp_path / "block.fifo")
+    os.mkfifo(fifo)
+    root = tmp_path / "ckpts"
+    monkeypatch.setenv(ONLY_NAME_ENV, "step-000000004")
+    monkeypatch.setenv(BLOCK_FIFO_ENV, fifo)
+    model, opt, sched, sampler = make_run()
+    ckpt = Checkpointer(model, opt, root, store_class=BlockingStore)
+    try:
+        for _ in range(2):
+            train_step(model, opt, sched, sampler)
+        ckpt.request()
+        ref = snapshot(model, opt)
+        ckpt.wait(timeout_s=120)  # step 2 commits
+        for _ in range(2):
+            train_step(model, opt, sched, sampler)
+        ckpt.request()  # step 4: the writer hangs in its first shard write
+        ckpt.step()  # the iteration boundary: the snapshot is complete and goes to the writer
+        pid = int(_read_fifo(fifo, timeout_s=120))
+        assert pid == ckpt.writer_pid
+        os.kill(pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(WriterDiedError, match="SIGKILL"):
+            ckpt.wait(timeout_s=60)
+        assert time.monotonic() - started < LIVENESS_BOUND_S
+        # Once raised, training may go on without checkpoints; asking for one raises again.
+        train_step(model, opt, sched, sampler)
+        with pytest.raises(WriterDiedError):
+            ckpt.request()
+    finally:
+        ckpt.close(timeout_s=30)
+
+    assert [i.step for i in list_checkpoints(str(root))] == [2]
+    assert (root / "step-000000004").exists() and not (root / "step-000000004" / ".metadata").exists()
+    assert (root / "latest").read_text() == "step-000000002"
+    fresh_model, fresh_opt, _, _ = make_run(seed=3)
+    assert load(str(root), fresh_model, fresh_opt).step == 2
+    assert_state_equal(*ref, fresh_model, fresh_opt)
+
+
+# Writes of one checkpoint, in order: 1 the shard, 2 the manifest, 3 .metadata.tmp (the commit), 4 latest.
+@pytest.mark.parametrize("fail_at", [1, 2, 3])
+def test_storage_failure_leaves_no_commit(tmp_path, monkeypatch, fail_at):
+    monkeypatch.setenv(FAIL_AT_ENV, str(fail_at))
+    monkeypatch.setenv(ONLY_NAME_ENV, "step-000000002")
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path, store_class=FailingStore) as ckpt:
+        train_step(model, opt, sched, sampler)
+        ckpt.request()
+        ckpt.wait(timeout_s=120)
+        assert (tmp_path / "latest").read_text() == "step-000000001"
+        train_step(model, opt, sched, sampler)
+        ckpt.request()
+        with pytest.raises(CheckpointWriteError, match="No space left on device") as excinfo:
+            ckpt.wait(timeout_s=120)
+        assert isinstance(excinfo.value.__cause__, OSError)
+        assert excinfo.value.__cause__.errno == 28
+        # The writer survives a failed write: the next checkpoint commits.
+        train_step(model, opt, sched, sampler)
+        ckpt.request()
+        assert [i.step for i in ckpt.wait(timeout_s=120)] == [3]
+    assert not (tmp_path / "step-000000002" / ".metadata").exists()
+    assert [i.step for i in list_checkpoints(str(tmp_path))] == [1, 3]
+
+
+def test_failure_of_latest_update_keeps_previous_pointer(tmp_path, monkeypatch):
+    monkeypatch.setenv(FAIL_AT_ENV, "4")
+    monkeypatch.setenv(ONLY_NAME_ENV, "step-000000002")
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path, store_class=FailingStore) as ckpt:
+        train_step(model, opt, sched, sampler)
+        ckpt.request()
+        ckpt.wait(timeout_s=120)
+        train_step(model, opt, sched, sampler)
+        ckpt.request()
+        with pytest.raises(CheckpointWriteError):
+            ckpt.wait(timeout_s=120)
+    # .metadata committed step 2 before `latest` failed: it is a checkpoint, and the
+    # newest one; `latest` still names step 1 and load() trusts the listing.
+    assert (tmp_path / "latest").read_text() == "step-000000001"
+    assert [i.step for i in list_checkpoints(str(tmp_path))] == [1, 2]
+    fresh_model, fresh_opt, _, _ = make_run(seed=3)
+    assert load(str(tmp_path), fresh_model, fresh_opt, step=2).step == 2
