@@ -103,7 +103,9 @@ def load(
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
             dcp.load(host, storage_reader=store.make_reader(name), no_dist=True)
-    except Exception as e:
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # DCP's CheckpointException derives from BaseException
         raise CorruptCheckpointError(f"reading the checkpoint {where} failed: {type(e).__name__}: {e}") from e
     if verify:
         for key, t in flatten_tensors(host).items():

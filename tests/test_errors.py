@@ -1,0 +1,141 @@
+"""Bad input gets a clear error naming the value and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import TinyNet, make_run, train_step
+from overlapckpt import (
+    Checkpointer,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    UnsupportedOptimizerError,
+    load,
+)
+from overlapckpt.extra_state import tensor_bytes
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"window": 0}, r"window=0 is invalid; pass an integer >= 1"),
+        ({"window": -2}, r"window=-2 is invalid"),
+        ({"keep": 0}, r"keep=0 is invalid; pass an integer >= 1"),
+        ({"every": 0}, r"every=0 is invalid"),
+        ({"window": 2, "consistency": "exact"}, r"consistency='exact' is invalid; use 'replay' or 'stage'"),
+    ],
+)
+def test_bad_numbers(tmp_path, kwargs, message):
+    model, opt, _, _ = make_run()
+    with pytest.raises(ConfigError, match=message):
+        Checkpointer(model, opt, tmp_path, **kwargs)
+
+
+def test_path_that_is_a_file(tmp_path):
+    f = tmp_path / "not-a-dir"
+    f.write_text("x")
+    model, opt, _, _ = make_run()
+    with pytest.raises(ConfigError, match="is an existing file; pass a directory"):
+        Checkpointer(model, opt, f)
+
+
+def test_optimizer_over_other_params(tmp_path):
+    model, _, _, _ = make_run()
+    other = nn.Linear(3, 3)
+    opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match=r"param_groups\[0\]\['params'\]\[0\] \(shape \(3, 3\)\) is not a parameter of the model"):
+        Checkpointer(model, opt, tmp_path)
+
+
+def test_stateful_without_state_dict(tmp_path):
+    model, opt, _, _ = make_run()
+    with pytest.raises(ConfigError, match=r"stateful\['loader'\] is a object without state_dict\(\)"):
+        Checkpointer(model, opt, tmp_path, stateful={"loader": object()})
+
+
+def test_stateful_with_unstorable_state(tmp_path):
+    class Weird:
+        def state_dict(self):
+            return {"fn": lambda: 1}
+
+        def load_state_dict(self, s):
+            pass
+
+    model, opt, _, _ = make_run()
+    with pytest.raises(ConfigError, match=r"stateful\['w'\].state_dict\(\)\['fn'\] is a function"):
+        Checkpointer(model, opt, tmp_path, stateful={"w": Weird()})
+
+
+def test_replay_refuses_lbfgs(tmp_path):
+    model = TinyNet()
+    opt = torch.optim.LBFGS(model.parameters())
+    with pytest.raises(UnsupportedOptimizerError, match=r"torch.optim.lbfgs.LBFGS cannot be replayed.*Use window=1, or window>1 with consistency='stage'"):
+        Checkpointer(model, opt, tmp_path, window=4, consistency="replay")
+
+
+def test_request_before_first_step(tmp_path):
+    model, opt, _, _ = make_run()
+    with Checkpointer(model, opt, tmp_path) as ckpt:
+        with pytest.raises(ConfigError, match="before the first optimizer.step"):
+            ckpt.request()
+
+
+def _saved(tmp_path):
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path) as ckpt:
+        train_step(model, opt, sched, sampler)
+        ckpt.request()
+        (info,) = ckpt.wait(timeout_s=120)
+    return info
+
+
+def test_load_into_different_shapes_names_the_tensor(tmp_path):
+    _saved(tmp_path)
+    model, opt, _, _ = make_run(width=32)
+    before = model.inp.weight.detach().clone()
+    with pytest.raises(CheckpointMismatchError, match=r"tensor 'model.inp.weight' has shape \(16, 8\) in the checkpoint but \(32, 8\)"):
+        load(str(tmp_path), model, opt)
+    assert torch.equal(model.inp.weight, before)  # nothing was changed
+
+
+def test_corrupted_tensor_bytes_name_the_item(tmp_path):
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path) as ckpt:
+        train_step(model, opt, sched, sampler)
+        ckpt.request()
+        stored = tensor_bytes(model.inp.weight.detach().contiguous())
+        (info,) = ckpt.wait(timeout_s=120)
+    shard = tmp_path / "step-000000001" / "__0_0.distcp"
+    raw = bytearray(shard.read_bytes())
+    pos = raw.find(stored)
+    assert pos >= 0  # precondition: the tensor's bytes are stored verbatim in the shard
+    raw[pos + 17] ^= 0x01  # one flipped bit
+    shard.write_bytes(bytes(raw))
+    fresh, fresh_opt, _, _ = make_run(seed=3)
+    before = fresh.inp.weight.detach().clone()
+    with pytest.raises(CorruptCheckpointError, match=r"checksum mismatch for 'model.inp.weight' in .*step-000000001"):
+        load(str(tmp_path), fresh, fresh_opt)
+    assert torch.equal(fresh.inp.weight, before)  # a corrupt checkpoint changes nothing
+    assert load(str(tmp_path), fresh, fresh_opt, verify=False).step == info.step
+
+
+def test_truncated_shard_is_corrupt(tmp_path):
+    _saved(tmp_path)
+    shard = tmp_path / "step-000000001" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    model, opt, _, _ = make_run(seed=3)
+    with pytest.raises(CorruptCheckpointError, match=r"reading the checkpoint .*step-000000001 failed"):
+        load(str(tmp_path), model, opt)
+
+
+def test_missing_checkpoint(tmp_path):
+    model, opt, _, _ = make_run()
+    with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint under"):
+        load(str(tmp_path), model, opt)
+    _saved(tmp_path)
+    with pytest.raises(CheckpointNotFoundError, match=r"no committed checkpoint of step 7 .* committed steps are \[1\]"):
+        load(str(tmp_path), model, opt, step=7)
