@@ -154,6 +154,9 @@ class SnapshotEngine:
         self._user_marks_boundary = True
         for snap in self._snapshots:
             if snap.boundary_open:
+                # A scheduler sets the next step's lr between the optimizer step and
+                # here: param_groups belong to the boundary just like the scheduler.
+                snap.small_state = capture_small_state(snap.layout, self.optimizer)
                 snap.extra_state = capture_extra_state(self.stateful)
                 snap.boundary_open = False
                 snap.ledger.boundary = "step()"

@@ -53,8 +53,8 @@ def replay_to_version(
         if version is None:
             continue
         steps = [s for s in log.steps if s.step > version and group_index in s.groups]
-        if steps:
-            fqns = [fqn for fqn, j in log.copy_group_of.items() if j == group_index]
+        fqns = [fqn for fqn, j in log.copy_group_of.items() if j == group_index]
+        if steps and fqns:
             _replay_group(optimizer_cls, log, fqns, params, state, steps, grad_buffer)
 
 
