@@ -95,6 +95,7 @@ class SnapshotEngine:
         self._snapshots: list[Snapshot] = []
         self._pending_requests = 0
         self._waiting_for_slot = False
+        self._last_started_step: int | None = None
         self.deferrals = 0
         self._user_marks_boundary = False
         self._warned_boundary = False
@@ -184,8 +185,10 @@ class SnapshotEngine:
                 "a checkpoint was requested before the first optimizer.step(): the optimizer has no "
                 "state yet, and creating it would change training. Request it after the first step"
             )
-        if any(s.requested_step == self.step_count for s in self._snapshots):
-            return  # a snapshot of this step is already under way; the request waits for the next step
+        if any(s.requested_step == self.step_count for s in self._snapshots) or self._last_started_step == self.step_count:
+            # A snapshot requested at this very step is already under way: it answers this request too.
+            self._pending_requests = 0
+            return
         slot = self._free_slot()
         if slot is None:
             if not self._waiting_for_slot:
@@ -194,6 +197,7 @@ class SnapshotEngine:
                 self._waiting_for_slot = True
             return
         deferred, self._waiting_for_slot = self._waiting_for_slot, False
+        self._last_started_step = self.step_count
         self._pending_requests = 0
         self._start_snapshot(slot, deferred)
 
@@ -278,6 +282,9 @@ class SnapshotEngine:
             ledger=ledger,
             deferred=deferred,
         )
+        if snap.mode == "stage":
+            # First, so a staging budget that is too small raises before anything is registered.
+            self._stage_later_groups(snap)
         slot.busy = True
         self._snapshots.append(snap)
         if snap.mode == "replay":
@@ -292,8 +299,6 @@ class SnapshotEngine:
                 base_step=s,
                 group_versions=[None] * len(plan.groups),
             )
-        if snap.mode == "stage":
-            self._stage_later_groups(snap)
         self._enqueue_group(snap, 0)
         if snap.mode != "replay" or snap.next_group == len(plan.groups):
             # Window 1 and stage mode hold version s: every later group was staged above.
@@ -576,16 +581,21 @@ class SnapshotEngine:
         if self.dead is not None:
             raise self.dead
         self._raise_pending()
-        self._start_pending()
-        for snap in list(self._snapshots):
-            self.close_window(snap)
-            if snap.boundary_open:
-                self._close_boundary(snap, provisional=False)
-            for t in snap.tickets:
-                self.copier.wait(t)
-        self._progress()
-        self._raise_pending()
-        while self._snapshots:
+        while True:
+            # A deferred request starts as soon as a slot is free, at the current step.
+            self._start_pending()
+            for snap in list(self._snapshots):
+                if snap.state != OPEN:
+                    continue
+                self.close_window(snap)
+                if snap.boundary_open:
+                    self._close_boundary(snap, provisional=False)
+                for t in snap.tickets:
+                    self.copier.wait(t)
+            self._progress()
+            self._raise_pending()
+            if not self._snapshots and not self._pending_requests:
+                break
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise TimeoutError(

@@ -1,0 +1,142 @@
+"""Windows over 1: replay (version s+W-1) and stage (version s) give the exact state at V."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import assert_state_equal, make_run, snapshot, train_step
+from overlapckpt import Checkpointer, UnsupportedOptimizerError, load
+
+REQUEST_AT = 3
+
+
+def _twin(optimizer: str, iterations: int, skip_at: int | None, **opt_kwargs) -> dict[int, tuple[dict, dict]]:
+    """States of an uninterrupted run, by optimizer step (a skipped iteration takes no step)."""
+    model, opt, sched, sampler = make_run(optimizer=optimizer, **opt_kwargs)
+    states, steps = {}, 0
+    for it in range(1, iterations + 1):
+        train_step(model, opt, sched, sampler, skip=(it == skip_at))
+        steps += it != skip_at
+        states.setdefault(steps, snapshot(model, opt))  # a skipped iteration keeps the version
+    return states
+
+
+def _checkpointed(tmp_path, optimizer, iterations, skip_at, window, consistency, close_at=None, **opt_kwargs):
+    model, opt, sched, sampler = make_run(optimizer=optimizer, **opt_kwargs)
+    ckpt = Checkpointer(model, opt, tmp_path, window=window, consistency=consistency, stateful={"sched": sched})
+    try:
+        for it in range(1, iterations + 1):
+            train_step(model, opt, sched, sampler, skip=(it == skip_at))
+            if it == REQUEST_AT:
+                ckpt.request()
+            ckpt.step()
+            if close_at is not None and it == close_at:
+                break
+        infos = ckpt.close(timeout_s=120)
+    finally:
+        ckpt.close(timeout_s=30)
+    return infos, ckpt
+
+
+IMPLEMENTATIONS = {
+    "sgd": [{"foreach": True}, {"fused": True}],
+    "adam": [{"foreach": True}, {"fused": True}],
+    "adamw": [{"foreach": True, "amsgrad": True}, {"fused": True, "amsgrad": True}],
+}
+CASES = [
+    (opt, kw, window, mode)
+    for opt, kws in IMPLEMENTATIONS.items()
+    for kw in kws
+    for window in (2, 3, 5, 8)
+    for mode in ("replay", "stage")
+]
+
+
+@pytest.mark.parametrize("optimizer, opt_kwargs, window, consistency", CASES, ids=lambda v: str(v).replace(" ", ""))
+def test_snapshot_equals_twin_at_version(tmp_path, optimizer, opt_kwargs, window, consistency):
+    skip_at = REQUEST_AT + 2  # one iteration inside the window takes no optimizer step
+    iterations = REQUEST_AT + window + 3
+    twin = _twin(optimizer, iterations, skip_at, **opt_kwargs)
+    infos, _ = _checkpointed(tmp_path, optimizer, iterations, skip_at, window, consistency, **opt_kwargs)
+    expected = REQUEST_AT if consistency == "stage" else REQUEST_AT + window - 1
+    assert [i.step for i in infos] == [expected]
+    model, opt, _, _ = make_run(seed=42, optimizer=optimizer, **opt_kwargs)
+    assert twin[expected][0]["inp.weight"].ne(twin[REQUEST_AT][0]["inp.weight"]).any() or expected == REQUEST_AT
+    load(str(tmp_path), model, opt)
+    assert_state_equal(*twin[expected], model, opt)
+
+
+def test_ledger_in_manifest_matches_the_driven_steps(tmp_path):
+    window = 4
+    infos, ckpt = _checkpointed(tmp_path, "adamw", 10, None, window, "replay")
+    manifest = json.loads((tmp_path / "step-000000006" / "overlapckpt.json").read_text())
+    ledger = manifest["ledger"]
+    assert ledger["requested_step"] == REQUEST_AT and ledger["target_version"] == 6
+    assert [g["version"] for g in ledger["groups"]] == [3, 4, 5, 6]
+    assert ledger["gradient_steps"] == {"4": [0], "5": [0, 1], "6": [0, 1, 2]}
+    assert ledger["hyperparameter_steps"] == [4, 5, 6]
+    assert all(g["landed_s"] is not None for g in ledger["groups"])
+    assert ckpt.stats[0]["ledger"]["groups"] == ledger["groups"]
+
+
+def test_close_early_commits_at_the_current_step(tmp_path):
+    close_at = REQUEST_AT + 3
+    twin = _twin("adam", close_at, None)
+    infos, _ = _checkpointed(tmp_path, "adam", 20, None, 8, "replay", close_at=close_at)
+    assert [i.step for i in infos] == [close_at]
+    manifest = json.loads((tmp_path / f"step-{close_at:09d}" / "overlapckpt.json").read_text())
+    assert manifest["ledger"]["closed_early_at"] == close_at
+    model, opt, _, _ = make_run(seed=42, optimizer="adam")
+    load(str(tmp_path), model, opt)
+    assert_state_equal(*twin[close_at], model, opt)
+
+
+@pytest.mark.parametrize("max_inflight, deferrals", [(1, 1), (2, 0)])
+def test_request_during_open_window_is_deferred_not_dropped(tmp_path, max_inflight, deferrals):
+    twin = _twin("adamw", 12, None)
+    model, opt, sched, sampler = make_run(optimizer="adamw")
+    with Checkpointer(model, opt, tmp_path, window=3, max_inflight=max_inflight) as ckpt:
+        for it in range(1, 13):
+            train_step(model, opt, sched, sampler)
+            if it in (REQUEST_AT, REQUEST_AT + 1):
+                ckpt.request()
+            ckpt.step()
+        infos = ckpt.wait(timeout_s=120)
+        assert ckpt.deferrals == deferrals
+        stats = ckpt.stats
+    steps = [i.step for i in infos]
+    assert len(steps) == 2 and steps[0] == REQUEST_AT + 2
+    if max_inflight == 2:
+        assert steps[1] == REQUEST_AT + 3
+    else:
+        assert steps[1] > REQUEST_AT + 2 and stats[1]["deferred"]
+    for step in steps:
+        fresh, fresh_opt, _, _ = make_run(seed=9, optimizer="adamw")
+        load(str(tmp_path), fresh, fresh_opt, step=step)
+        assert_state_equal(*twin[step], fresh, fresh_opt)
+
+
+def test_stage_budget_too_small_names_the_bytes(tmp_path):
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path, window=4, consistency="stage", stage_budget_bytes=64) as ckpt:
+        train_step(model, opt, sched, sampler)
+        with pytest.raises(Exception, match=r"stage mode needs \d+ bytes of staging for window 4.*stage_budget_bytes=64"):
+            ckpt.request()
+
+
+def test_custom_non_elementwise_optimizer_is_refused_for_replay(tmp_path):
+    class Shampoo(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+        def step(self, closure=None):
+            return None
+
+    model, _, _, _ = make_run()
+    with pytest.raises(UnsupportedOptimizerError, match=r"Shampoo cannot be replayed"):
+        Checkpointer(model, Shampoo(model.parameters()), tmp_path, window=2)
+    # Stage mode and window 1 take any optimizer.
+    Checkpointer(model, Shampoo(model.parameters()), tmp_path, window=2, consistency="stage").close()
