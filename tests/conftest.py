@@ -40,3 +40,7 @@ def s3_server():
 @pytest.fixture
 def s3_options(s3_server):
     return {"key": "testing", "secret": "testing", "endpoint_url": s3_server, "client_kwargs": {"region_name": "us-east-1"}}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--gpu-report", default=None, help="write the replay-vs-twin error report (JSON) here")
