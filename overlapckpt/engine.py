@@ -230,14 +230,14 @@ class SnapshotEngine:
             offsets, nbytes = gradient_layout(plan, layout)
             slot.grad_buffer = SharedHostBuffer(nbytes, pin=pin)
             grad_id = self._new_slot_id()
-            slot.grad_buffer_id = grad_id  # type: ignore[attr-defined]
+            slot.grad_buffer_id = grad_id
             self.writer.send(p.MapSlotRequest(grad_id, slot.grad_buffer.path, nbytes))
             by_fqn = dict(zip(layout.param_fqns, layout.params))
             slot.grad_views = {
                 key: slot.grad_buffer.view(off, by_fqn[key[1]].dtype, tuple(by_fqn[key[1]].shape))
                 for key, off in offsets.items()
             }
-            slot.grad_offsets = offsets  # type: ignore[attr-defined]
+            slot.grad_offsets = offsets
         self._slots.append(slot)
         return slot
 
@@ -290,8 +290,8 @@ class SnapshotEngine:
         if snap.mode == "replay":
             snap.replay_log = ReplayLog(
                 optimizer_class=(type(self.optimizer).__module__, type(self.optimizer).__qualname__),
-                grad_slot_id=slot.grad_buffer_id,  # type: ignore[attr-defined]
-                grad_offsets=slot.grad_offsets,  # type: ignore[attr-defined]
+                grad_slot_id=slot.grad_buffer_id,
+                grad_offsets=slot.grad_offsets,
                 param_group_of={
                     fqn: gi for gi, fqns in enumerate(layout.group_param_fqns) for fqn in fqns
                 },
@@ -354,11 +354,11 @@ class SnapshotEngine:
                     src[k] = c
                 keepalive = clones
         ticket = self.copier.copy_async(src, dst, keepalive=keepalive)
-        ticket.group_index = j  # type: ignore[attr-defined]
+        ticket.group_index = j
         snap.tickets.append(ticket)
         if not from_staging:
             snap.unfenced.append(ticket)
-            ticket.fence_after_hook = self._hook_serial  # type: ignore[attr-defined]
+            ticket.fence_after_hook = self._hook_serial
         else:
             snap.slot.staging_ready_tickets.append(ticket)
         version = snap.requested_step if snap.mode == "stage" else self.step_count
@@ -425,7 +425,7 @@ class SnapshotEngine:
                 g.record_stream(self.copier.side_stream)  # type: ignore[union-attr]
         snap.tickets.append(ticket)
         snap.unfenced.append(ticket)
-        ticket.fence_after_hook = self._hook_serial  # type: ignore[attr-defined]
+        ticket.fence_after_hook = self._hook_serial
         log.steps.append(GradientStep(step=step, groups=copied, hyperparameters=capture_hyperparameters(self.optimizer), grad_none=none))
         snap.ledger.gradients_logged(step, copied)
 
@@ -433,7 +433,7 @@ class SnapshotEngine:
         """Insert the device-side waits for copies enqueued by earlier hooks."""
         keep = []
         for ticket in snap.unfenced:
-            if getattr(ticket, "fence_after_hook", -1) >= self._hook_serial:
+            if ticket.fence_after_hook >= self._hook_serial:
                 keep.append(ticket)
                 continue
             # Fence 2 (see transfer.py): the optimizer step (pre-hook) or the next
@@ -479,7 +479,7 @@ class SnapshotEngine:
 
     def _send(self, snap: Snapshot) -> None:
         for g in snap.ledger.groups:
-            landed = [t.landed_at_s or 0.0 for t in snap.tickets if getattr(t, "group_index", None) == g.index]
+            landed = [t.landed_at_s or 0.0 for t in snap.tickets if t.group_index == g.index]
             if landed:
                 g.landed_s = max(landed) - snap.ledger.requested_at
         snap.ledger.mark_complete()
@@ -524,7 +524,7 @@ class SnapshotEngine:
             for slot in self._slots:
                 if slot.slot_id == response.slot_id:
                     slot.buffer.unlink()  # both processes map it now; nothing to leak in /dev/shm
-                if slot.grad_buffer is not None and getattr(slot, "grad_buffer_id", None) == response.slot_id:
+                if slot.grad_buffer is not None and slot.grad_buffer_id == response.slot_id:
                     slot.grad_buffer.unlink()
             return
         if isinstance(response, p.CommittedResponse):

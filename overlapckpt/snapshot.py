@@ -39,6 +39,8 @@ class HostSlot:
     views: list[torch.Tensor] = field(default_factory=list)
     # Replay mode: the gradients the window logs. Stage mode: the device staging area.
     grad_buffer: SharedHostBuffer | None = None
+    grad_buffer_id: int | None = None
+    grad_offsets: dict[tuple[int, str], int] = field(default_factory=dict)
     grad_views: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     staging: torch.Tensor | None = None
     staged_views: list[torch.Tensor] = field(default_factory=list)

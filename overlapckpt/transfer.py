@@ -39,6 +39,8 @@ class CopyTicket:
     start_event: object | None = None
     # Temporaries (staged clones) that the side stream still reads; dropped once landed.
     keepalive: list[torch.Tensor] = field(default_factory=list)
+    group_index: int | None = None  # the copy group this ticket carries, None for gradients
+    fence_after_hook: int = -1  # the hook that enqueued it: hooks after that one fence it
 
 
 def _split_by_device(
