@@ -155,10 +155,7 @@ class SnapshotEngine:
         self._user_marks_boundary = True
         for snap in self._snapshots:
             if snap.boundary_open:
-                # A scheduler sets the next step's lr between the optimizer step and
-                # here: param_groups belong to the boundary just like the scheduler.
-                snap.small_state = capture_small_state(snap.layout, self.optimizer)
-                snap.extra_state = capture_extra_state(self.stateful)
+                self._capture_boundary(snap)
                 snap.boundary_open = False
                 snap.ledger.boundary = "step()"
         self._progress()
@@ -185,7 +182,7 @@ class SnapshotEngine:
                 "a checkpoint was requested before the first optimizer.step(): the optimizer has no "
                 "state yet, and creating it would change training. Request it after the first step"
             )
-        if any(s.requested_step == self.step_count for s in self._snapshots) or self._last_started_step == self.step_count:
+        if self._last_started_step == self.step_count:
             # A snapshot requested at this very step is already under way: it answers this request too.
             self._pending_requests = 0
             return
@@ -327,8 +324,8 @@ class SnapshotEngine:
     def _reach_version(self, snap: Snapshot, version: int) -> None:
         snap.version = version
         snap.ledger.target_version = version
-        snap.small_state = capture_small_state(snap.layout, self.optimizer)
-        snap.provisional_extra = capture_extra_state(self.stateful)
+        # Provisional: ckpt.step() at the end of this iteration captures the boundary again.
+        self._capture_boundary(snap)
         snap.boundary_open = True
         if snap.replay_log is not None:
             snap.replay_log.target_version = version
@@ -444,8 +441,14 @@ class SnapshotEngine:
                 snap.device_waits_inserted += 1
         snap.unfenced = keep
 
+    def _capture_boundary(self, snap: Snapshot) -> None:
+        # A scheduler sets the next step's lr between the optimizer step and the end of
+        # the iteration: param_groups belong to the boundary, like stateful objects.
+        snap.small_state = capture_small_state(snap.layout, self.optimizer)
+        snap.extra_state = capture_extra_state(self.stateful)
+
     def _close_boundary(self, snap: Snapshot, provisional: bool) -> None:
-        snap.extra_state = snap.provisional_extra
+        """Keep the boundary captured in the post-hook: ckpt.step() did not come."""
         snap.boundary_open = False
         snap.ledger.boundary = "post-hook"
         if provisional and not self._user_marks_boundary and not self._warned_boundary and self.stateful:
@@ -605,9 +608,9 @@ class SnapshotEngine:
             try:
                 response = self.writer.wait_response(remaining)
             except WriterDiedError as e:
-                self._fail(e)
-                self._raise_pending()
-            self._handle(response)
+                self._fail(e)  # _raise_pending below marks the engine dead and raises it
+            else:
+                self._handle(response)
             self._raise_pending()
         out, self._unreturned = self._unreturned, []
         return out

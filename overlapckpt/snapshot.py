@@ -77,7 +77,6 @@ class Snapshot:
     fenced_at_hook: int = -1
     small_state: dict[str, Any] | None = None
     extra_state: dict[str, Any] | None = None
-    provisional_extra: dict[str, Any] | None = None
     boundary_open: bool = False
     replay_log: Any = None
     requested_wall_s: float = field(default_factory=time.time)
