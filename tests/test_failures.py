@@ -72,16 +72,23 @@ def test_writer_killed_while_persisting(tmp_path, monkeypatch):
     assert_state_equal(*ref, fresh_model, fresh_opt)
 
 
+def _committed_step_one_with_failing_step_two(tmp_path, monkeypatch, fail_at: int):
+    """A Checkpointer that has committed step 1; its store fails on write ``fail_at`` of step 2."""
+    monkeypatch.setenv(FAIL_AT_ENV, str(fail_at))
+    monkeypatch.setenv(ONLY_NAME_ENV, "step-000000002")
+    run = make_run()
+    ckpt = Checkpointer(run[0], run[1], tmp_path, store_class=FailingStore)
+    train_step(*run)
+    ckpt.request()
+    ckpt.wait(timeout_s=120)
+    return ckpt, run
+
+
 # Writes of one checkpoint, in order: 1 the shard, 2 the manifest, 3 .metadata.tmp (the commit), 4 latest.
 @pytest.mark.parametrize("fail_at", [1, 2, 3])
 def test_storage_failure_leaves_no_commit(tmp_path, monkeypatch, fail_at):
-    monkeypatch.setenv(FAIL_AT_ENV, str(fail_at))
-    monkeypatch.setenv(ONLY_NAME_ENV, "step-000000002")
-    model, opt, sched, sampler = make_run()
-    with Checkpointer(model, opt, tmp_path, store_class=FailingStore) as ckpt:
-        train_step(model, opt, sched, sampler)
-        ckpt.request()
-        ckpt.wait(timeout_s=120)
+    ckpt, (model, opt, sched, sampler) = _committed_step_one_with_failing_step_two(tmp_path, monkeypatch, fail_at)
+    with ckpt:
         assert (tmp_path / "latest").read_text() == "step-000000001"
         train_step(model, opt, sched, sampler)
         ckpt.request()
@@ -98,13 +105,8 @@ def test_storage_failure_leaves_no_commit(tmp_path, monkeypatch, fail_at):
 
 
 def test_failure_of_latest_update_keeps_previous_pointer(tmp_path, monkeypatch):
-    monkeypatch.setenv(FAIL_AT_ENV, "4")
-    monkeypatch.setenv(ONLY_NAME_ENV, "step-000000002")
-    model, opt, sched, sampler = make_run()
-    with Checkpointer(model, opt, tmp_path, store_class=FailingStore) as ckpt:
-        train_step(model, opt, sched, sampler)
-        ckpt.request()
-        ckpt.wait(timeout_s=120)
+    ckpt, (model, opt, sched, sampler) = _committed_step_one_with_failing_step_two(tmp_path, monkeypatch, 4)
+    with ckpt:
         train_step(model, opt, sched, sampler)
         ckpt.request()
         with pytest.raises(CheckpointWriteError):
