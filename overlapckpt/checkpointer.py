@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .autowindow import AUTO_WINDOW, DEFAULT_MAX_WINDOW
 from .engine import SnapshotEngine
 from .errors import ConfigError, UnsupportedOptimizerError
 from .extra_state import encode
@@ -43,12 +44,21 @@ def _check_stateful(stateful: dict[str, Any]) -> None:
         encode(obj.state_dict(), f"stateful[{name!r}].state_dict()")
 
 
-def _check_optimizer_for_mode(optimizer: torch.optim.Optimizer, window: int, consistency: str) -> None:
-    if window > 1 and consistency == "replay" and type(optimizer).__name__ not in REPLAYABLE_OPTIMIZERS:
+def _check_window(window: Any, max_window: Any) -> None:
+    if window != AUTO_WINDOW:
+        _check_positive_int(
+            "window", window, "the number of optimizer steps the copy is spread over, or 'auto'", allow_none=False
+        )
+    _check_positive_int("max_window", max_window, "the widest window window='auto' may choose", allow_none=False)
+
+
+def _check_optimizer_for_mode(optimizer: torch.optim.Optimizer, window: int | str, consistency: str) -> None:
+    may_replay = window == AUTO_WINDOW or window > 1  # type: ignore[operator]
+    if may_replay and consistency == "replay" and type(optimizer).__name__ not in REPLAYABLE_OPTIMIZERS:
         raise UnsupportedOptimizerError(
             f"{type(optimizer).__module__}.{type(optimizer).__qualname__} cannot be replayed: replay needs an "
             "elementwise, per-tensor update rule (SGD, Adam, AdamW, Adagrad, RMSprop, ...). Use window=1, "
-            "or window>1 with consistency='stage'"
+            "or window>1 or 'auto' with consistency='stage'"
         )
 
 
@@ -59,7 +69,9 @@ class Checkpointer:
         model: the module whose parameters the optimizer updates.
         optimizer: a ``torch.optim.Optimizer`` over ``model``'s parameters.
         path: a local directory or fsspec URL (``s3://bucket/prefix``); created if missing.
-        window: optimizer steps to spread the device-to-host copy over (1 = exact at the requested step).
+        window: optimizer steps to spread the device-to-host copy over (1 = exact at the requested step),
+            or ``"auto"``: per checkpoint, the smallest window whose per-step copy fits inside the measured
+            forward+backward time (the choice and its inputs are in each checkpoint's ledger).
         every: start a checkpoint after every ``every``-th optimizer step (None: only on ``request()``).
         keep: keep only the newest ``keep`` committed checkpoints (None: keep all).
         stateful: name -> object with ``state_dict()``/``load_state_dict()`` (schedulers, samplers, ...).
@@ -69,6 +81,7 @@ class Checkpointer:
         stage_budget_bytes: the most device memory stage mode may use (None: what the window needs).
         max_inflight: snapshots in flight at once; each holds one host slot of the state's size.
         store_class: a ``CheckpointStore`` subclass the writer process uses to reach storage.
+        max_window: with ``window="auto"``, the widest window it may choose.
 
     Call ``ckpt.step()`` at the end of each iteration (after ``scheduler.step()``): it is
     the boundary at which stateful objects and RNG states are captured.
@@ -79,7 +92,7 @@ class Checkpointer:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         path: str | os.PathLike[str],
-        window: int = 1,
+        window: int | str = 1,
         every: int | None = None,
         keep: int | None = None,
         stateful: dict[str, Any] | None = None,
@@ -89,8 +102,9 @@ class Checkpointer:
         stage_budget_bytes: int | None = None,
         max_inflight: int = 1,
         store_class: type[CheckpointStore] = CheckpointStore,
+        max_window: int = DEFAULT_MAX_WINDOW,
     ) -> None:
-        _check_positive_int("window", window, "the number of optimizer steps the copy is spread over", allow_none=False)
+        _check_window(window, max_window)
         _check_positive_int("every", every, "checkpoint after every N-th optimizer step, or None")
         _check_positive_int("keep", keep, "the number of newest committed checkpoints to keep, or None")
         _check_positive_int("max_inflight", max_inflight, "snapshots in flight at once; each costs one state of host memory", allow_none=False)
@@ -138,6 +152,7 @@ class Checkpointer:
             writer=self._writer,
             max_inflight=max_inflight,
             stage_budget_bytes=stage_budget_bytes,
+            max_window=max_window,
         )
 
     # ---- training loop ---------------------------------------------------------------

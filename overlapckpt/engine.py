@@ -26,15 +26,17 @@ import torch
 from torch import nn
 
 from . import protocol as p
+from .autowindow import AUTO_WINDOW, WindowChoice, WindowTuner, busiest_step_bytes, make_gap_timer
 from .errors import ConfigError, OverlapCkptError, WriterDiedError
-from .gradlog import GradientStep, ReplayLog, capture_hyperparameters, gradient_layout
-from .hostbuf import SharedHostBuffer, view_bytes
+from .gradlog import GradientStep, ReplayLog, capture_hyperparameters
+from .hostbuf import view_bytes
 from .ledger import CheckpointLedger, GroupRecord
 from .manifest import CheckpointInfo, checkpoint_name
-from .plan import CopyPlan, make_plan
+from .plan import CopyPlan, make_plan, staging_bytes
+from .slots import SlotPool
 from .snapshot import OPEN, SENT, HostSlot, Snapshot
 from .state import ROLE_BUFFER, StateLayout, build_layout, capture_small_state, live_fingerprint
-from .transfer import CopyTicket, make_copier
+from .transfer import make_copier
 from .writer import WriterProcess, writer_error
 
 _BOUNDARY_WARNING = (
@@ -62,7 +64,7 @@ class SnapshotEngine:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
-        window: int,
+        window: int | str,
         consistency: str,
         every: int | None,
         keep: int | None,
@@ -70,28 +72,30 @@ class SnapshotEngine:
         writer: WriterProcess,
         max_inflight: int,
         stage_budget_bytes: int | None,
+        max_window: int = 8,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
-        self.window = window
-        self.mode = "window" if window == 1 else consistency
+        self.window_setting = window  # an int, or "auto": chosen per checkpoint by the tuner
+        self.consistency = consistency
         self.every = every
         self.keep = keep
         self.stateful = stateful
         self.writer = writer
-        self.max_inflight = max_inflight
         self.stage_budget_bytes = stage_budget_bytes
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self.copier = make_copier(self.device)
+        self.slots = SlotPool(writer, pin=self.copier.is_async, max_inflight=max_inflight)
+        self.tuner = WindowTuner(max_window) if window == AUTO_WINDOW else None
+        self.gap_timer = make_gap_timer(self.device) if self.tuner is not None else None
         self.step_count = 0
         self._hook_serial = 0
         self._layout: StateLayout | None = None
-        self._plan: CopyPlan | None = None
-        self._layout_id = 0
-        self._next_slot_id = 0
+        self._plans: dict[int, CopyPlan] = {}  # by window, for the current layout
+        self._layout_ids: dict[int, int] = {}  # by window: the layout id the writer knows the plan by
+        self._next_layout_id = 0
         self._next_request_id = 0
-        self._slots: list[HostSlot] = []
         self._snapshots: list[Snapshot] = []
         self._pending_requests = 0
         self._waiting_for_slot = False
@@ -118,6 +122,9 @@ class SnapshotEngine:
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.dead is not None:
             return  # reported once; training goes on without checkpoints until close()
+        if self.gap_timer is not None:
+            # First, before any fence below: the gap is forward+backward, not our waits.
+            self.gap_timer.mark_pre_hook()
         started = time.perf_counter()
         self._hook_serial += 1
         for snap in self._snapshots:
@@ -146,6 +153,9 @@ class SnapshotEngine:
         self._start_pending()
         self._progress()
         self._charge(started)
+        if self.gap_timer is not None:
+            # Last, after our own copies and clones: what follows is the next iteration.
+            self.gap_timer.mark_post_hook()
         self._raise_pending()
 
     def mark_iteration_end(self) -> None:
@@ -186,7 +196,8 @@ class SnapshotEngine:
             # A snapshot requested at this very step is already under way: it answers this request too.
             self._pending_requests = 0
             return
-        slot = self._free_slot()
+        window, choice = self._choose_window()
+        slot = self._free_slot(window)
         if slot is None:
             if not self._waiting_for_slot:
                 # Counted once per request that has to wait, however many hooks it waits.
@@ -196,86 +207,73 @@ class SnapshotEngine:
         deferred, self._waiting_for_slot = self._waiting_for_slot, False
         self._last_started_step = self.step_count
         self._pending_requests = 0
-        self._start_snapshot(slot, deferred)
+        self._start_snapshot(slot, deferred, window, choice)
 
-    def _free_slot(self) -> HostSlot | None:
-        layout, plan = self._current_plan()
-        for slot in self._slots:
-            if not slot.busy and slot.buffer.nbytes >= plan.slot_nbytes:
-                return slot
-        for slot in list(self._slots):  # a free slot too small for a grown state is replaced
-            if not slot.busy:
-                self._release_slot(slot)
-        if len(self._slots) >= self.max_inflight:
-            return None
-        return self._new_slot(plan, layout)
+    def _choose_window(self) -> tuple[int, WindowChoice | None]:
+        if self.tuner is None:
+            return int(self.window_setting), None
+        layout = self._current_layout()
+        if self.gap_timer is not None:
+            for gap_s in self.gap_timer.collect():
+                self.tuner.observe_compute_gap(gap_s)
+        choice = self.tuner.choose(
+            lambda w: busiest_step_bytes(self._plan_for(w), layout, self._mode_for(w)),
+            lambda w: self._mode_for(w) != "stage" or self._staging_fits(self._plan_for(w), layout),
+        )
+        return choice.window_steps, choice
 
-    def _current_plan(self) -> tuple[StateLayout, CopyPlan]:
+    def _mode_for(self, window: int) -> str:
+        return "window" if window == 1 else self.consistency
+
+    def _free_slot(self, window: int) -> HostSlot | None:
+        _, plan = self._current_plan(window)
+        return self.slots.free_slot(plan)
+
+    def _current_layout(self) -> StateLayout:
         fp = live_fingerprint(self.model, self.optimizer)
-        if self._layout is None or self._plan is None or self._layout.fingerprint != fp:
+        if self._layout is None or self._layout.fingerprint != fp:
             self._layout = build_layout(self.model, self.optimizer)
-            self._plan = make_plan(self._layout.entries, self.window, self._layout.fingerprint)
-            self._layout_id += 1
-            self.writer.send(p.SetLayoutRequest(self._layout_id, self._layout.entries, self._plan.offsets))
-        return self._layout, self._plan
+            self._plans = {}
+            self._layout_ids = {}
+        return self._layout
 
-    def _new_slot(self, plan: CopyPlan, layout: StateLayout) -> HostSlot:
-        pin = self.copier.is_async
-        slot = HostSlot(slot_id=self._new_slot_id(), buffer=SharedHostBuffer(plan.slot_nbytes, pin=pin))
-        self.writer.send(p.MapSlotRequest(slot.slot_id, slot.buffer.path, slot.buffer.nbytes))
-        if self.mode == "replay":
-            offsets, nbytes = gradient_layout(plan, layout)
-            slot.grad_buffer = SharedHostBuffer(nbytes, pin=pin)
-            grad_id = self._new_slot_id()
-            slot.grad_buffer_id = grad_id
-            self.writer.send(p.MapSlotRequest(grad_id, slot.grad_buffer.path, nbytes))
-            by_fqn = dict(zip(layout.param_fqns, layout.params))
-            slot.grad_views = {
-                key: slot.grad_buffer.view(off, by_fqn[key[1]].dtype, tuple(by_fqn[key[1]].shape))
-                for key, off in offsets.items()
-            }
-            slot.grad_offsets = offsets
-        self._slots.append(slot)
-        return slot
+    def _plan_for(self, window: int) -> CopyPlan:
+        layout = self._current_layout()
+        if window not in self._plans:
+            self._plans[window] = make_plan(layout.entries, window, layout.fingerprint)
+        return self._plans[window]
 
-    def _new_slot_id(self) -> int:
-        self._next_slot_id += 1
-        return self._next_slot_id
+    def _current_plan(self, window: int) -> tuple[StateLayout, CopyPlan]:
+        """The layout and the plan for ``window``, registered with the writer on first use."""
+        layout, plan = self._current_layout(), self._plan_for(window)
+        if window not in self._layout_ids:
+            self._next_layout_id += 1
+            self._layout_ids[window] = self._next_layout_id
+            self.writer.send(p.SetLayoutRequest(self._next_layout_id, layout.entries, plan.offsets))
+        return layout, plan
 
-    def _release_slot(self, slot: HostSlot) -> None:
-        self._slots.remove(slot)
-        slot.views = []
-        slot.grad_views = {}
-        slot.staged_views = []
-        slot.staging = None
-        for buf in (slot.buffer, slot.grad_buffer):
-            if buf is not None:
-                buf.release()
-        try:
-            self.writer.send(p.ReleaseSlotRequest(slot.slot_id))
-        except OverlapCkptError:
-            pass
-
-    def _start_snapshot(self, slot: HostSlot, deferred: bool) -> None:
-        layout, plan = self._current_plan()
+    def _start_snapshot(self, slot: HostSlot, deferred: bool, window: int, choice: WindowChoice | None) -> None:
+        layout, plan = self._current_plan(window)
+        mode = self._mode_for(window)
         s = self.step_count
         self._next_request_id += 1
         ledger = CheckpointLedger(
             requested_step=s,
-            target_version=s if self.mode != "replay" else s + self.window - 1,
-            window=self.window,
-            mode=self.mode,
+            target_version=s if mode != "replay" else s + window - 1,
+            window=window,
+            mode=mode,
             groups=[GroupRecord(index=g.index, nbytes=g.nbytes) for g in plan.groups],
+            window_choice=None if choice is None else choice.to_json(),
         )
         snap = Snapshot(
             request_id=self._next_request_id,
             requested_step=s,
-            window=self.window,
-            mode=self.mode,
+            window=window,
+            mode=mode,
             slot=slot,
             plan=plan,
             layout=layout,
-            layout_id=self._layout_id,
+            layout_id=self._layout_ids[window],
             ledger=ledger,
             deferred=deferred,
         )
@@ -285,6 +283,7 @@ class SnapshotEngine:
         slot.busy = True
         self._snapshots.append(snap)
         if snap.mode == "replay":
+            self.slots.prepare_gradient_views(slot, plan, layout)
             snap.replay_log = ReplayLog(
                 optimizer_class=(type(self.optimizer).__module__, type(self.optimizer).__qualname__),
                 grad_slot_id=slot.grad_buffer_id,
@@ -371,15 +370,15 @@ class SnapshotEngine:
         if not later:
             return
         base = min(plan.offsets[i] for i in later)
-        needed = max(plan.offsets[i] + layout.entries[i].nbytes for i in later) - base
-        if self.stage_budget_bytes is not None and needed > self.stage_budget_bytes:
+        needed = staging_bytes(plan, layout)
+        if not self._staging_fits(plan, layout):
             raise ConfigError(
-                f"stage mode needs {needed} bytes of staging for window {self.window} "
-                f"(groups 1..{self.window - 1} of {layout.nbytes} bytes of state), but "
+                f"stage mode needs {needed} bytes of staging for window {snap.window} "
+                f"(groups 1..{snap.window - 1} of {layout.nbytes} bytes of state), but "
                 f"stage_budget_bytes={self.stage_budget_bytes}; raise stage_budget_bytes to at least "
                 f"{needed}, use a smaller window, or use consistency='replay'"
             )
-        if slot.staging is None or slot.staging.numel() < needed or slot.views_fingerprint != plan.fingerprint:
+        if slot.staging is None or slot.staging.numel() < needed or (slot.views_key or (None,))[0] != plan.fingerprint:
             capacity = needed if self.stage_budget_bytes is None else max(needed, self.stage_budget_bytes)
             slot.staging = torch.empty(capacity, dtype=torch.uint8, device=self.device)
         for ticket in slot.staging_ready_tickets:
@@ -395,6 +394,9 @@ class SnapshotEngine:
             # On the compute stream, in order after step s: the staged copy is version s.
             torch._foreach_copy_(targets, [layout.live_tensors[i].detach() for i in later])
         slot.staged_views = staged  # type: ignore[assignment]
+
+    def _staging_fits(self, plan: CopyPlan, layout: StateLayout) -> bool:
+        return self.stage_budget_bytes is None or staging_bytes(plan, layout) <= self.stage_budget_bytes
 
     def _log_gradients(self, snap: Snapshot, step: int) -> None:
         """Pre-hook of step ``step`` inside a replay window: copy the gradients it will consume."""
@@ -481,6 +483,9 @@ class SnapshotEngine:
         )
 
     def _send(self, snap: Snapshot) -> None:
+        if self.tuner is not None:
+            timed = [t for t in snap.tickets if t.copy_s]
+            self.tuner.observe_copies(sum(t.nbytes for t in timed), sum(t.copy_s or 0.0 for t in timed))
         for g in snap.ledger.groups:
             landed = [t.landed_at_s or 0.0 for t in snap.tickets if t.group_index == g.index]
             if landed:
@@ -516,6 +521,7 @@ class SnapshotEngine:
             "window": snap.window,
             "nbytes": snap.nbytes,
             "copy_s": copy_s,
+            "copied_nbytes": sum(t.nbytes for t in snap.tickets),  # state, and replay's gradients
             "device_waits_inserted": snap.device_waits_inserted,
             "device_waits_in_flight": snap.device_waits_in_flight,
             "hook_host_s": snap.hook_host_s,
@@ -524,17 +530,14 @@ class SnapshotEngine:
 
     def _handle(self, response: object) -> None:
         if isinstance(response, p.MappedResponse):
-            for slot in self._slots:
-                if slot.slot_id == response.slot_id:
-                    slot.buffer.unlink()  # both processes map it now; nothing to leak in /dev/shm
-                if slot.grad_buffer is not None and slot.grad_buffer_id == response.slot_id:
-                    slot.grad_buffer.unlink()
+            self.slots.mapped(response.slot_id)
             return
         if isinstance(response, p.CommittedResponse):
             snap = self._pop_snapshot(response.request_id)
             stats = self._stats_of(snap) if snap else {}
             if snap is not None:
                 stats["time_to_commit_s"] = response.committed_at - snap.requested_wall_s
+                stats["committed_at_unix_s"] = response.committed_at
                 stats["persist_s"] = response.persist_s
                 stats["ledger"] = snap.ledger.to_json()
             stats["path"] = response.info.path
@@ -621,5 +624,4 @@ class SnapshotEngine:
         self._hooks = []
 
     def release(self) -> None:
-        for slot in list(self._slots):
-            self._release_slot(slot)
+        self.slots.release_all()

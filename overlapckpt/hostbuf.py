@@ -15,6 +15,7 @@ checkpoint (DCP's stager leaked and broke on reuse in torch 2.9 to 2.12).
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 import uuid
@@ -37,6 +38,15 @@ def map_shared_file(path: str, nbytes: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
+def _reserve(fd: int, nbytes: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        os.ftruncate(fd, nbytes)  # a filesystem without fallocate: the size, unreserved
+
+
 class SharedHostBuffer:
     """One slot of host memory for one snapshot, shared with the writer process."""
 
@@ -48,7 +58,9 @@ class SharedHostBuffer:
         self.nbytes = nbytes
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, nbytes)
+            # Reserve the pages now: on tmpfs a plain ftruncate succeeds past the
+            # filesystem's size, and the first copy into the hole then dies of SIGBUS.
+            _reserve(fd, nbytes)
         except OSError as e:
             os.close(fd)
             os.unlink(self.path)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import ConfigError
-from .state import ROLE_BUFFER, TensorEntry
+from .state import ROLE_BUFFER, StateLayout, TensorEntry
 
 # Each entry starts on a 64-byte boundary: the widest vector load, and the cache line.
 ENTRY_ALIGN_BYTES = 64
@@ -108,3 +108,12 @@ def make_plan(entries: list[TensorEntry], window_steps: int, fingerprint: int = 
         groups=tuple(groups),
         fingerprint=fingerprint,
     )
+
+
+def staging_bytes(plan: CopyPlan, layout: StateLayout) -> int:
+    """Device bytes stage mode clones at the request: groups 1..W-1, one contiguous span."""
+    later = [i for g in plan.groups[1:] for i in g.entry_indices]
+    if not later:
+        return 0
+    base = min(plan.offsets[i] for i in later)
+    return max(plan.offsets[i] + layout.entries[i].nbytes for i in later) - base

@@ -35,23 +35,25 @@ class HostSlot:
     buffer: SharedHostBuffer
     busy: bool = False
     # Destination views for each entry, cached per plan: building them costs host time.
-    views_fingerprint: int | None = None
+    views_key: tuple[int, int] | None = None  # (layout fingerprint, window) of the cached views
     views: list[torch.Tensor] = field(default_factory=list)
     # Replay mode: the gradients the window logs. Stage mode: the device staging area.
     grad_buffer: SharedHostBuffer | None = None
     grad_buffer_id: int | None = None
     grad_offsets: dict[tuple[int, str], int] = field(default_factory=dict)
     grad_views: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    grad_plan_key: tuple[int, int] | None = None  # (layout fingerprint, window) of the gradient views
     staging: torch.Tensor | None = None
     staged_views: list[torch.Tensor] = field(default_factory=list)
     staging_ready_tickets: list[CopyTicket] = field(default_factory=list)
 
     def entry_views(self, plan: CopyPlan, layout: StateLayout) -> list[torch.Tensor]:
-        if self.views_fingerprint != plan.fingerprint or len(self.views) != len(layout.entries):
+        key = (plan.fingerprint, plan.window_steps)
+        if self.views_key != key or len(self.views) != len(layout.entries):
             self.views = [
                 self.buffer.view(off, e.dtype, e.shape) for e, off in zip(layout.entries, plan.offsets)
             ]
-            self.views_fingerprint = plan.fingerprint
+            self.views_key = key
         return self.views
 
 

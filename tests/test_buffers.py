@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from torch import nn
 
 from overlapckpt import Checkpointer
+from overlapckpt.errors import ConfigError
+from overlapckpt.hostbuf import SharedHostBuffer
 
 
 def _mapped_segments(pid: int) -> set[str]:
@@ -44,3 +47,12 @@ def test_twenty_checkpoints_reuse_the_same_host_buffers(tmp_path):
     assert rss[-1] - rss[4] < state_bytes, (rss[4], rss[-1], state_bytes)
     # The segment is unlinked once both processes mapped it: nothing is left in /dev/shm.
     assert not any(name.startswith(f"overlapckpt-{os.getpid()}-") for name in os.listdir("/dev/shm"))
+
+
+def test_a_buffer_the_filesystem_cannot_hold_is_refused_up_front(tmp_path, monkeypatch):
+    # Without reserving the pages, tmpfs accepts any size and the first copy dies of SIGBUS.
+    monkeypatch.setenv("OVERLAPCKPT_SHM_DIR", str(tmp_path))
+    too_big = 1 << 60
+    with pytest.raises(ConfigError, match=rf"cannot allocate a {too_big}-byte host buffer in {tmp_path}.*OVERLAPCKPT_SHM_DIR"):
+        SharedHostBuffer(too_big, pin=False)
+    assert os.listdir(tmp_path) == []  # the failed file is not left behind

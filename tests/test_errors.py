@@ -24,6 +24,8 @@ from overlapckpt.extra_state import tensor_bytes
     [
         ({"window": 0}, r"window=0 is invalid; pass an integer >= 1"),
         ({"window": -2}, r"window=-2 is invalid"),
+        ({"window": "fast"}, r"window='fast' is invalid; pass an integer >= 1 \(.*, or 'auto'\)"),
+        ({"window": "auto", "max_window": 0}, r"max_window=0 is invalid; pass an integer >= 1"),
         ({"keep": 0}, r"keep=0 is invalid; pass an integer >= 1"),
         ({"every": 0}, r"every=0 is invalid"),
         ({"window": 2, "consistency": "exact"}, r"consistency='exact' is invalid; use 'replay' or 'stage'"),
@@ -73,7 +75,7 @@ def test_stateful_with_unstorable_state(tmp_path):
 def test_replay_refuses_lbfgs(tmp_path):
     model = TinyNet()
     opt = torch.optim.LBFGS(model.parameters())
-    with pytest.raises(UnsupportedOptimizerError, match=r"torch.optim.lbfgs.LBFGS cannot be replayed.*Use window=1, or window>1 with consistency='stage'"):
+    with pytest.raises(UnsupportedOptimizerError, match=r"torch.optim.lbfgs.LBFGS cannot be replayed.*Use window=1, or window>1 or 'auto' with consistency='stage'"):
         Checkpointer(model, opt, tmp_path, window=4, consistency="replay")
 
 

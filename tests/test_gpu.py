@@ -133,3 +133,28 @@ def test_replay_window_4_fused_adamw_within_1e6(tmp_path, request):
     if out:
         with open(out, "w") as f:
             json.dump(report, f, indent=1)
+
+
+def test_auto_window_times_forward_backward_with_events_and_stays_exact(tmp_path):
+    # The gap timer must read CUDA events on the compute stream (never synchronize) and the
+    # second checkpoint must be chosen from a measured bandwidth; stage keeps version s exact.
+    model, opt, batch = _adamw_run(512, {"fused": True})
+    twin = _twin_states(512, 14, {"fused": True})
+    with Checkpointer(model, opt, tmp_path, window="auto", consistency="stage", max_window=4) as ckpt:
+        assert type(ckpt._engine.gap_timer).__name__ == "CudaGapTimer"
+        for s in range(1, 15):
+            _step(model, opt, batch())
+            if s in (3, 10):
+                ckpt.request()
+            ckpt.step()
+            if s == 8:
+                ckpt.wait(timeout_s=300)
+        ckpt.wait(timeout_s=300)
+        first, second = (st["ledger"]["window_choice"] for st in ckpt.stats)
+    assert first["window_steps"] == 4 and first["copy_bytes_per_s"] is None
+    assert first["fwd_bwd_s"] is not None and first["fwd_bwd_s"] > 0
+    assert second["copy_bytes_per_s"] > 0 and 1 <= second["window_steps"] <= 4
+    fresh, fresh_opt, _ = _adamw_run(512, {"fused": True})
+    load(str(tmp_path), fresh, fresh_opt, step=10)
+    for k, v in twin[10].items():
+        assert torch.equal(fresh.state_dict()[k].detach().cpu(), v), k

@@ -1,0 +1,140 @@
+"""``overlapckpt`` / ``python -m overlapckpt``: list, inspect and verify checkpoints.
+
+    overlapckpt ls ROOT                 committed checkpoints, oldest first
+    overlapckpt inspect ROOT [--step N] one checkpoint's manifest: versions, ledger, window choice
+    overlapckpt verify ROOT [--step N | --all]
+                                        read every tensor and compare its CRC-32; exit 1 on a mismatch
+
+ROOT is a local directory or an fsspec URL; ``-o key=value`` passes storage options
+(``-o endpoint_url=http://127.0.0.1:9000``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from typing import Any
+
+from .errors import OverlapCkptError
+from .loading import list_checkpoints, resolve_checkpoint
+from .storage import CheckpointStore
+from .verify import read_manifest, verify_checkpoint
+
+
+def _storage_options(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise OverlapCkptError(f"storage option {pair!r} is invalid; write it as key=value")
+        out[key] = value
+    return out
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024  # type: ignore[assignment]
+    return str(nbytes)
+
+
+def _when(unix_s: float) -> str:
+    return datetime.datetime.fromtimestamp(unix_s, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    infos = list_checkpoints(args.root, _storage_options(args.option))
+    if not infos:
+        print(f"no committed checkpoint under {args.root}")
+        return 0
+    print(f"{'step':>10} {'requested':>10} {'mode':>7} {'window':>6} {'size':>10}  committed                path")
+    for i in infos:
+        print(f"{i.step:>10} {i.requested_step:>10} {i.mode:>7} {i.window:>6} {_size(i.nbytes):>10}  {_when(i.created_at)}  {i.path}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    store = CheckpointStore(args.root, _storage_options(args.option))
+    name = resolve_checkpoint(store, args.step)
+    m = read_manifest(store, name)
+    if args.json:
+        print(json.dumps(m, indent=1, sort_keys=True))
+        return 0
+    ledger = m.get("ledger") or {}
+    print(f"checkpoint   {store.checkpoint_url(name)}")
+    print(f"version      step {m['step']} (requested at step {m['requested_step']}), mode {m['mode']}, window {m['window']}")
+    print(f"state        {len(m['items'])} tensors, {_size(int(m['nbytes']))}; torch {m['torch_version']}; committed {_when(m['created_at'])}")
+    print(f"extra state  {', '.join(m.get('extra_state_index', [])) or '-'}; boundary captured at {ledger.get('boundary')}")
+    for g in ledger.get("groups", []):
+        landed = g.get("landed_s")
+        print(f"  group {g['index']}: {_size(g['nbytes'])} at version {g['version']}, landed {'-' if landed is None else f'{landed * 1000:.1f} ms'} after the request")
+    if ledger.get("gradient_steps"):
+        print(f"  gradients logged for steps {', '.join(ledger['gradient_steps'])}; replayed on the CPU to version {m['step']}")
+    if ledger.get("closed_early_at") is not None:
+        print(f"  window closed early at step {ledger['closed_early_at']}")
+    choice = ledger.get("window_choice")
+    if choice:
+        fwd, bw = choice.get("fwd_bwd_s"), choice.get("copy_bytes_per_s")
+        print(
+            f"  window='auto' chose {choice['window_steps']}: {choice['reason']} "
+            f"(forward+backward {'-' if fwd is None else f'{fwd * 1000:.2f} ms'}, copy "
+            f"{'-' if bw is None else f'{bw / 1e9:.2f} GB/s'})"
+        )
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    store = CheckpointStore(args.root, _storage_options(args.option))
+    if args.all:
+        names = store.committed_names()
+        if not names:
+            names = [resolve_checkpoint(store, None)]  # raises: nothing committed
+    else:
+        names = [resolve_checkpoint(store, args.step)]
+    failed = 0
+    for name in names:
+        try:
+            report = verify_checkpoint(store, name)
+        except OverlapCkptError as e:
+            print(f"CORRUPT {store.checkpoint_url(name)}: {e}")
+            failed += 1
+            continue
+        if report.ok:
+            print(f"ok      {report.path}: {report.items} tensors, {_size(report.nbytes)}, every CRC-32 matches")
+        else:
+            failed += 1
+            print(f"CORRUPT {report.path}: {len(report.mismatched)} of {report.items} tensors differ: {', '.join(report.mismatched)}")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="overlapckpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, fn, helptext in (
+        ("ls", cmd_ls, "list committed checkpoints"),
+        ("inspect", cmd_inspect, "show one checkpoint's manifest"),
+        ("verify", cmd_verify, "check every tensor's CRC-32"),
+    ):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("root", help="checkpoint root: a directory or an fsspec URL")
+        p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE", help="fsspec storage option")
+        if name != "ls":
+            p.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")
+        if name == "inspect":
+            p.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
+        if name == "verify":
+            p.add_argument("--all", action="store_true", help="verify every committed checkpoint")
+        p.set_defaults(fn=fn)
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except OverlapCkptError as e:
+        print(f"overlapckpt {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""The command line: ls, inspect and verify against real checkpoints, committed, corrupt and missing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from helpers import make_run, train_step
+from overlapckpt import Checkpointer
+from overlapckpt.cli import main
+from overlapckpt.extra_state import tensor_bytes
+
+
+def _two_checkpoints(tmp_path, window: int = 1, consistency: str = "replay"):
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path, window=window, consistency=consistency) as ckpt:
+        train_step(model, opt, sched, sampler)
+        ckpt.request()
+        ckpt.step()
+        for _ in range(4):
+            train_step(model, opt, sched, sampler)
+            ckpt.step()
+        ckpt.wait(timeout_s=120)
+        ckpt.request()
+        stored = tensor_bytes(model.inp.weight.detach().contiguous())
+        ckpt.wait(timeout_s=120)
+    return stored
+
+
+def test_ls_lists_committed_only(tmp_path, capsys):
+    _two_checkpoints(tmp_path)
+    (tmp_path / "step-000000009").mkdir()  # an uncommitted leftover: no .metadata
+    assert main(["ls", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 3  # the header and two checkpoints
+    assert lines[1].split()[:4] == ["1", "1", "window", "1"]
+    assert lines[2].split()[:4] == ["5", "5", "window", "1"]
+    assert "step-000000009" not in "\n".join(lines)
+
+
+def test_inspect_shows_the_ledger_and_the_manifest(tmp_path, capsys):
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path, window=3, consistency="replay") as ckpt:
+        train_step(model, opt, sched, sampler)
+        ckpt.request()
+        ckpt.step()
+        for _ in range(3):
+            train_step(model, opt, sched, sampler)
+            ckpt.step()
+        ckpt.wait(timeout_s=120)
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "version      step 3 (requested at step 1), mode replay, window 3" in out
+    assert "gradients logged for steps 2, 3; replayed on the CPU to version 3" in out
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    manifest = json.loads(capsys.readouterr().out)
+    on_disk = json.loads((tmp_path / "step-000000003" / "overlapckpt.json").read_text())
+    assert manifest == on_disk
+
+
+def test_verify_passes_then_names_the_flipped_tensor(tmp_path, capsys):
+    stored = _two_checkpoints(tmp_path)
+    assert main(["verify", "--all", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("every CRC-32 matches") == 2
+
+    shard = tmp_path / "step-000000005" / "__0_0.distcp"
+    raw = bytearray(shard.read_bytes())
+    pos = raw.find(stored)
+    assert pos >= 0  # precondition: the tensor's bytes are stored verbatim
+    raw[pos + 5] ^= 0x10
+    shard.write_bytes(bytes(raw))
+    assert main(["verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "CORRUPT" in out and "1 of" in out and "model.inp.weight" in out
+    assert main(["verify", str(tmp_path), "--step", "1"]) == 0  # the older one is intact
+
+
+def test_errors_exit_2_with_the_reason(tmp_path, capsys):
+    assert main(["verify", str(tmp_path)]) == 2
+    assert "no committed checkpoint under" in capsys.readouterr().err
+    _two_checkpoints(tmp_path)
+    assert main(["inspect", str(tmp_path), "--step", "4"]) == 2
+    assert "committed steps are [1, 5]" in capsys.readouterr().err
+    assert main(["ls", str(tmp_path), "-o", "novalue"]) == 2
+    assert "storage option 'novalue' is invalid; write it as key=value" in capsys.readouterr().err
+
+
+def test_python_dash_m_runs_the_cli(tmp_path):
+    _two_checkpoints(tmp_path)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-m", "overlapckpt", "verify", str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ok ") and "step-000000005" in proc.stdout
