@@ -28,7 +28,7 @@ test: install
 	$(PY) -m pytest -q tests
 
 bench: install
-	$(PY) -m pip install --quiet matplotlib
+	$(PY) -m pip install --quiet -e '.[test,bench]'
 	$(PY) benchmarks/harness.py --size tiny --out benchmarks/results/cpu
 
 clean:

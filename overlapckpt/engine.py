@@ -465,6 +465,8 @@ class SnapshotEngine:
             if self._ready_to_send(snap):
                 if all(self.copier.poll(t) for t in snap.tickets):
                     self._send(snap)
+        if not self._snapshots and not self.writer.awaiting_responses:
+            return  # nothing can arrive; a writer that died meanwhile is found by the next request
         try:
             responses = self.writer.poll()
         except OverlapCkptError as e:

@@ -73,6 +73,7 @@ class WriterProcess:
         self._conn = Connection(parent_sock.detach())
         self._ready = False
         self._dead: WriterDiedError | None = None
+        self.awaiting_responses = 1  # requests the writer answers and has not yet answered
         self._send_now(p.InitRequest(sys_path=list(sys.path), root=root, storage_options=storage_options, store_class=store_class))
 
     @property
@@ -85,6 +86,8 @@ class WriterProcess:
             self._send_now(request)
         except (BrokenPipeError, ConnectionResetError, OSError) as e:
             raise self._died("while sending a request") from e
+        if isinstance(request, _ANSWERED_REQUESTS):
+            self.awaiting_responses += 1
 
     def _send_now(self, request: object) -> None:
         # Plain pickle, not multiprocessing's: its reducers would share tensors through
@@ -128,6 +131,8 @@ class WriterProcess:
 
     def _receive(self) -> object:
         response = pickle.loads(self._conn.recv_bytes())
+        if isinstance(response, _ANSWERS) or (isinstance(response, p.ErrorResponse) and response.request_id is not None):
+            self.awaiting_responses = max(0, self.awaiting_responses - 1)
         if isinstance(response, p.ReadyResponse):
             self._ready = True
         elif isinstance(response, p.ErrorResponse) and response.request_id is None and not self._ready:
@@ -163,6 +168,12 @@ class WriterProcess:
                 self._proc.kill()
                 self._proc.wait(timeout=timeout_s)
         self._conn.close()
+
+
+# Requests the writer answers, and the answers: the engine polls the pipe only while
+# one is outstanding or a snapshot is in flight (an idle poll costs ~13 us per hook).
+_ANSWERED_REQUESTS = (p.MapSlotRequest, p.PersistRequest)
+_ANSWERS = (p.ReadyResponse, p.MappedResponse, p.CommittedResponse)
 
 
 def writer_error(response: p.ErrorResponse, what: str) -> OverlapCkptError:

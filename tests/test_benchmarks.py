@@ -1,0 +1,172 @@
+"""The benchmark harness at its tiniest size: the JSON it writes has every figure, and they are plausible.
+
+No timing is asserted: only that times are positive and bytes equal the state's size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+from workload import Workload  # noqa: E402
+
+METHOD_KEYS = {"label", "step_times_s", "checkpoint_steps", "quiet_steps", "throughput", "records", "notes", "memory", "metrics"}
+METRIC_KEYS = {
+    "steps",
+    "median_step_s",
+    "stall_per_checkpoint_s",
+    "mean_stall_per_checkpoint_s",
+    "max_step_inflation_s",
+    "quiet_median_step_s",
+    "stall_vs_own_quiet_steps_s",
+    "mean_stall_vs_own_quiet_steps_s",
+    "max_step_inflation_vs_own_quiet_steps_s",
+    "blocking_s",
+    "mean_blocking_s",
+    "request_to_commit_s",
+    "mean_request_to_commit_s",
+    "d2h_bytes_per_s",
+    "d2h_fraction_of_peak",
+    "steps_per_s",
+    "throughput_vs_baseline",
+    "throughput_checkpoints_deferred",
+    "device_peak_extra_bytes",
+    "checkpoints_committed",
+}
+MEMORY_KEYS = {"rss_peak_extra_bytes", "rss_peak_reset", "children_rss_peak_bytes", "host_pinned_bytes", "device_peak_bytes"}
+EVERY, STALL_CHECKPOINTS, THROUGHPUT_CHECKPOINTS, QUIET = 2, 2, 1, 2
+STEPS = STALL_CHECKPOINTS * (QUIET + EVERY)  # each checkpoint: QUIET steps without, then EVERY from its request
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "benchmarks", "harness.py"),
+            "--size", "micro",
+            "--device", "cpu",
+            "--methods", "dcp_async_thread,overlapckpt_w2_replay",
+            "--checkpoints", str(STALL_CHECKPOINTS),
+            "--throughput-checkpoints", str(THROUGHPUT_CHECKPOINTS),
+            "--every", str(EVERY),
+            "--quiet-steps", str(QUIET),
+            "--warmup", "2",
+            "--out", str(out),
+            "--checkpoint-dir", str(out / "checkpoints"),
+            "--timeout-s", "120",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(out / "results.json") as f:
+        data = json.load(f)
+    data["_out"] = str(out)
+    return data
+
+
+def _micro_state_nbytes() -> int:
+    workload = Workload("micro", torch.device("cpu"))
+    for _ in range(2):
+        workload.forward_backward()
+        workload.optimizer_step()
+    return workload.state_nbytes()
+
+
+def test_json_has_machine_workload_and_every_method(result):
+    assert result["machine"]["torch"] == torch.__version__
+    assert result["machine"]["cpu_count"] >= 1 and result["machine"]["date_utc"].endswith("UTC")
+    assert result["workload"]["size"] == "micro" and result["workload"]["parameters"] > 0
+    assert list(result["methods"]) == ["baseline", "dcp_async_thread", "overlapckpt_w2_replay"]
+    assert result["copy_peak"]["bytes_per_s"] > 0
+    assert result["state_nbytes"] == _micro_state_nbytes()
+    for name, run in result["methods"].items():
+        assert set(run) == METHOD_KEYS, name
+        assert set(run["metrics"]) == METRIC_KEYS, name
+        assert set(run["memory"]) == MEMORY_KEYS, name
+        assert len(run["step_times_s"]) == STEPS and all(t > 0 for t in run["step_times_s"]), name
+        assert run["checkpoint_steps"] == [QUIET, 2 * QUIET + EVERY]
+        assert run["quiet_steps"] == [0, 1, QUIET + EVERY, QUIET + EVERY + 1]
+        assert run["metrics"]["median_step_s"] > 0
+        assert run["throughput"]["steps"] == 2 + THROUGHPUT_CHECKPOINTS * EVERY and run["throughput"]["wall_s"] > 0
+        assert run["metrics"]["throughput_vs_baseline"] > 0
+        assert run["metrics"]["device_peak_extra_bytes"] is None  # CPU: no device memory
+    assert result["methods"]["baseline"]["metrics"]["throughput_vs_baseline"] == 1.0
+    assert result["failed"] == {} and result["skipped"] == []
+    assert result["methods"]["baseline"]["records"] == []
+
+
+@pytest.mark.parametrize("name", ["dcp_async_thread", "overlapckpt_w2_replay"])
+def test_each_checkpoint_committed_with_positive_times(result, name):
+    run = result["methods"][name]
+    phases = [r["phase"] for r in run["records"]]
+    assert phases == ["warmup"] + ["stall"] * STALL_CHECKPOINTS + ["throughput"] * THROUGHPUT_CHECKPOINTS
+    for r in run["records"]:
+        assert r["blocking_s"] > 0
+        assert r["request_to_commit_s"] is not None and r["request_to_commit_s"] > 0
+    assert run["metrics"]["checkpoints_committed"] == STALL_CHECKPOINTS
+    assert len(run["metrics"]["stall_per_checkpoint_s"]) == STALL_CHECKPOINTS
+    assert len(run["metrics"]["blocking_s"]) == STALL_CHECKPOINTS
+
+
+def test_overlapckpt_copies_exactly_the_state(result):
+    run = result["methods"]["overlapckpt_w2_replay"]
+    state = result["state_nbytes"]
+    for r in run["records"]:
+        assert r["nbytes"] == state
+        assert r["window"] == 2
+        assert r["copied_nbytes"] >= state
+        assert r["copy_s"] > 0 and r["d2h_bytes_per_s"] > 0
+    # Replay copies the state once, plus group 0's gradients for step s+1 when the window
+    # ran to its end (a window closed early by wait() or close() logs none).
+    assert any(r["copied_nbytes"] > state for r in run["records"])
+    assert run["metrics"]["d2h_bytes_per_s"] > 0
+    assert run["memory"]["host_pinned_bytes"] == 0  # no pinning without CUDA
+    assert run["notes"]["host_buffer_bytes"] >= state
+
+
+def test_table_and_checkpoints_left_behind(result):
+    with open(os.path.join(result["_out"], "results.md")) as f:
+        table = f.read()
+    for run in result["methods"].values():
+        assert f"| {run['label']} |" in table
+    # Each method removes its checkpoints once measured: the disk does not fill over a long run.
+    assert os.listdir(os.path.join(result["_out"], "checkpoints")) == []
+
+
+def test_a_failing_method_is_reported_and_the_rest_still_run(tmp_path, monkeypatch):
+    import harness
+    from methods import NoCheckpoint, Overlapckpt, TorchSave
+
+    class DiskFullOnSecondSave(TorchSave):
+        name = "torch_save_disk_full"
+
+        def save(self, step: int) -> None:
+            if self.records:
+                raise OSError(28, "No space left on device (injected)")
+            super().save(step)
+
+    monkeypatch.setattr(harness, "all_methods", lambda cuda, windows: [NoCheckpoint(), DiskFullOnSecondSave(), Overlapckpt(1)])
+    result = harness.main(
+        ["--size", "micro", "--device", "cpu", "--checkpoints", "1", "--throughput-checkpoints", "1", "--every", "2",
+         "--warmup", "1", "--out", str(tmp_path / "out"), "--checkpoint-dir", str(tmp_path / "ck")]
+    )
+    assert list(result["failed"]) == ["torch_save_disk_full"]
+    assert result["failed"]["torch_save_disk_full"].startswith("OSError: [Errno 28] No space left on device (injected)")
+    assert list(result["methods"]) == ["baseline", "overlapckpt_w1"]
+    with open(tmp_path / "out" / "results.json") as f:
+        on_disk = json.load(f)
+    assert list(on_disk["failed"]) == ["torch_save_disk_full"]
+    assert on_disk["methods"]["overlapckpt_w1"]["metrics"]["checkpoints_committed"] == 1
+    assert os.listdir(tmp_path / "ck") == []  # the failed method's files were removed too
