@@ -50,15 +50,20 @@ class StepTimer:
         return out
 
 
-def _status_kib(pid: int | str, field: str) -> int:
+def _proc_kib(path: str, field: str) -> int:
+    """A "Field:  N kB" line of a /proc file (status, meminfo); 0 where it cannot be read."""
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open(path) as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1])
     except OSError:
         pass
     return 0
+
+
+def _status_kib(pid: int | str, field: str) -> int:
+    return _proc_kib(f"/proc/{pid}/status", field)
 
 
 def _children() -> list[int]:
@@ -142,7 +147,7 @@ def machine_description(device: torch.device) -> dict[str, Any]:
                     break
     except OSError:
         pass
-    mem_total_kib = _status_meminfo("MemTotal")
+    mem_total_kib = _proc_kib("/proc/meminfo", "MemTotal")
     out: dict[str, Any] = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "hostname": platform.node(),
@@ -152,6 +157,7 @@ def machine_description(device: torch.device) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "mem_total_bytes": mem_total_kib * 1024,
         "device": str(device),
+        "commit": _git_commit(),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -159,12 +165,13 @@ def machine_description(device: torch.device) -> dict[str, Any]:
     return out
 
 
-def _status_meminfo(field: str) -> int:
+def _git_commit() -> str | None:
+    """The source checkout's commit, so a figure can be traced to the code that made it."""
+    import subprocess
+
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None

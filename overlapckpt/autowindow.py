@@ -1,18 +1,25 @@
-"""``window="auto"``: pick the overlap window from measured compute time and copy bandwidth.
+"""``window="auto"``: pick the overlap window from measured step phases and copy bandwidth.
 
-The copy of step s+i runs on the side stream while forward and backward of the
-next iteration run on the compute stream; the next optimizer step waits for it.
-So a window hides the copy when the bytes one step copies, at the measured
-bandwidth, take less than forward+backward. The tuner picks the smallest W for
-which that holds with a margin: the smallest window keeps the snapshot's version
-closest to the request, and costs the least gradient logging (replay) or staging
-memory (stage).
+Where each copy of a window has to fit (``engine.py`` places the fences):
 
-Both inputs are measured, never assumed:
+* the group copied after step s+i runs on the side stream while forward and
+  backward of the next iteration run; the next optimizer step waits for it. It
+  has to fit in forward+backward.
+* replay's gradients for step s+i are copied just before that optimizer step and
+  fenced right after it (the next iteration may zero them in place), so they have
+  to fit in the optimizer step itself, which is short: a wider window copies
+  more of them per step, and stops paying off.
+* stage mode drains staged groups from device memory no training kernel touches,
+  so only group 0 is fenced.
 
-* forward+backward: the gap between one step's post-hook and the next step's
-  pre-hook, timed with CUDA events on the compute stream (host clocks run ahead of
-  the GPU) or with the host clock on CPU. The median of the last samples is used.
+The tuner picks the smallest W whose copies all fit with a margin: the smallest
+window keeps the version closest to the request and costs the least gradient
+logging (replay) or staging memory (stage). Where none fits, it picks the W with
+the least estimated stall. Every input is measured, never assumed:
+
+* forward+backward and the optimizer step: the gaps between the hooks, timed with
+  CUDA events on the compute stream (host clocks run ahead of the GPU) or with the
+  host clock on CPU; the median of the last samples is used.
 * copy bandwidth: bytes over copy time of the latest checkpoint's copies, timed
   with events on the side stream (so it is the bandwidth achieved while sharing
   PCIe with training, not a quiet-machine peak).
@@ -54,8 +61,9 @@ class WindowChoice:
     max_window: int
     fill_fraction: float
     fwd_bwd_s: float | None = None
+    optimizer_step_s: float | None = None
     copy_bytes_per_s: float | None = None
-    # window -> bytes the busiest step of that window copies, and its time at the bandwidth
+    # per window: the largest fenced group and gradient copy, whether all fit, the estimated stall
     candidates: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -65,9 +73,15 @@ class WindowChoice:
             "max_window": self.max_window,
             "fill_fraction": self.fill_fraction,
             "fwd_bwd_s": self.fwd_bwd_s,
+            "optimizer_step_s": self.optimizer_step_s,
             "copy_bytes_per_s": self.copy_bytes_per_s,
             "candidates": list(self.candidates),
         }
+
+
+# Per step of a window: (bytes of the group copied after it that the next optimizer step
+# waits for, bytes of gradients copied before its optimizer step and fenced after it).
+CopySchedule = list[tuple[int, int]]
 
 
 class WindowTuner:
@@ -76,12 +90,19 @@ class WindowTuner:
     def __init__(self, max_window: int, fill_fraction: float = AUTO_FILL_FRACTION) -> None:
         self.max_window = max_window
         self.fill_fraction = fill_fraction
-        self._gaps_s: deque[float] = deque(maxlen=COMPUTE_GAP_SAMPLES)
+        self._fwd_bwd_s: deque[float] = deque(maxlen=COMPUTE_GAP_SAMPLES)
+        self._optimizer_step_s: deque[float] = deque(maxlen=COMPUTE_GAP_SAMPLES)
         self._copy_bytes_per_s: float | None = None
 
     def observe_compute_gap(self, seconds: float) -> None:
+        """Forward+backward: one step's post-hook to the next step's pre-hook."""
         if seconds > 0:
-            self._gaps_s.append(seconds)
+            self._fwd_bwd_s.append(seconds)
+
+    def observe_optimizer_step(self, seconds: float) -> None:
+        """The optimizer step: its pre-hook to its post-hook."""
+        if seconds > 0:
+            self._optimizer_step_s.append(seconds)
 
     def observe_copies(self, nbytes: int, seconds: float) -> None:
         """One checkpoint's copies: the newest bandwidth replaces the older one."""
@@ -90,22 +111,31 @@ class WindowTuner:
 
     @property
     def fwd_bwd_s(self) -> float | None:
-        return statistics.median(self._gaps_s) if self._gaps_s else None
+        return statistics.median(self._fwd_bwd_s) if self._fwd_bwd_s else None
+
+    @property
+    def optimizer_step_s(self) -> float | None:
+        return statistics.median(self._optimizer_step_s) if self._optimizer_step_s else None
 
     @property
     def copy_bytes_per_s(self) -> float | None:
         return self._copy_bytes_per_s
 
-    def choose(self, busiest_step_bytes: Callable[[int], int], allowed: Callable[[int], bool]) -> WindowChoice:
-        """The smallest allowed W whose busiest step's copy fits in forward+backward.
+    def choose(self, schedule: Callable[[int], CopySchedule], allowed: Callable[[int], bool]) -> WindowChoice:
+        """The smallest allowed W whose copies all fit; else the one with the least estimated stall.
 
-        ``busiest_step_bytes(w)``: bytes copied in the busiest step of a window of w
-        (its largest group, plus the gradients replay logs in that step).
+        ``schedule(w)``: the copies of each step of a window of w (see ``CopySchedule``).
         ``allowed(w)``: False where the window cannot be used (stage memory budget).
         """
         windows = [w for w in range(1, self.max_window + 1) if allowed(w)] or [1]
-        fwd_bwd_s, bandwidth = self.fwd_bwd_s, self._copy_bytes_per_s
-        base = {"max_window": self.max_window, "fill_fraction": self.fill_fraction, "fwd_bwd_s": fwd_bwd_s, "copy_bytes_per_s": bandwidth}
+        fwd_bwd_s, opt_s, bandwidth = self.fwd_bwd_s, self.optimizer_step_s, self._copy_bytes_per_s
+        base = {
+            "max_window": self.max_window,
+            "fill_fraction": self.fill_fraction,
+            "fwd_bwd_s": fwd_bwd_s,
+            "optimizer_step_s": opt_s,
+            "copy_bytes_per_s": bandwidth,
+        }
         if fwd_bwd_s is None or bandwidth is None:
             missing = "forward+backward time" if fwd_bwd_s is None else "copy bandwidth"
             return WindowChoice(
@@ -113,106 +143,122 @@ class WindowTuner:
                 reason=f"no {missing} measured yet: the widest allowed window copies the fewest bytes per step",
                 **base,
             )
-        budget_s = self.fill_fraction * fwd_bwd_s
+        opt_s = opt_s or 0.0
         candidates = []
         for w in windows:
-            nbytes = busiest_step_bytes(w)
-            candidates.append({"window_steps": w, "busiest_step_bytes": nbytes, "busiest_step_copy_s": nbytes / bandwidth})
+            steps = schedule(w)
+            group_s = [g / bandwidth for g, _ in steps]
+            grad_s = [gr / bandwidth for _, gr in steps]
+            fits = all(t <= self.fill_fraction * fwd_bwd_s for t in group_s) and all(
+                t <= self.fill_fraction * opt_s for t in grad_s if t > 0
+            )
+            stall_s = sum(max(0.0, t - fwd_bwd_s) for t in group_s) + sum(max(0.0, t - opt_s) for t in grad_s if t > 0)
+            candidates.append(
+                {
+                    "window_steps": w,
+                    "largest_group_bytes": max(g for g, _ in steps),
+                    "largest_gradient_bytes": max(gr for _, gr in steps),
+                    "fits": fits,
+                    "estimated_stall_s": stall_s,
+                }
+            )
         for c in candidates:
-            if c["busiest_step_copy_s"] <= budget_s:
+            if c["fits"]:
                 return WindowChoice(
                     window_steps=c["window_steps"],
                     reason=(
-                        f"smallest window whose busiest step copies in {c['busiest_step_copy_s']:.6g} s, within "
-                        f"{self.fill_fraction:g} x forward+backward = {budget_s:.6g} s"
+                        f"smallest window whose copies fit: groups within {self.fill_fraction:g} x forward+backward "
+                        f"({fwd_bwd_s:.6g} s), gradients within {self.fill_fraction:g} x the optimizer step ({opt_s:.6g} s)"
                     ),
                     candidates=candidates,
                     **base,
                 )
-        best = min(candidates, key=lambda c: (c["busiest_step_bytes"], c["window_steps"]))
+        best = min(candidates, key=lambda c: (c["estimated_stall_s"], c["window_steps"]))
         return WindowChoice(
             window_steps=best["window_steps"],
             reason=(
-                f"no window up to max_window={self.max_window} hides the copy within {budget_s:.6g} s per step; "
-                "this one copies the fewest bytes per step (raise max_window to hide more)"
+                f"no window up to max_window={self.max_window} hides every copy; this one has the least estimated "
+                f"stall, {best['estimated_stall_s']:.6g} s per checkpoint"
             ),
             candidates=candidates,
             **base,
         )
 
 
-def busiest_step_bytes(plan: CopyPlan, layout: StateLayout, mode: str) -> int:
-    """Bytes the busiest step of ``plan``'s window moves over PCIe.
-
-    Step s+i copies group i. In replay mode, step s+i (i >= 1) also copies the
-    gradients of groups 0..i-1, so a wider window stops paying off once the
-    gradients outweigh the group: that is the cost of exactness without staging.
-    Stage mode's device-to-device clone at the request does not cross PCIe.
-    """
+def copy_schedule(plan: CopyPlan, layout: StateLayout, mode: str) -> CopySchedule:
+    """What each step of ``plan``'s window copies under a fence (see the module docstring)."""
     param_bytes = {fqn: p.numel() * p.element_size() for fqn, p in zip(layout.param_fqns, layout.params)}
-    busiest, grads_so_far = 0, 0
+    out: CopySchedule = []
+    grads_so_far = 0
     for group in plan.groups:
-        step_bytes = group.nbytes + (grads_so_far if mode == "replay" else 0)
-        busiest = max(busiest, step_bytes)
+        fenced_group = group.nbytes if (mode != "stage" or group.index == 0) else 0
+        out.append((fenced_group, grads_so_far if mode == "replay" else 0))
         grads_so_far += sum(param_bytes[f] for f in group.param_fqns)
-    return busiest
+    return out
+
+
+# The four hook boundaries a step passes through, in order.
+FWD_BWD_END, OPT_START, OPT_END, FWD_BWD_START = "fwd_bwd_end", "opt_start", "opt_end", "fwd_bwd_start"
+# Which boundary closes which phase, and the boundary that opened it.
+_PHASES = {FWD_BWD_END: (FWD_BWD_START, "fwd_bwd"), OPT_END: (OPT_START, "optimizer_step")}
 
 
 class HostGapTimer:
-    """Forward+backward on CPU: the host clock between the post-hook and the next pre-hook."""
+    """Step phases on CPU: the host clock at the hook boundaries."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
-        self._post_hook_at_s: float | None = None
-        self._gaps_s: list[float] = []
+        self._opened: dict[str, float] = {}
+        self._samples: deque[tuple[str, float]] = deque(maxlen=2 * COMPUTE_GAP_SAMPLES)
 
-    def mark_post_hook(self) -> None:
-        self._post_hook_at_s = self.clock()
+    def mark(self, boundary: str) -> None:
+        now = self.clock()
+        if boundary in _PHASES:
+            opener, phase = _PHASES[boundary]
+            started = self._opened.pop(opener, None)
+            if started is not None:
+                self._samples.append((phase, now - started))
+        else:
+            self._opened[boundary] = now
 
-    def mark_pre_hook(self) -> None:
-        if self._post_hook_at_s is not None:
-            self._gaps_s.append(self.clock() - self._post_hook_at_s)
-            self._post_hook_at_s = None
-
-    def collect(self) -> list[float]:
-        out, self._gaps_s = self._gaps_s, []
+    def collect(self) -> list[tuple[str, float]]:
+        out = list(self._samples)
+        self._samples.clear()
         return out
 
 
 class CudaGapTimer:
-    """Forward+backward on the GPU: events on the compute stream, read once both have run.
+    """Step phases on the GPU: events on the compute stream, read once both have run.
 
     The host runs ahead of the device, so host clocks would time the launches, not
-    the work the side stream's copy overlaps. The events are only queried, never
+    the work the side stream's copies overlap. The events are only queried, never
     synchronized, so measuring costs the training stream nothing.
     """
 
-    # Event pairs waiting to complete; older ones are dropped if the device lags this far.
-    _MAX_PENDING = 8
+    # Event pairs waiting to complete; the oldest are dropped if the device lags this far.
+    _MAX_PENDING = 16
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._post_event: torch.cuda.Event | None = None
-        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque(maxlen=self._MAX_PENDING)
+        self._opened: dict[str, torch.cuda.Event] = {}
+        self._pending: deque[tuple[str, torch.cuda.Event, torch.cuda.Event]] = deque(maxlen=self._MAX_PENDING)
 
-    def mark_post_hook(self) -> None:
+    def mark(self, boundary: str) -> None:
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.device))
-        self._post_event = event
+        if boundary in _PHASES:
+            opener, phase = _PHASES[boundary]
+            started = self._opened.pop(opener, None)
+            if started is not None:
+                self._pending.append((phase, started, event))
+        else:
+            self._opened[boundary] = event
 
-    def mark_pre_hook(self) -> None:
-        if self._post_event is None:
-            return
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        self._pending.append((self._post_event, event))
-        self._post_event = None
-
-    def collect(self) -> list[float]:
+    def collect(self) -> list[tuple[str, float]]:
         out = []
-        while self._pending and self._pending[0][1].query():
-            start, end = self._pending.popleft()
-            out.append(start.elapsed_time(end) / 1000.0)
+        while self._pending and self._pending[0][2].query():
+            phase, start, end = self._pending.popleft()
+            out.append((phase, start.elapsed_time(end) / 1000.0))
         return out
 
 

@@ -6,7 +6,8 @@
                                         read every tensor and compare its CRC-32; exit 1 on a mismatch
 
 ROOT is a local directory or an fsspec URL; ``-o key=value`` passes storage options
-(``-o endpoint_url=http://127.0.0.1:9000``).
+(``-o endpoint_url=http://127.0.0.1:9000 -o 'client_kwargs={"region_name": "us-east-1"}'``).
+Exit codes: 0 fine, 1 a checkpoint is corrupt (verify), 2 the command could not run.
 """
 
 from __future__ import annotations
@@ -18,18 +19,22 @@ import sys
 from typing import Any
 
 from .errors import OverlapCkptError
-from .loading import list_checkpoints, resolve_checkpoint
+from .loading import list_checkpoints, read_manifest, resolve_checkpoint
 from .storage import CheckpointStore
-from .verify import read_manifest, verify_checkpoint
+from .verify import verify_checkpoint
 
 
 def _storage_options(pairs: list[str]) -> dict[str, Any]:
+    """``key=value`` pairs; a value that reads as JSON (true, 3, {"region_name": "x"}) is taken as such."""
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise OverlapCkptError(f"storage option {pair!r} is invalid; write it as key=value")
-        out[key] = value
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value  # a plain string: a URL, a key id
     return out
 
 
@@ -129,10 +134,14 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--all", action="store_true", help="verify every committed checkpoint")
         p.set_defaults(fn=fn)
     args = parser.parse_args(argv)
+    # Exit codes: 0 fine, 1 a checkpoint is corrupt (verify), 2 the command could not run.
     try:
         return args.fn(args)
     except OverlapCkptError as e:
         print(f"overlapckpt {args.command}: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # storage unreachable (botocore's errors are not OSErrors), bad URL, missing s3fs
+        print(f"overlapckpt {args.command}: {args.root}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
 
 

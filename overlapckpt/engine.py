@@ -26,7 +26,18 @@ import torch
 from torch import nn
 
 from . import protocol as p
-from .autowindow import AUTO_WINDOW, WindowChoice, WindowTuner, busiest_step_bytes, make_gap_timer
+from .autowindow import (
+    AUTO_WINDOW,
+    DEFAULT_MAX_WINDOW,
+    FWD_BWD_END,
+    FWD_BWD_START,
+    OPT_END,
+    OPT_START,
+    WindowChoice,
+    WindowTuner,
+    copy_schedule,
+    make_gap_timer,
+)
 from .errors import ConfigError, OverlapCkptError, WriterDiedError
 from .gradlog import GradientStep, ReplayLog, capture_hyperparameters
 from .hostbuf import view_bytes
@@ -72,7 +83,7 @@ class SnapshotEngine:
         writer: WriterProcess,
         max_inflight: int,
         stage_budget_bytes: int | None,
-        max_window: int = 8,
+        max_window: int = DEFAULT_MAX_WINDOW,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -123,8 +134,8 @@ class SnapshotEngine:
         if self.dead is not None:
             return  # reported once; training goes on without checkpoints until close()
         if self.gap_timer is not None:
-            # First, before any fence below: the gap is forward+backward, not our waits.
-            self.gap_timer.mark_pre_hook()
+            # Before any fence below: forward+backward ends here, our waits are not part of it.
+            self.gap_timer.mark(FWD_BWD_END)
         started = time.perf_counter()
         self._hook_serial += 1
         for snap in self._snapshots:
@@ -135,12 +146,17 @@ class SnapshotEngine:
                 self._log_gradients(snap, step=self.step_count + 1)
         self._progress()
         self._charge(started)
+        if self.gap_timer is not None:
+            self.gap_timer.mark(OPT_START)
         self._raise_pending()
 
     def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.dead is not None:
             self.step_count += 1
             return
+        if self.gap_timer is not None:
+            # Before the fence below: the optimizer step ends here, the wait on the gradient copy is ours.
+            self.gap_timer.mark(OPT_END)
         started = time.perf_counter()
         self._hook_serial += 1
         self.step_count += 1
@@ -155,7 +171,7 @@ class SnapshotEngine:
         self._charge(started)
         if self.gap_timer is not None:
             # Last, after our own copies and clones: what follows is the next iteration.
-            self.gap_timer.mark_post_hook()
+            self.gap_timer.mark(FWD_BWD_START)
         self._raise_pending()
 
     def mark_iteration_end(self) -> None:
@@ -196,8 +212,13 @@ class SnapshotEngine:
             # A snapshot requested at this very step is already under way: it answers this request too.
             self._pending_requests = 0
             return
-        window, choice = self._choose_window()
-        slot = self._free_slot(window)
+        # All slots busy: wait, before any layout work (a fingerprint walks every tensor).
+        slot = None
+        if self.slots.may_have_free_slot():
+            layout = self._current_layout()  # once per start: every plan below is for this layout
+            window, choice = self._choose_window(layout)
+            plan = self._registered_plan(layout, window)
+            slot = self.slots.free_slot(plan)
         if slot is None:
             if not self._waiting_for_slot:
                 # Counted once per request that has to wait, however many hooks it waits.
@@ -207,27 +228,25 @@ class SnapshotEngine:
         deferred, self._waiting_for_slot = self._waiting_for_slot, False
         self._last_started_step = self.step_count
         self._pending_requests = 0
-        self._start_snapshot(slot, deferred, window, choice)
+        self._start_snapshot(slot, deferred, layout, plan, choice)
 
-    def _choose_window(self) -> tuple[int, WindowChoice | None]:
+    def _choose_window(self, layout: StateLayout) -> tuple[int, WindowChoice | None]:
         if self.tuner is None:
             return int(self.window_setting), None
-        layout = self._current_layout()
         if self.gap_timer is not None:
-            for gap_s in self.gap_timer.collect():
-                self.tuner.observe_compute_gap(gap_s)
+            for phase, seconds in self.gap_timer.collect():
+                if phase == "fwd_bwd":
+                    self.tuner.observe_compute_gap(seconds)
+                else:
+                    self.tuner.observe_optimizer_step(seconds)
         choice = self.tuner.choose(
-            lambda w: busiest_step_bytes(self._plan_for(w), layout, self._mode_for(w)),
-            lambda w: self._mode_for(w) != "stage" or self._staging_fits(self._plan_for(w), layout),
+            lambda w: copy_schedule(self._plan_for(layout, w), layout, self._mode_for(w)),
+            lambda w: self._mode_for(w) != "stage" or self._staging_fits(self._plan_for(layout, w), layout),
         )
         return choice.window_steps, choice
 
     def _mode_for(self, window: int) -> str:
         return "window" if window == 1 else self.consistency
-
-    def _free_slot(self, window: int) -> HostSlot | None:
-        _, plan = self._current_plan(window)
-        return self.slots.free_slot(plan)
 
     def _current_layout(self) -> StateLayout:
         fp = live_fingerprint(self.model, self.optimizer)
@@ -237,23 +256,25 @@ class SnapshotEngine:
             self._layout_ids = {}
         return self._layout
 
-    def _plan_for(self, window: int) -> CopyPlan:
-        layout = self._current_layout()
+    def _plan_for(self, layout: StateLayout, window: int) -> CopyPlan:
+        """The plan for ``window`` over ``layout``, the current layout (plans are dropped with it)."""
         if window not in self._plans:
             self._plans[window] = make_plan(layout.entries, window, layout.fingerprint)
         return self._plans[window]
 
-    def _current_plan(self, window: int) -> tuple[StateLayout, CopyPlan]:
-        """The layout and the plan for ``window``, registered with the writer on first use."""
-        layout, plan = self._current_layout(), self._plan_for(window)
+    def _registered_plan(self, layout: StateLayout, window: int) -> CopyPlan:
+        """The plan for ``window``, registered with the writer on first use."""
+        plan = self._plan_for(layout, window)
         if window not in self._layout_ids:
             self._next_layout_id += 1
             self._layout_ids[window] = self._next_layout_id
             self.writer.send(p.SetLayoutRequest(self._next_layout_id, layout.entries, plan.offsets))
-        return layout, plan
+        return plan
 
-    def _start_snapshot(self, slot: HostSlot, deferred: bool, window: int, choice: WindowChoice | None) -> None:
-        layout, plan = self._current_plan(window)
+    def _start_snapshot(
+        self, slot: HostSlot, deferred: bool, layout: StateLayout, plan: CopyPlan, choice: WindowChoice | None
+    ) -> None:
+        window = plan.window_steps
         mode = self._mode_for(window)
         s = self.step_count
         self._next_request_id += 1
@@ -277,13 +298,15 @@ class SnapshotEngine:
             ledger=ledger,
             deferred=deferred,
         )
+        # First, so that a staging budget that is too small, or a gradient buffer that
+        # cannot be allocated, raises before the snapshot is registered.
         if snap.mode == "stage":
-            # First, so a staging budget that is too small raises before anything is registered.
             self._stage_later_groups(snap)
+        if snap.mode == "replay":
+            self.slots.prepare_gradient_views(slot, plan, layout)
         slot.busy = True
         self._snapshots.append(snap)
         if snap.mode == "replay":
-            self.slots.prepare_gradient_views(slot, plan, layout)
             snap.replay_log = ReplayLog(
                 optimizer_class=(type(self.optimizer).__module__, type(self.optimizer).__qualname__),
                 grad_slot_id=slot.grad_buffer_id,
@@ -378,14 +401,18 @@ class SnapshotEngine:
                 f"stage_budget_bytes={self.stage_budget_bytes}; raise stage_budget_bytes to at least "
                 f"{needed}, use a smaller window, or use consistency='replay'"
             )
-        if slot.staging is None or slot.staging.numel() < needed or (slot.views_key or (None,))[0] != plan.fingerprint:
-            capacity = needed if self.stage_budget_bytes is None else max(needed, self.stage_budget_bytes)
-            slot.staging = torch.empty(capacity, dtype=torch.uint8, device=self.device)
         for ticket in slot.staging_ready_tickets:
             # The previous snapshot's drains read this staging area on the side stream;
-            # the compute stream must not overwrite it before they are done.
+            # the compute stream must not overwrite it, nor reuse its memory once it is
+            # freed below (the allocator hands it back on this stream), before they are done.
             self.copier.fence_compute(ticket)
         slot.staging_ready_tickets = []
+        # Sized for this window; a narrower one (window="auto") shrinks it, and device
+        # memory a budget reserved up front is kept.
+        capacity = needed if self.stage_budget_bytes is None else max(needed, self.stage_budget_bytes)
+        if slot.staging is None or slot.staging.numel() != capacity:
+            slot.staging = None
+            slot.staging = torch.empty(capacity, dtype=torch.uint8, device=self.device)
         staged = [None] * len(layout.entries)
         for i in later:
             staged[i] = view_bytes(slot.staging, plan.offsets[i] - base, layout.entries[i].dtype, layout.entries[i].shape)
@@ -466,7 +493,12 @@ class SnapshotEngine:
                 if all(self.copier.poll(t) for t in snap.tickets):
                     self._send(snap)
         if not self._snapshots and not self.writer.awaiting_responses:
-            return  # nothing can arrive; a writer that died meanwhile is found by the next request
+            # Nothing is due: a liveness check (one waitpid) instead of reading the pipe.
+            try:
+                self.writer.check_alive()
+            except OverlapCkptError as e:
+                self._fail(e)
+            return
         try:
             responses = self.writer.poll()
         except OverlapCkptError as e:

@@ -39,6 +39,9 @@ def map_shared_file(path: str, nbytes: int) -> torch.Tensor:
 
 
 def _reserve(fd: int, nbytes: int) -> None:
+    if not hasattr(os, "posix_fallocate"):  # macOS
+        os.ftruncate(fd, nbytes)
+        return
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as e:

@@ -49,6 +49,31 @@ def resolve_checkpoint(store: CheckpointStore, step: int | None) -> str:
     return name
 
 
+def read_manifest(store: CheckpointStore, name: str) -> dict[str, Any]:
+    """The manifest of committed checkpoint ``name``; CorruptCheckpointError if it is missing or unreadable."""
+    where = store.checkpoint_url(name)
+    try:
+        raw = store.read_bytes(name, MANIFEST_NAME)
+    except FileNotFoundError as e:
+        raise CorruptCheckpointError(f"{where} is committed but has no {MANIFEST_NAME}; it was not written by overlapckpt") from e
+    return parse_manifest(raw, f"{where}/{MANIFEST_NAME}")
+
+
+def read_into(store: CheckpointStore, name: str, host: dict[str, Any]) -> None:
+    """Fill host tensors from checkpoint ``name`` with DCP; CorruptCheckpointError if it cannot be read."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(host, storage_reader=store.make_reader(name), no_dist=True)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # DCP's CheckpointException derives from BaseException
+        where = store.checkpoint_url(name)
+        raise CorruptCheckpointError(f"reading the checkpoint {where} failed: {type(e).__name__}: {e}") from e
+
+
 def _empty_like_on_cpu(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         local = value.to_local() if callable(getattr(value, "to_local", None)) else value
@@ -77,16 +102,11 @@ def load(
     """
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    import torch.distributed.checkpoint as dcp
 
     store = CheckpointStore(path, storage_options)
     name = resolve_checkpoint(store, step)
     where = store.checkpoint_url(name)
-    try:
-        raw = store.read_bytes(name, MANIFEST_NAME)
-    except FileNotFoundError as e:
-        raise CorruptCheckpointError(f"{where} is committed but has no {MANIFEST_NAME}; it was not written by overlapckpt") from e
-    manifest = parse_manifest(raw, f"{where}/{MANIFEST_NAME}")
+    manifest = read_manifest(store, name)
 
     if optimizer is not None:
         msd, osd = get_state_dict(model, optimizer)
@@ -99,14 +119,7 @@ def load(
     check_shapes(expected, flatten_tensors(target))
 
     host = _empty_like_on_cpu(target)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load(host, storage_reader=store.make_reader(name), no_dist=True)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:  # DCP's CheckpointException derives from BaseException
-        raise CorruptCheckpointError(f"reading the checkpoint {where} failed: {type(e).__name__}: {e}") from e
+    read_into(store, name, host)
     if verify:
         for key, t in flatten_tensors(host).items():
             item = manifest["items"].get(key)

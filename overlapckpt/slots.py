@@ -30,6 +30,9 @@ class SlotPool:
         self.slots: list[HostSlot] = []
         self._next_buffer_id = 0
 
+    def may_have_free_slot(self) -> bool:
+        return len(self.slots) < self.max_inflight or any(not s.busy for s in self.slots)
+
     def free_slot(self, plan: CopyPlan) -> HostSlot | None:
         """A free slot large enough for ``plan``, a new one within ``max_inflight``, or None."""
         for slot in self.slots:
@@ -41,7 +44,7 @@ class SlotPool:
         if len(self.slots) >= self.max_inflight:
             return None
         slot = HostSlot(slot_id=self._new_buffer_id(), buffer=SharedHostBuffer(plan.slot_nbytes, pin=self.pin))
-        self.writer.send(p.MapSlotRequest(slot.slot_id, slot.buffer.path, slot.buffer.nbytes))
+        self._announce(slot.buffer, slot.slot_id)
         self.slots.append(slot)
         return slot
 
@@ -52,9 +55,9 @@ class SlotPool:
         offsets, nbytes = gradient_layout(plan, layout)
         if slot.grad_buffer is None or slot.grad_buffer.nbytes < nbytes:
             self._release_gradient_buffer(slot)
-            slot.grad_buffer = SharedHostBuffer(nbytes, pin=self.pin)
-            slot.grad_buffer_id = self._new_buffer_id()
-            self.writer.send(p.MapSlotRequest(slot.grad_buffer_id, slot.grad_buffer.path, nbytes))
+            buffer, buffer_id = SharedHostBuffer(nbytes, pin=self.pin), self._new_buffer_id()
+            self._announce(buffer, buffer_id)
+            slot.grad_buffer, slot.grad_buffer_id = buffer, buffer_id
         by_fqn = dict(zip(layout.param_fqns, layout.params))
         slot.grad_views = {
             key: slot.grad_buffer.view(off, by_fqn[key[1]].dtype, tuple(by_fqn[key[1]].shape))
@@ -95,6 +98,14 @@ class SlotPool:
         slot.grad_buffer.release()
         slot.grad_buffer = None
         self._tell_writer(p.ReleaseSlotRequest(slot.grad_buffer_id))
+
+    def _announce(self, buffer: SharedHostBuffer, buffer_id: int) -> None:
+        """Ask the writer to map ``buffer``; release it here if the writer cannot be told."""
+        try:
+            self.writer.send(p.MapSlotRequest(buffer_id, buffer.path, buffer.nbytes))
+        except BaseException:
+            buffer.release()  # unpinned and unlinked: nothing is left in /dev/shm
+            raise
 
     def _tell_writer(self, request: p.ReleaseSlotRequest) -> None:
         try:

@@ -112,6 +112,12 @@ class WriterProcess:
             raise self._died("while checkpoints were in flight")
         return out
 
+    def check_alive(self) -> None:
+        """Raise WriterDiedError if the process has exited (one waitpid, no pipe read)."""
+        self._raise_if_dead()
+        if self._proc.poll() is not None:
+            raise self._died("while no checkpoint was in flight")
+
     def wait_response(self, timeout_s: float | None) -> object:
         """Block for the next response, up to ``timeout_s``; check liveness as it waits."""
         self._raise_if_dead()
@@ -131,7 +137,10 @@ class WriterProcess:
 
     def _receive(self) -> object:
         response = pickle.loads(self._conn.recv_bytes())
-        if isinstance(response, _ANSWERS) or (isinstance(response, p.ErrorResponse) and response.request_id is not None):
+        if isinstance(response, (*_ANSWERS, p.ErrorResponse)):
+            # An error answers the request that failed; one that answers none (a failed
+            # layout or release) can only make the count low, which costs the next
+            # answer a few hooks' delay: it is read once a snapshot is in flight.
             self.awaiting_responses = max(0, self.awaiting_responses - 1)
         if isinstance(response, p.ReadyResponse):
             self._ready = True

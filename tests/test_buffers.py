@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -52,7 +53,12 @@ def test_twenty_checkpoints_reuse_the_same_host_buffers(tmp_path):
 def test_a_buffer_the_filesystem_cannot_hold_is_refused_up_front(tmp_path, monkeypatch):
     # Without reserving the pages, tmpfs accepts any size and the first copy dies of SIGBUS.
     monkeypatch.setenv("OVERLAPCKPT_SHM_DIR", str(tmp_path))
-    too_big = 1 << 60
+    # Twice the free space: a plain ftruncate accepts it (a sparse file), a reservation cannot.
+    too_big = 2 * shutil.disk_usage(tmp_path).free
+    fd = os.open(tmp_path / "sparse", os.O_RDWR | os.O_CREAT)
+    os.ftruncate(fd, too_big)  # precondition: the size alone is not refused
+    os.close(fd)
+    os.unlink(tmp_path / "sparse")
     with pytest.raises(ConfigError, match=rf"cannot allocate a {too_big}-byte host buffer in {tmp_path}.*OVERLAPCKPT_SHM_DIR"):
         SharedHostBuffer(too_big, pin=False)
     assert os.listdir(tmp_path) == []  # the failed file is not left behind

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+
 
 from helpers import make_run, train_step
 from overlapckpt import Checkpointer
@@ -13,25 +15,32 @@ from overlapckpt.cli import main
 from overlapckpt.extra_state import tensor_bytes
 
 
-def _two_checkpoints(tmp_path, window: int = 1, consistency: str = "replay"):
+def _train(tmp_path, steps: int, request_at: tuple[int, ...], window: int = 1, consistency: str = "replay") -> bytes:
+    """Train ``steps`` iterations, requesting a checkpoint after each step in ``request_at`` and
+    waiting for it; returns model.inp.weight's bytes at the last request."""
     model, opt, sched, sampler = make_run()
+    stored = b""
     with Checkpointer(model, opt, tmp_path, window=window, consistency=consistency) as ckpt:
-        train_step(model, opt, sched, sampler)
-        ckpt.request()
-        ckpt.step()
-        for _ in range(4):
+        for s in range(1, steps + 1):
             train_step(model, opt, sched, sampler)
+            if s in request_at:
+                ckpt.request()
+                stored = tensor_bytes(model.inp.weight.detach().contiguous())
             ckpt.step()
-        ckpt.wait(timeout_s=120)
-        ckpt.request()
-        stored = tensor_bytes(model.inp.weight.detach().contiguous())
         ckpt.wait(timeout_s=120)
     return stored
 
 
+def _two_checkpoints(tmp_path) -> bytes:
+    """Window-1 checkpoints of steps 1 and 5."""
+    return _train(tmp_path, steps=5, request_at=(1, 5))
+
+
 def test_ls_lists_committed_only(tmp_path, capsys):
     _two_checkpoints(tmp_path)
-    (tmp_path / "step-000000009").mkdir()  # an uncommitted leftover: no .metadata
+    # An uncommitted leftover: shards and manifest written, .metadata not.
+    shutil.copytree(tmp_path / "step-000000005", tmp_path / "step-000000009")
+    (tmp_path / "step-000000009" / ".metadata").unlink()
     assert main(["ls", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 3  # the header and two checkpoints
@@ -41,15 +50,7 @@ def test_ls_lists_committed_only(tmp_path, capsys):
 
 
 def test_inspect_shows_the_ledger_and_the_manifest(tmp_path, capsys):
-    model, opt, sched, sampler = make_run()
-    with Checkpointer(model, opt, tmp_path, window=3, consistency="replay") as ckpt:
-        train_step(model, opt, sched, sampler)
-        ckpt.request()
-        ckpt.step()
-        for _ in range(3):
-            train_step(model, opt, sched, sampler)
-            ckpt.step()
-        ckpt.wait(timeout_s=120)
+    _train(tmp_path, steps=4, request_at=(1,), window=3, consistency="replay")
     assert main(["inspect", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "version      step 3 (requested at step 1), mode replay, window 3" in out
@@ -94,3 +95,30 @@ def test_python_dash_m_runs_the_cli(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "overlapckpt", "verify", str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("ok ") and "step-000000005" in proc.stdout
+
+
+def test_ls_and_verify_on_s3_with_json_storage_options(tmp_path, s3_options, capsys):
+    _two_checkpoints(tmp_path)
+    import fsspec
+
+    fs = fsspec.filesystem("s3", **s3_options)
+    fs.put(str(tmp_path) + "/", "ckpts/cli-run/", recursive=True)
+    options = [
+        "-o", f"endpoint_url={s3_options['endpoint_url']}", "-o", "key=testing", "-o", "secret=testing",
+        "-o", 'client_kwargs={"region_name": "us-east-1"}',
+    ]
+    assert main(["ls", "s3://ckpts/cli-run", *options]) == 0
+    out = capsys.readouterr().out
+    assert "s3://ckpts/cli-run/step-000000001" in out and "s3://ckpts/cli-run/step-000000005" in out
+    assert main(["verify", "--all", "s3://ckpts/cli-run", *options]) == 0
+    assert capsys.readouterr().out.count("every CRC-32 matches") == 2
+
+
+def test_unreachable_storage_exits_2_without_a_traceback(capsys):
+    # Nothing listens on port 9; one attempt, so the test does not wait through retries.
+    options = ["-o", "endpoint_url=http://127.0.0.1:9", "-o", "key=a", "-o", "secret=b",
+               "-o", 'client_kwargs={"region_name": "us-east-1"}', "-o", 'config_kwargs={"retries": {"max_attempts": 1}}']
+    assert main(["ls", "s3://ckpts/run", *options]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("overlapckpt ls: s3://ckpts/run: EndpointConnectionError: Could not connect to the endpoint URL")
+    assert "Traceback" not in err

@@ -117,3 +117,24 @@ def test_failure_of_latest_update_keeps_previous_pointer(tmp_path, monkeypatch):
     assert [i.step for i in list_checkpoints(str(tmp_path))] == [1, 2]
     fresh_model, fresh_opt, _, _ = make_run(seed=3)
     assert load(str(tmp_path), fresh_model, fresh_opt, step=2).step == 2
+
+
+def test_writer_killed_between_checkpoints_is_raised_at_a_hook(tmp_path):
+    # Nothing is in flight, so the hooks do not read the pipe; a liveness check still finds it.
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path) as ckpt:
+        train_step(model, opt, sched, sampler)
+        ckpt.request()
+        ckpt.wait(timeout_s=120)
+        assert ckpt._engine.writer.awaiting_responses == 0  # precondition: idle, nothing due
+        os.kill(ckpt.writer_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        with pytest.raises(WriterDiedError, match=r"SIGKILL.*while no checkpoint was in flight"):
+            while time.monotonic() < deadline:  # the kernel reaps it within a few steps
+                train_step(model, opt, sched, sampler)
+        steps_before = ckpt.step_count
+        train_step(model, opt, sched, sampler)  # reported once; training goes on
+        assert ckpt.step_count == steps_before + 1
+        with pytest.raises(WriterDiedError):
+            ckpt.request()
+    assert [i.step for i in list_checkpoints(str(tmp_path))] == [1]
