@@ -46,9 +46,29 @@ from .manifest import CheckpointInfo, checkpoint_name
 from .plan import CopyPlan, make_plan, staging_bytes
 from .slots import SlotPool
 from .snapshot import OPEN, SENT, HostSlot, Snapshot
-from .state import ROLE_BUFFER, StateLayout, build_layout, capture_small_state, live_fingerprint
+from .state import (
+    ROLE_BUFFER,
+    StateLayout,
+    build_layout,
+    capture_small_state,
+    live_fingerprint,
+    optimizer_shape_signature,
+)
 from .transfer import make_copier
 from .writer import WriterProcess, writer_error
+
+_GRAD_SCALER_WARNING = (
+    "overlapckpt: GradScaler drives this optimizer's fused step (it sets optimizer.grad_scale and "
+    "found_inf): the step unscales gradients and skips infinite ones inside the kernel, which replay "
+    "cannot follow. Checkpoints that would replay use window=1 instead (exact at the requested step); "
+    "use consistency='stage' to spread the copy over a window."
+)
+
+_NEW_STATE_WARNING = (
+    "overlapckpt: the optimizer gained state or parameters inside the replay window of the checkpoint "
+    "requested at step {old} (a parameter unfrozen, or add_param_group), which that snapshot's layout "
+    "lacks, so it was restarted at step {new}."
+)
 
 _BOUNDARY_WARNING = (
     "overlapckpt: ckpt.step() was not called after the optimizer step that a checkpoint holds, so "
@@ -99,6 +119,8 @@ class SnapshotEngine:
         self.copier = make_copier(self.device)
         self.slots = SlotPool(writer, pin=self.copier.is_async, max_inflight=max_inflight)
         self.tuner = WindowTuner(max_window) if window == AUTO_WINDOW else None
+        self._restarted_from: int | None = None
+        self._grad_scaler_seen = False  # GradScaler's fused path: replay cannot follow it
         self.gap_timer = make_gap_timer(self.device) if self.tuner is not None else None
         self.step_count = 0
         self._hook_serial = 0
@@ -138,6 +160,7 @@ class SnapshotEngine:
             self.gap_timer.mark(FWD_BWD_END)
         started = time.perf_counter()
         self._hook_serial += 1
+        self._note_grad_scaler()
         for snap in self._snapshots:
             self._fence(snap)
             if snap.boundary_open:
@@ -160,6 +183,8 @@ class SnapshotEngine:
         started = time.perf_counter()
         self._hook_serial += 1
         self.step_count += 1
+        self._note_grad_scaler()
+        self._restart_if_state_grew()
         for snap in self._snapshots:
             self._fence(snap)  # the gradient copies logged by this step's pre-hook
             if snap.state == OPEN:
@@ -217,6 +242,8 @@ class SnapshotEngine:
         if self.slots.may_have_free_slot():
             layout = self._current_layout()  # once per start: every plan below is for this layout
             window, choice = self._choose_window(layout)
+            if window > 1 and self.consistency == "replay" and self._grad_scaler_seen:
+                window = 1  # exact at the request; see _GRAD_SCALER_WARNING
             plan = self._registered_plan(layout, window)
             slot = self.slots.free_slot(plan)
         if slot is None:
@@ -285,7 +312,9 @@ class SnapshotEngine:
             mode=mode,
             groups=[GroupRecord(index=g.index, nbytes=g.nbytes) for g in plan.groups],
             window_choice=None if choice is None else choice.to_json(),
+            restarted_from=self._restarted_from,
         )
+        self._restarted_from = None
         snap = Snapshot(
             request_id=self._next_request_id,
             requested_step=s,
@@ -447,13 +476,49 @@ class SnapshotEngine:
             for g in srcs:
                 # zero_grad(set_to_none=True) frees the gradient after this step; keep the
                 # allocator from handing its memory to the compute stream before the side
-                # stream has read it. In-place zeroing is covered by the post-hook fence.
+                # stream has read it.
                 g.record_stream(self.copier.side_stream)  # type: ignore[union-attr]
         snap.tickets.append(ticket)
-        snap.unfenced.append(ticket)
-        ticket.fence_after_hook = self._hook_serial
+        if _step_writes_gradients(self.optimizer):
+            # Fence 2 before this step: it writes the gradients in place (SGD's foreach
+            # Nesterov update adds the momentum into them) while the side stream reads them.
+            self.copier.fence_compute(ticket)
+        else:
+            # Fence 2 after the step: the next zero_grad(set_to_none=False) or backward may
+            # write them in place.
+            snap.unfenced.append(ticket)
+            ticket.fence_after_hook = self._hook_serial
         log.steps.append(GradientStep(step=step, groups=copied, hyperparameters=capture_hyperparameters(self.optimizer), grad_none=none))
         snap.ledger.gradients_logged(step, copied)
+
+    def _note_grad_scaler(self) -> None:
+        if not self._grad_scaler_seen and hasattr(self.optimizer, "found_inf"):
+            self._grad_scaler_seen = True
+            if self.consistency == "replay" and self.window_setting != 1:
+                warnings.warn(_GRAD_SCALER_WARNING, stacklevel=4)
+
+    def _restart_if_state_grew(self) -> None:
+        """Post-hook: a replay window whose layout lacks state this step created cannot reach its version."""
+        signature = None
+        for snap in list(self._snapshots):
+            if snap.mode != "replay" or snap.version is not None:
+                continue
+            signature = signature or optimizer_shape_signature(self.optimizer)
+            if signature != snap.layout.shape_signature:
+                self._restart(snap, _NEW_STATE_WARNING, start_step=self.step_count)
+
+    def _restart(self, snap: Snapshot, warning: str, start_step: int) -> None:
+        """Replace a replay snapshot that cannot reach its version, by one started at ``start_step``."""
+        for ticket in snap.tickets:
+            # The slot may be released or regrown for the new layout: its host memory must
+            # not be unmapped under copies still writing it. Rare (a layout change), so the
+            # host waits here rather than tracking the old copies further.
+            self.copier.wait(ticket)
+        self._snapshots.remove(snap)
+        snap.slot.busy = False
+        self._restarted_from = snap.requested_step
+        self._pending_requests += 1
+        warnings.warn(warning.format(old=snap.requested_step, new=start_step), stacklevel=4)
 
     def _fence(self, snap: Snapshot) -> None:
         """Insert the device-side waits for copies enqueued by earlier hooks."""
@@ -659,3 +724,10 @@ class SnapshotEngine:
 
     def release(self) -> None:
         self.slots.release_all()
+
+
+def _step_writes_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether this optimizer's step writes ``.grad`` in place (found by reading torch.optim)."""
+    return isinstance(optimizer, torch.optim.SGD) and any(
+        g.get("nesterov") and g.get("momentum") and g.get("foreach") is not False for g in optimizer.param_groups
+    )

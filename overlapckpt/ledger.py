@@ -37,6 +37,8 @@ class CheckpointLedger:
     complete_s: float | None = None
     boundary: str | None = None  # where stateful objects were captured: "step()" or "post-hook"
     window_choice: dict[str, Any] | None = None
+    # The step of a snapshot this one replaces: its gradients were written in place before their copy landed.
+    restarted_from: int | None = None
 
     def _since_request(self) -> float:
         return time.perf_counter() - self.requested_at
@@ -76,4 +78,5 @@ class CheckpointLedger:
             "complete_s": self.complete_s,
             "boundary": self.boundary,
             "window_choice": self.window_choice,
+            "restarted_from": self.restarted_from,
         }

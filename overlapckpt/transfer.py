@@ -14,6 +14,8 @@ Fences, in the order a snapshot meets them:
    waits on the copy's event, so the optimizer's in-place update cannot overwrite
    a tensor the side stream is still reading. It is a device-side wait: the host
    runs on, and training stalls only if the copy outlasts forward+backward.
+   Replay's gradient copies are fenced after the step they feed (before it, for
+   an optimizer that writes gradients in its step).
 3. ``stage``: a device-to-device clone on the compute stream, for state that the
    next forward mutates (buffers) or the staged mode; the clone is handed to the
    side stream with ``record_stream`` so its memory is not reused under the copy.

@@ -158,3 +158,32 @@ def test_auto_window_times_forward_backward_with_events_and_stays_exact(tmp_path
     load(str(tmp_path), fresh, fresh_opt, step=10)
     for k, v in twin[10].items():
         assert torch.equal(fresh.state_dict()[k].detach().cpu(), v), k
+
+
+def test_replay_stays_correct_when_gradients_are_zeroed_in_place(tmp_path):
+    # zero_grad(set_to_none=False) writes, in the next iteration, the tensors a gradient copy
+    # reads: the fence after the optimizer step must hold it until the copy landed.
+    def step(model, opt, x):
+        opt.zero_grad(set_to_none=False)
+        model(x).square().mean().backward()
+        opt.step()
+
+    model, opt, batch = _adamw_run(512, {"fused": True})
+    twin_model, twin_opt, twin_batch = _adamw_run(512, {"fused": True})
+    twin = {}
+    for s in range(1, 13):
+        step(twin_model, twin_opt, twin_batch())
+        twin[s] = {k: v.detach().cpu().clone() for k, v in twin_model.state_dict().items()}
+    with Checkpointer(model, opt, tmp_path, window=4, consistency="replay") as ckpt:
+        for s in range(1, 13):
+            step(model, opt, batch())
+            if s == 3:
+                ckpt.request()
+            ckpt.step()
+        (info,) = ckpt.wait(timeout_s=300)
+    assert info.step == 6
+    fresh, fresh_opt, _ = _adamw_run(512, {"fused": True})
+    load(str(tmp_path), fresh, fresh_opt)
+    for k, v in twin[6].items():
+        got = fresh.state_dict()[k].detach().cpu()
+        assert ((got - v).abs().max() / v.abs().max().clamp_min(1e-30)).item() <= 1e-6, k

@@ -140,3 +140,106 @@ def test_custom_non_elementwise_optimizer_is_refused_for_replay(tmp_path):
         Checkpointer(model, Shampoo(model.parameters()), tmp_path, window=2)
     # Stage mode and window 1 take any optimizer.
     Checkpointer(model, Shampoo(model.parameters()), tmp_path, window=2, consistency="stage").close()
+
+
+def test_state_created_inside_a_replay_window_restarts_it(tmp_path):
+    # A layer unfrozen at step 5 gets AdamW state at that step; a replay window opened at
+    # step 3 has no room for it, so it is restarted at step 5 and holds it at version 8.
+    def run():
+        model, opt, sched, sampler = make_run()
+        model.out.weight.requires_grad_(False)
+        states = {}
+        for it in range(1, 11):
+            if it == 5:
+                model.out.weight.requires_grad_(True)
+            train_step(model, opt, sched, sampler)
+            states[it] = snapshot(model, opt)
+        return states
+
+    twin = run()
+    model, opt, sched, sampler = make_run()
+    assert len(twin[4][1]["state"]) < len(twin[5][1]["state"])  # precondition: step 5 created state
+    with pytest.warns(UserWarning, match=r"gained state .* requested at step 3 .* restarted at step 5"):
+        with Checkpointer(model, opt, tmp_path, window=4, consistency="replay") as ckpt:
+            model.out.weight.requires_grad_(False)
+            for it in range(1, 11):
+                if it == 5:
+                    model.out.weight.requires_grad_(True)
+                train_step(model, opt, sched, sampler)
+                if it == REQUEST_AT:
+                    ckpt.request()
+                ckpt.step()
+            (info,) = ckpt.wait(timeout_s=120)
+    assert ckpt.stats[0]["ledger"]["restarted_from"] == REQUEST_AT
+    assert (ckpt.stats[0]["requested_step"], info.step) == (5, 8)
+    fresh, fresh_opt, _, _ = make_run(seed=7)
+    fresh.out.weight.requires_grad_(True)
+    load(str(tmp_path), fresh, fresh_opt)
+    assert_state_equal(*twin[8], fresh, fresh_opt)
+
+
+def test_reading_state_of_a_frozen_parameter_does_not_restart_the_window(tmp_path, recwarn):
+    # optimizer.state is a defaultdict: a read adds an empty entry, which is not state.
+    model, opt, sched, sampler = make_run()
+    model.out.weight.requires_grad_(False)
+    with Checkpointer(model, opt, tmp_path, window=4, consistency="replay") as ckpt:
+        for it in range(1, 9):
+            train_step(model, opt, sched, sampler)
+            if it == REQUEST_AT:
+                ckpt.request()
+            if it == 4:
+                assert opt.state[model.out.weight] == {}  # precondition: the read creates the entry
+            ckpt.step()
+        (info,) = ckpt.wait(timeout_s=120)
+    assert info.step == REQUEST_AT + 3 and ckpt.stats[0]["ledger"]["restarted_from"] is None
+    assert not [w for w in recwarn if "gained state" in str(w.message)]
+
+
+def _scaled_step(model, opt, sched, sampler, scaler) -> None:
+    x, y = sampler.next_batch()
+    opt.zero_grad(set_to_none=True)
+    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    scaler.step(opt)  # a fused optimizer: GradScaler hands it grad_scale and found_inf
+    scaler.update()
+    sched.step()
+
+
+def test_grad_scaler_with_a_fused_optimizer_falls_back_to_window_1(tmp_path):
+    twin_model, twin_opt, twin_sched, twin_sampler = make_run(fused=True)
+    twin_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    twin = {}
+    for it in range(1, 8):
+        _scaled_step(twin_model, twin_opt, twin_sched, twin_sampler, twin_scaler)
+        twin[it] = snapshot(twin_model, twin_opt)
+    model, opt, sched, sampler = make_run(fused=True)  # seeds again: the same dropout masks as the twin
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with pytest.warns(UserWarning, match=r"GradScaler drives this optimizer's fused step.*use window=1 instead"):
+        with Checkpointer(model, opt, tmp_path, window=4, consistency="replay", stateful={"sched": sched}) as ckpt:
+            for it in range(1, 8):
+                _scaled_step(model, opt, sched, sampler, scaler)
+                if it == REQUEST_AT:
+                    ckpt.request()
+                ckpt.step()
+            (info,) = ckpt.wait(timeout_s=120)
+    assert (info.step, info.window, info.mode) == (REQUEST_AT, 1, "window")
+    fresh, fresh_opt, _, _ = make_run(seed=7, fused=True)
+    load(str(tmp_path), fresh, fresh_opt)
+    assert_state_equal(*twin[REQUEST_AT], fresh, fresh_opt)
+
+
+@pytest.mark.parametrize(
+    "optimizer, expected",
+    [
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True), True),  # foreach by default on CUDA
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, foreach=False), False),
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), False),
+        (lambda p: torch.optim.AdamW(p, lr=0.1, foreach=True), False),
+    ],
+)
+def test_optimizers_that_write_gradients_in_their_step_are_known(optimizer, expected):
+    # SGD's foreach Nesterov path adds the momentum into .grad in place (torch/optim/sgd.py):
+    # its gradient copy must be fenced before the step, not after.
+    from overlapckpt.engine import _step_writes_gradients
+
+    model, _, _, _ = make_run()
+    assert _step_writes_gradients(optimizer(model.parameters())) is expected
