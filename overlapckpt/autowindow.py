@@ -203,31 +203,55 @@ FWD_BWD_END, OPT_START, OPT_END, FWD_BWD_START = "fwd_bwd_end", "opt_start", "op
 _PHASES = {FWD_BWD_END: (FWD_BWD_START, "fwd_bwd"), OPT_END: (OPT_START, "optimizer_step")}
 
 
-class HostGapTimer:
-    """Step phases on CPU: the host clock at the hook boundaries."""
+class _PhaseTimer:
+    """Stamps at the hook boundaries; a phase is the span from its opening boundary to its closing one."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.clock = clock
-        self._opened: dict[str, float] = {}
-        self._samples: deque[tuple[str, float]] = deque(maxlen=2 * COMPUTE_GAP_SAMPLES)
+    _MAX_PENDING = 2 * COMPUTE_GAP_SAMPLES  # phases not yet collected; the oldest are dropped
+
+    def __init__(self) -> None:
+        self._opened: dict[str, Any] = {}
+        self._pending: deque[tuple[str, Any, Any]] = deque(maxlen=self._MAX_PENDING)
 
     def mark(self, boundary: str) -> None:
-        now = self.clock()
+        stamp = self._stamp()
         if boundary in _PHASES:
             opener, phase = _PHASES[boundary]
             started = self._opened.pop(opener, None)
             if started is not None:
-                self._samples.append((phase, now - started))
+                self._pending.append((phase, started, stamp))
         else:
-            self._opened[boundary] = now
+            self._opened[boundary] = stamp
 
     def collect(self) -> list[tuple[str, float]]:
-        out = list(self._samples)
-        self._samples.clear()
+        """(phase, seconds) of every phase whose end can be read now, oldest first."""
+        out = []
+        while self._pending and self._readable(self._pending[0][2]):
+            phase, start, end = self._pending.popleft()
+            out.append((phase, self._seconds(start, end)))
         return out
 
+    def _stamp(self) -> Any:
+        raise NotImplementedError
 
-class CudaGapTimer:
+    def _readable(self, end: Any) -> bool:
+        return True
+
+    def _seconds(self, start: Any, end: Any) -> float:
+        return end - start
+
+
+class HostGapTimer(_PhaseTimer):
+    """Step phases on CPU: the host clock at the hook boundaries."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        super().__init__()
+        self.clock = clock
+
+    def _stamp(self) -> float:
+        return self.clock()
+
+
+class CudaGapTimer(_PhaseTimer):
     """Step phases on the GPU: events on the compute stream, read once both have run.
 
     The host runs ahead of the device, so host clocks would time the launches, not
@@ -235,31 +259,22 @@ class CudaGapTimer:
     synchronized, so measuring costs the training stream nothing.
     """
 
-    # Event pairs waiting to complete; the oldest are dropped if the device lags this far.
-    _MAX_PENDING = 16
+    _MAX_PENDING = 16  # event pairs waiting to complete; the oldest are dropped if the device lags this far
 
     def __init__(self, device: torch.device) -> None:
+        super().__init__()
         self.device = device
-        self._opened: dict[str, torch.cuda.Event] = {}
-        self._pending: deque[tuple[str, torch.cuda.Event, torch.cuda.Event]] = deque(maxlen=self._MAX_PENDING)
 
-    def mark(self, boundary: str) -> None:
+    def _stamp(self) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.device))
-        if boundary in _PHASES:
-            opener, phase = _PHASES[boundary]
-            started = self._opened.pop(opener, None)
-            if started is not None:
-                self._pending.append((phase, started, event))
-        else:
-            self._opened[boundary] = event
+        return event
 
-    def collect(self) -> list[tuple[str, float]]:
-        out = []
-        while self._pending and self._pending[0][2].query():
-            phase, start, end = self._pending.popleft()
-            out.append((phase, start.elapsed_time(end) / 1000.0))
-        return out
+    def _readable(self, end: torch.cuda.Event) -> bool:
+        return end.query()
+
+    def _seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        return start.elapsed_time(end) / 1000.0
 
 
 def make_gap_timer(device: torch.device) -> HostGapTimer | CudaGapTimer:

@@ -70,8 +70,9 @@ class Checkpointer:
         optimizer: a ``torch.optim.Optimizer`` over ``model``'s parameters.
         path: a local directory or fsspec URL (``s3://bucket/prefix``); created if missing.
         window: optimizer steps to spread the device-to-host copy over (1 = exact at the requested step),
-            or ``"auto"``: per checkpoint, the smallest window whose per-step copy fits inside the measured
-            forward+backward time (the choice and its inputs are in each checkpoint's ledger).
+            or ``"auto"``: per checkpoint, the smallest window whose copies fit inside the measured step
+            phases, else the one with the least estimated stall (the choice and its inputs are in each
+            checkpoint's ledger).
         every: start a checkpoint after every ``every``-th optimizer step (None: only on ``request()``).
         keep: keep only the newest ``keep`` committed checkpoints (None: keep all).
         stateful: name -> object with ``state_dict()``/``load_state_dict()`` (schedulers, samplers, ...).

@@ -43,7 +43,7 @@ from .gradlog import GradientStep, ReplayLog, capture_hyperparameters
 from .hostbuf import view_bytes
 from .ledger import CheckpointLedger, GroupRecord
 from .manifest import CheckpointInfo, checkpoint_name
-from .plan import CopyPlan, make_plan, staging_bytes
+from .plan import CopyPlan, make_plan, staging_span
 from .slots import SlotPool
 from .snapshot import OPEN, SENT, HostSlot, Snapshot
 from .state import (
@@ -242,8 +242,6 @@ class SnapshotEngine:
         if self.slots.may_have_free_slot():
             layout = self._current_layout()  # once per start: every plan below is for this layout
             window, choice = self._choose_window(layout)
-            if window > 1 and self.consistency == "replay" and self._grad_scaler_seen:
-                window = 1  # exact at the request; see _GRAD_SCALER_WARNING
             plan = self._registered_plan(layout, window)
             slot = self.slots.free_slot(plan)
         if slot is None:
@@ -258,8 +256,10 @@ class SnapshotEngine:
         self._start_snapshot(slot, deferred, layout, plan, choice)
 
     def _choose_window(self, layout: StateLayout) -> tuple[int, WindowChoice | None]:
+        # Replay cannot follow GradScaler's fused step: window 1 instead, exact at the request.
+        replay_blocked = self.consistency == "replay" and self._grad_scaler_seen
         if self.tuner is None:
-            return int(self.window_setting), None
+            return (1 if replay_blocked else int(self.window_setting)), None
         if self.gap_timer is not None:
             for phase, seconds in self.gap_timer.collect():
                 if phase == "fwd_bwd":
@@ -268,7 +268,8 @@ class SnapshotEngine:
                     self.tuner.observe_optimizer_step(seconds)
         choice = self.tuner.choose(
             lambda w: copy_schedule(self._plan_for(layout, w), layout, self._mode_for(w)),
-            lambda w: self._mode_for(w) != "stage" or self._staging_fits(self._plan_for(layout, w), layout),
+            lambda w: (w == 1 or not replay_blocked)
+            and (self._mode_for(w) != "stage" or self._staging_fits(staging_span(self._plan_for(layout, w), layout)[1])),
         )
         return choice.window_steps, choice
 
@@ -421,9 +422,8 @@ class SnapshotEngine:
         later = [i for g in plan.groups[1:] for i in g.entry_indices]
         if not later:
             return
-        base = min(plan.offsets[i] for i in later)
-        needed = staging_bytes(plan, layout)
-        if not self._staging_fits(plan, layout):
+        base, needed = staging_span(plan, layout)
+        if not self._staging_fits(needed):
             raise ConfigError(
                 f"stage mode needs {needed} bytes of staging for window {snap.window} "
                 f"(groups 1..{snap.window - 1} of {layout.nbytes} bytes of state), but "
@@ -440,7 +440,7 @@ class SnapshotEngine:
         # memory a budget reserved up front is kept.
         capacity = needed if self.stage_budget_bytes is None else max(needed, self.stage_budget_bytes)
         if slot.staging is None or slot.staging.numel() != capacity:
-            slot.staging = None
+            slot.staging = None  # freed first, so the old and the new area are never both held
             slot.staging = torch.empty(capacity, dtype=torch.uint8, device=self.device)
         staged = [None] * len(layout.entries)
         for i in later:
@@ -451,8 +451,8 @@ class SnapshotEngine:
             torch._foreach_copy_(targets, [layout.live_tensors[i].detach() for i in later])
         slot.staged_views = staged  # type: ignore[assignment]
 
-    def _staging_fits(self, plan: CopyPlan, layout: StateLayout) -> bool:
-        return self.stage_budget_bytes is None or staging_bytes(plan, layout) <= self.stage_budget_bytes
+    def _staging_fits(self, needed_bytes: int) -> bool:
+        return self.stage_budget_bytes is None or needed_bytes <= self.stage_budget_bytes
 
     def _log_gradients(self, snap: Snapshot, step: int) -> None:
         """Pre-hook of step ``step`` inside a replay window: copy the gradients it will consume."""
@@ -582,9 +582,6 @@ class SnapshotEngine:
         )
 
     def _send(self, snap: Snapshot) -> None:
-        if self.tuner is not None:
-            timed = [t for t in snap.tickets if t.copy_s]
-            self.tuner.observe_copies(sum(t.nbytes for t in timed), sum(t.copy_s or 0.0 for t in timed))
         for g in snap.ledger.groups:
             landed = [t.landed_at_s or 0.0 for t in snap.tickets if t.group_index == g.index]
             if landed:
@@ -592,6 +589,8 @@ class SnapshotEngine:
         snap.ledger.mark_complete()
         snap.state = SENT
         stats = self._stats_of(snap)
+        if self.tuner is not None:  # every copy has landed: the bandwidth the next choice uses
+            self.tuner.observe_copies(stats["copied_nbytes"], stats["copy_s"])
         self.writer.send(
             p.PersistRequest(
                 request_id=snap.request_id,

@@ -21,7 +21,7 @@ def list_checkpoints(path: str, storage_options: dict[str, Any] | None = None) -
     out = []
     for name in store.committed_names():
         try:
-            manifest = parse_manifest(store.read_bytes(name, MANIFEST_NAME), store.checkpoint_url(name))
+            manifest = read_manifest(store, name)
         except (OverlapCkptError, OSError) as e:
             warnings.warn(f"overlapckpt: skipping {store.checkpoint_url(name)}: {e}", stacklevel=2)
             continue

@@ -110,10 +110,11 @@ def make_plan(entries: list[TensorEntry], window_steps: int, fingerprint: int = 
     )
 
 
-def staging_bytes(plan: CopyPlan, layout: StateLayout) -> int:
-    """Device bytes stage mode clones at the request: groups 1..W-1, one contiguous span."""
+def staging_span(plan: CopyPlan, layout: StateLayout) -> tuple[int, int]:
+    """What stage mode clones at the request: groups 1..W-1, one contiguous span of the slot
+    layout, as (its first byte's slot offset, its bytes); (0, 0) for a window of 1."""
     later = [i for g in plan.groups[1:] for i in g.entry_indices]
     if not later:
-        return 0
+        return 0, 0
     base = min(plan.offsets[i] for i in later)
-    return max(plan.offsets[i] + layout.entries[i].nbytes for i in later) - base
+    return base, max(plan.offsets[i] + layout.entries[i].nbytes for i in later) - base
