@@ -119,17 +119,17 @@ def run_method(method: Method, workload: Workload, plan: dict[str, int], root: s
     timer.mark()
     for k in range(plan["stall_checkpoints"]):
         if k:
-            timer.pause()  # the previous checkpoint commits here, outside every step time
-            method.drain(timeout_s)
-            synchronize()
-            timer.resume()
+            with timer.untimed():  # the previous checkpoint commits here
+                method.drain(timeout_s)
+                synchronize()
         for j in range(plan["quiet_steps"] + every):
             index = k * (plan["quiet_steps"] + every) + j
             request = j == plan["quiet_steps"]
             (checkpoint_steps if request else quiet_steps if j < plan["quiet_steps"] else []).append(index)
             iteration(request, "stall")
             timer.mark()
-            memory.sample_children()
+            with timer.untimed():
+                memory.sample_children()
     step_times = timer.step_times_s()  # synchronizes with the device on GPU
     method.drain(timeout_s)
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import glob
 import os
 import platform
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -17,8 +19,8 @@ class StepTimer:
 
     On the GPU the host runs ahead, so a host clock would time kernel launches; an
     event per iteration boundary times what the device did, including any idle gap
-    a blocking call left in its queue. ``pause()``/``resume()`` leave an untimed gap
-    (the harness waits for a commit there) that no step time spans.
+    a blocking call left in its queue. ``untimed()`` leaves a gap that no step time
+    spans (the harness waits for a commit, or reads /proc, there).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -34,11 +36,14 @@ class StepTimer:
         else:
             self._segments[-1].append(time.perf_counter())
 
-    def pause(self) -> None:
+    @contextlib.contextmanager
+    def untimed(self) -> Iterator[None]:
+        """Between two iterations: the work inside counts in no step's time."""
         self._segments.append([])
-
-    def resume(self) -> None:
-        self.mark()
+        try:
+            yield
+        finally:
+            self.mark()
 
     def step_times_s(self) -> list[float]:
         out: list[float] = []

@@ -87,13 +87,18 @@ def _adamw_run(width, opt_kwargs):
     return model, opt, lambda: torch.randn(32, width, device="cuda", generator=gen)
 
 
-def _twin_states(width, steps, opt_kwargs):
+def _twin_states(width, steps, opt_kwargs, step=_step):
     model, opt, batch = _adamw_run(width, opt_kwargs)
     states = {}
     for s in range(1, steps + 1):
-        _step(model, opt, batch())
+        step(model, opt, batch())
         states[s] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return states
+
+
+def _max_rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest absolute error relative to the reference tensor's largest magnitude."""
+    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
 def _checkpointed(tmp_path, width, steps, request_at, window, consistency, opt_kwargs):
@@ -125,8 +130,7 @@ def test_replay_window_4_fused_adamw_within_1e6(tmp_path, request):
     report = {}
     for k, v in twin[6].items():
         got = restored[k]
-        # Per tensor: the largest absolute error relative to the tensor's largest magnitude.
-        rel = ((got - v).abs().max() / v.abs().max().clamp_min(1e-30)).item()
+        rel = _max_rel_error(got, v)
         report[k] = {"max_rel_error": rel, "bit_identical_share": (got == v).float().mean().item()}
         assert rel <= 1e-6, (k, rel)
     out = request.config.getoption("--gpu-report", default=None)
@@ -168,12 +172,8 @@ def test_replay_stays_correct_when_gradients_are_zeroed_in_place(tmp_path):
         model(x).square().mean().backward()
         opt.step()
 
+    twin = _twin_states(512, 12, {"fused": True}, step=step)
     model, opt, batch = _adamw_run(512, {"fused": True})
-    twin_model, twin_opt, twin_batch = _adamw_run(512, {"fused": True})
-    twin = {}
-    for s in range(1, 13):
-        step(twin_model, twin_opt, twin_batch())
-        twin[s] = {k: v.detach().cpu().clone() for k, v in twin_model.state_dict().items()}
     with Checkpointer(model, opt, tmp_path, window=4, consistency="replay") as ckpt:
         for s in range(1, 13):
             step(model, opt, batch())
@@ -185,5 +185,4 @@ def test_replay_stays_correct_when_gradients_are_zeroed_in_place(tmp_path):
     fresh, fresh_opt, _ = _adamw_run(512, {"fused": True})
     load(str(tmp_path), fresh, fresh_opt)
     for k, v in twin[6].items():
-        got = fresh.state_dict()[k].detach().cpu()
-        assert ((got - v).abs().max() / v.abs().max().clamp_min(1e-30)).item() <= 1e-6, k
+        assert _max_rel_error(fresh.state_dict()[k].detach().cpu(), v) <= 1e-6, k
