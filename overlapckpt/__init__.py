@@ -4,6 +4,7 @@ from .checkpointer import Checkpointer
 from .errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    CheckpointReadError,
     CheckpointWriteError,
     ConfigError,
     CorruptCheckpointError,
@@ -19,6 +20,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "CheckpointReadError",
     "CheckpointStore",
     "CheckpointWriteError",
     "Checkpointer",

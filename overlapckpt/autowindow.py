@@ -185,14 +185,21 @@ class WindowTuner:
         )
 
 
-def copy_schedule(plan: CopyPlan, layout: StateLayout, mode: str) -> CopySchedule:
-    """What each step of ``plan``'s window copies under a fence (see the module docstring)."""
-    param_bytes = {fqn: p.numel() * p.element_size() for fqn, p in zip(layout.param_fqns, layout.params)}
+def copy_schedule(plan: CopyPlan, layout: StateLayout, mode: str, gradients_fenced: bool = True) -> CopySchedule:
+    """What each step of ``plan``'s window copies under a fence (see the module docstring).
+
+    ``gradients_fenced``: replay's gradients are fenced right after the step they feed
+    (the copier reads ``.grad`` itself). Otherwise they are cloned on the device and
+    drained unfenced, but on the same side stream ahead of the next group's copy, so
+    the next optimizer step waits for both: their bytes count with the group's.
+    """
+    param_bytes = {fqn: p.numel() * p.element_size() for fqn, p in zip(layout.param_fqns, layout.param_locals)}
     out: CopySchedule = []
     grads_so_far = 0
     for group in plan.groups:
         fenced_group = group.nbytes if (mode != "stage" or group.index == 0) else 0
-        out.append((fenced_group, grads_so_far if mode == "replay" else 0))
+        grads = grads_so_far if mode == "replay" else 0
+        out.append((fenced_group, grads) if gradients_fenced else (fenced_group + grads, 0))
         grads_so_far += sum(param_bytes[f] for f in group.param_fqns)
     return out
 
@@ -203,7 +210,7 @@ FWD_BWD_END, OPT_START, OPT_END, FWD_BWD_START = "fwd_bwd_end", "opt_start", "op
 _PHASES = {FWD_BWD_END: (FWD_BWD_START, "fwd_bwd"), OPT_END: (OPT_START, "optimizer_step")}
 
 
-class _PhaseTimer:
+class PhaseTimer:
     """Stamps at the hook boundaries; a phase is the span from its opening boundary to its closing one."""
 
     _MAX_PENDING = 2 * COMPUTE_GAP_SAMPLES  # phases not yet collected; the oldest are dropped
@@ -240,7 +247,7 @@ class _PhaseTimer:
         return end - start
 
 
-class HostGapTimer(_PhaseTimer):
+class HostGapTimer(PhaseTimer):
     """Step phases on CPU: the host clock at the hook boundaries."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
@@ -251,7 +258,7 @@ class HostGapTimer(_PhaseTimer):
         return self.clock()
 
 
-class CudaGapTimer(_PhaseTimer):
+class CudaGapTimer(PhaseTimer):
     """Step phases on the GPU: events on the compute stream, read once both have run.
 
     The host runs ahead of the device, so host clocks would time the launches, not

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 from typing import Any
 
 import torch
 from torch import nn
 
-from .autowindow import AUTO_WINDOW, DEFAULT_MAX_WINDOW
+from .autowindow import AUTO_WINDOW, DEFAULT_MAX_WINDOW, PhaseTimer, make_gap_timer
 from .engine import SnapshotEngine
 from .errors import ConfigError, UnsupportedOptimizerError
 from .extra_state import encode
@@ -16,7 +17,10 @@ from .gradlog import REPLAYABLE_OPTIMIZERS
 from .loading import load
 from .manifest import CheckpointInfo
 from .state import check_optimizer_matches_model
+from .distributed import DistributedRun, is_distributed, set_up_distributed
+from .state import CheckpointScope
 from .storage import CheckpointStore
+from .transfer import Copier, make_copier
 from .writer import WriterProcess
 
 CONSISTENCY_MODES = ("replay", "stage")
@@ -83,6 +87,22 @@ class Checkpointer:
         max_inflight: snapshots in flight at once; each holds one host slot of the state's size.
         store_class: a ``CheckpointStore`` subclass the writer process uses to reach storage.
         max_window: with ``window="auto"``, the widest window it may choose.
+        keep_staging: stage mode: keep the device staging area between checkpoints (no allocation per
+            checkpoint) instead of freeing it after its last drain.
+        copier: how bytes reach host memory (``overlapckpt.transfer``): by default a side CUDA stream
+            on GPU and a copy at the call on CPU; ``CpuStreamCopier`` models a stream on the CPU.
+        phase_timer: with ``window="auto"``, what times forward+backward and the optimizer step
+            (default: CUDA events on GPU, the host clock on CPU).
+        process_group: under torch.distributed, the ranks that checkpoint together (default: the
+            world). Construct the Checkpointer on every rank of it, with the same settings.
+        collective_timeout_s: distributed: the timeout of every collective of the writers' group (a
+            dead writer or rank surfaces as an error within it).
+        agreement_timeout_s: distributed: how far apart in time the ranks may reach the same
+            checkpoint before the request counts as one that other ranks did not make.
+
+    Host buffers are allocated on a background thread as soon as the state's size is known
+    (here if the optimizer has state, else right after the first ``optimizer.step()``), so no
+    checkpoint's hooks pay for allocating or pinning them.
 
     Call ``ckpt.step()`` at the end of each iteration (after ``scheduler.step()``): it is
     the boundary at which stateful objects and RNG states are captured.
@@ -104,6 +124,12 @@ class Checkpointer:
         max_inflight: int = 1,
         store_class: type[CheckpointStore] = CheckpointStore,
         max_window: int = DEFAULT_MAX_WINDOW,
+        keep_staging: bool = False,
+        copier: Copier | None = None,
+        phase_timer: PhaseTimer | None = None,
+        process_group: Any = None,
+        collective_timeout_s: float = 300.0,
+        agreement_timeout_s: float = 120.0,
     ) -> None:
         _check_window(window, max_window)
         _check_positive_int("every", every, "checkpoint after every N-th optimizer step, or None")
@@ -129,8 +155,28 @@ class Checkpointer:
                 "import; define it in an importable module"
             )
 
+        for name, value in (("collective_timeout_s", collective_timeout_s), ("agreement_timeout_s", agreement_timeout_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"{name}={value!r} is invalid; pass a number of seconds > 0")
         self.path = os.fspath(path)
         self.storage_options = dict(storage_options or {})
+        self._distributed: DistributedRun | None = None
+        if is_distributed(process_group):
+            settings = {
+                "path": self.path,
+                "window": window,
+                "consistency": consistency,
+                "every": every,
+                "keep": keep,
+                "max_inflight": max_inflight,
+                "max_window": max_window,
+                "stage_budget_bytes": stage_budget_bytes,
+                "keep_staging": bool(keep_staging),
+                "stateful": sorted(stateful),
+                "store_class": f"{store_class.__module__}.{store_class.__qualname__}",
+                "copier": None if copier is None else type(copier).__qualname__,
+            }
+            self._distributed = set_up_distributed(model, process_group, settings, collective_timeout_s, agreement_timeout_s)
         store = store_class(self.path, self.storage_options)
         store.prepare_root()
         self.model = model
@@ -140,21 +186,43 @@ class Checkpointer:
         self.consistency = consistency
         self._closed = False
         self._writer = WriterProcess(
-            self.path, self.storage_options, (store_class.__module__, store_class.__qualname__)
+            self.path,
+            self.storage_options,
+            (store_class.__module__, store_class.__qualname__),
+            group=None if self._distributed is None else self._distributed.writer_spec,
         )
-        self._engine = SnapshotEngine(
-            model,
-            optimizer,
-            window=window,
-            consistency=consistency,
-            every=every,
-            keep=keep,
-            stateful=stateful,
-            writer=self._writer,
-            max_inflight=max_inflight,
-            stage_budget_bytes=stage_budget_bytes,
-            max_window=max_window,
-        )
+        if self._distributed is not None:
+            try:
+                self._writer.wait_ready()  # every rank's writer has joined the writers' group
+            except BaseException:
+                self._writer.close()
+                raise
+        first = next(iter(model.parameters()), None)
+        device = first.device if first is not None else torch.device("cpu")
+        if window == AUTO_WINDOW and phase_timer is None:
+            phase_timer = make_gap_timer(device)
+        try:
+            self._engine = SnapshotEngine(
+                model,
+                optimizer,
+                window=window,
+                consistency=consistency,
+                every=every,
+                keep=keep,
+                stateful=stateful,
+                writer=self._writer,
+                max_inflight=max_inflight,
+                stage_budget_bytes=stage_budget_bytes,
+                keep_staging=bool(keep_staging),
+                max_window=max_window,
+                copier=copier if copier is not None else make_copier(device),
+                gap_timer=phase_timer if window == AUTO_WINDOW else None,
+                device=device,
+                scope=CheckpointScope() if self._distributed is None else self._distributed.scope,
+            )
+        except BaseException:
+            self._writer.close()  # nothing may outlive a constructor that raised
+            raise
 
     # ---- training loop ---------------------------------------------------------------
 
@@ -172,7 +240,8 @@ class Checkpointer:
         """Finish every requested checkpoint and block until each has committed.
 
         Open windows are closed at the current step. Returns the checkpoints committed
-        since the previous ``wait()``; raises the writer's error, or TimeoutError.
+        since the previous ``wait()``; raises the writer's error, or ``CheckpointTimeoutError``
+        (a ``TimeoutError``).
         """
         self._check_open()
         return self._engine.wait(timeout_s)
@@ -202,7 +271,7 @@ class Checkpointer:
     @property
     def stats(self) -> list[dict[str, Any]]:
         """Per committed checkpoint: step, bytes, copy time, device-side waits, time to commit, ledger."""
-        return [dict(s) for s in self._engine.stats]
+        return [asdict(s) for s in self._engine.dispatcher.stats]
 
     @property
     def deferrals(self) -> int:

@@ -38,3 +38,15 @@ class CheckpointMismatchError(OverlapCkptError, ValueError):
 
 class CheckpointNotFoundError(OverlapCkptError, FileNotFoundError):
     """No committed checkpoint matches the request."""
+
+
+class CheckpointReadError(OverlapCkptError, OSError):
+    """Storage could not be read (connection lost, file missing, permission): not corruption; the cause is chained."""
+
+
+class CheckpointTimeoutError(OverlapCkptError, TimeoutError):
+    """``wait``/``close`` ran out of time before every requested checkpoint committed."""
+
+
+class RankDisagreementError(OverlapCkptError):
+    """The ranks of a distributed run did not request the same checkpoint; nothing was committed."""

@@ -38,6 +38,20 @@ def map_shared_file(path: str, nbytes: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
+def map_existing_file(path: str, nbytes: int) -> torch.Tensor:
+    """Map ``path`` like ``map_shared_file``, but raise FileNotFoundError instead of creating it.
+
+    The writer maps a buffer some time after the training process announced it; if
+    the training side released (unlinked) it meanwhile, creating the file again here
+    would leave it in /dev/shm for good.
+    """
+    fd = os.open(path, os.O_RDWR)  # no O_CREAT
+    try:
+        return map_shared_file(f"/proc/self/fd/{fd}", nbytes) if os.path.isdir("/proc/self/fd") else map_shared_file(path, nbytes)
+    finally:
+        os.close(fd)
+
+
 def _reserve(fd: int, nbytes: int) -> None:
     if not hasattr(os, "posix_fallocate"):  # macOS
         os.ftruncate(fd, nbytes)

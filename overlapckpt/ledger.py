@@ -24,7 +24,8 @@ class GroupRecord:
 
 @dataclass
 class CheckpointLedger:
-    requested_step: int
+    requested_step: int  # the step after which the checkpoint was requested
+    started_step: int  # the step its copies started after: later when it waited for a free slot
     target_version: int
     window: int
     mode: str
@@ -65,6 +66,7 @@ class CheckpointLedger:
     def to_json(self) -> dict[str, Any]:
         return {
             "requested_step": self.requested_step,
+            "started_step": self.started_step,
             "target_version": self.target_version,
             "window": self.window,
             "mode": self.mode,

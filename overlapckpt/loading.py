@@ -3,43 +3,78 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from .errors import CheckpointMismatchError, CheckpointNotFoundError, CorruptCheckpointError, OverlapCkptError
+from .errors import CheckpointMismatchError, CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
 from .extra_state import decode
-from .manifest import MANIFEST_NAME, CheckpointInfo, checkpoint_name, parse_manifest, step_of_name, tensor_crc32
+from .manifest import CheckpointInfo, checkpoint_name, step_of_name, tensor_crc32
 from .state import check_shapes, flatten_tensors
-from .storage import CheckpointStore
+from .storage import CheckpointStore, dcp_root_cause, is_storage_error, translate_read_errors
+from .verify import describe_problems, read_manifest, verify_checkpoint
+
+
+def _listable(store: CheckpointStore, names: Iterable[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The committed checkpoints among ``names`` whose manifest reads and passes its checksum.
+
+    The one rule behind both ``list_checkpoints`` and ``load(step=None)``: a committed
+    checkpoint with a damaged manifest is skipped, with a warning. A storage failure
+    (CheckpointReadError) is raised, never skipped: skipping it would make
+    ``load(step=None)`` silently pick an older checkpoint.
+    """
+    for name in names:
+        try:
+            manifest = read_manifest(store, name)
+        except CorruptCheckpointError as e:
+            warnings.warn(f"overlapckpt: skipping {store.checkpoint_url(name)}: {e}", stacklevel=3)
+            continue
+        yield name, manifest
 
 
 def list_checkpoints(path: str, storage_options: dict[str, Any] | None = None) -> list[CheckpointInfo]:
-    """Committed checkpoints under ``path``, oldest first. Uncommitted directories never appear."""
+    """Committed checkpoints under ``path``, oldest first.
+
+    Uncommitted directories never appear; a committed one whose manifest is damaged
+    is skipped with a warning. CheckpointReadError if storage cannot be read.
+    """
     store = CheckpointStore(path, storage_options)
-    out = []
-    for name in store.committed_names():
-        try:
-            manifest = read_manifest(store, name)
-        except (OverlapCkptError, OSError) as e:
-            warnings.warn(f"overlapckpt: skipping {store.checkpoint_url(name)}: {e}", stacklevel=2)
-            continue
-        out.append(CheckpointInfo.from_manifest(manifest, store.checkpoint_url(name)))
-    return out
+    with translate_read_errors(store.root):
+        names = store.committed_names()
+    return [CheckpointInfo.from_manifest(m, store.checkpoint_url(n)) for n, m in _listable(store, names)]
 
 
-def resolve_checkpoint(store: CheckpointStore, step: int | None) -> str:
-    """The directory name of the requested committed checkpoint (the newest when ``step`` is None)."""
-    names = store.committed_names()
+def resolve_checkpoint(store: CheckpointStore, step: int | None, skip_damaged: bool = True) -> str:
+    """The directory name of the requested committed checkpoint.
+
+    ``step=None`` picks the checkpoint ``latest`` names, else the newest, among those
+    ``list_checkpoints`` lists (a damaged manifest is skipped; with ``skip_damaged=False``,
+    as ``verify`` wants, among all committed ones). A given ``step`` is returned if
+    committed; reading its manifest then raises if it is damaged.
+    """
+    with translate_read_errors(store.root):
+        names = store.committed_names()
     if not names:
         raise CheckpointNotFoundError(
             f"no committed checkpoint under {store.root!r}; check the path, or wait for a checkpoint to commit "
             "(a directory counts once its .metadata exists)"
         )
     if step is None:
-        latest = store.read_latest()
-        return latest if latest in names else names[-1]
+        with translate_read_errors(store.root):
+            latest = store.read_latest()
+        # Newest first, stopping at the first readable one: the manifests of older
+        # checkpoints need not be read.
+        preferred = ([latest] if latest in names else []) + [n for n in reversed(names) if n != latest]
+        if not skip_damaged:
+            return preferred[0]
+        for name, _ in _listable(store, preferred):
+            return name
+        raise CheckpointNotFoundError(
+            f"every committed checkpoint under {store.root!r} has a damaged manifest ({len(names)} of them); "
+            "see the warnings, and run `overlapckpt verify --all` on it"
+        )
     name = checkpoint_name(step)
     if name not in names:
         steps = [step_of_name(n) for n in names]
@@ -49,20 +84,15 @@ def resolve_checkpoint(store: CheckpointStore, step: int | None) -> str:
     return name
 
 
-def read_manifest(store: CheckpointStore, name: str) -> dict[str, Any]:
-    """The manifest of committed checkpoint ``name``; CorruptCheckpointError if it is missing or unreadable."""
-    where = store.checkpoint_url(name)
-    try:
-        raw = store.read_bytes(name, MANIFEST_NAME)
-    except FileNotFoundError as e:
-        raise CorruptCheckpointError(f"{where} is committed but has no {MANIFEST_NAME}; it was not written by overlapckpt") from e
-    return parse_manifest(raw, f"{where}/{MANIFEST_NAME}")
-
-
 def read_into(store: CheckpointStore, name: str, host: dict[str, Any]) -> None:
-    """Fill host tensors from checkpoint ``name`` with DCP; CorruptCheckpointError if it cannot be read."""
+    """Fill host tensors from checkpoint ``name`` with DCP.
+
+    CheckpointReadError if storage fails, CorruptCheckpointError if the bytes cannot
+    be decoded.
+    """
     import torch.distributed.checkpoint as dcp
 
+    where = store.checkpoint_url(name)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
@@ -70,8 +100,13 @@ def read_into(store: CheckpointStore, name: str, host: dict[str, Any]) -> None:
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # DCP's CheckpointException derives from BaseException
-        where = store.checkpoint_url(name)
-        raise CorruptCheckpointError(f"reading the checkpoint {where} failed: {type(e).__name__}: {e}") from e
+        cause = dcp_root_cause(e)
+        if is_storage_error(cause):
+            raise CheckpointReadError(
+                f"reading the checkpoint {where} failed: {type(cause).__name__}: {cause}; the storage could not be "
+                "read (this is not corruption): check the connection, credentials and files, then retry"
+            ) from cause
+        raise CorruptCheckpointError(f"reading the checkpoint {where} failed: {type(cause).__name__}: {cause}") from cause
 
 
 def _empty_like_on_cpu(value: Any) -> Any:
@@ -99,14 +134,28 @@ def load(
     ``step=None`` loads the newest committed checkpoint. The checkpoint is read into
     host memory and checked first (shapes, then per-item checksums when ``verify``),
     so a mismatched or corrupt checkpoint raises before any live object changes.
+    With ``verify``, every stored byte is checked against the manifest's checksums
+    first (CorruptCheckpointError naming the file and blob), and each decoded tensor
+    against the CRC-32 of the snapshot it was saved from. Storage failures raise
+    CheckpointReadError, never CorruptCheckpointError.
     """
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
 
     store = CheckpointStore(path, storage_options)
     name = resolve_checkpoint(store, step)
     where = store.checkpoint_url(name)
     manifest = read_manifest(store, name)
+    if verify:
+        # Every stored byte against the checksums taken as it was written, before DCP
+        # unpickles .metadata or decodes a blob. This reads the shards once here and
+        # once more in DCP's load below: twice the reads, for a refusal that never
+        # leaves a half-loaded state and names the damaged blob.
+        report = verify_checkpoint(store, name, manifest)
+        if not report.ok:
+            raise CorruptCheckpointError(
+                f"reading the checkpoint {where} failed verification: {describe_problems(report)}; restore from an "
+                "older checkpoint (list_checkpoints), or pass verify=False to inspect it"
+            )
 
     if optimizer is not None:
         msd, osd = get_state_dict(model, optimizer)
@@ -121,12 +170,14 @@ def load(
     host = _empty_like_on_cpu(target)
     read_into(store, name, host)
     if verify:
+        # End to end: the tensors DCP decoded against the host snapshot that was saved.
         for key, t in flatten_tensors(host).items():
             item = manifest["items"].get(key)
             if item is not None and tensor_crc32(t) != int(item["crc32"]):
                 raise CorruptCheckpointError(
-                    f"checksum mismatch for {key!r} in {where}: the stored bytes differ from what was "
-                    "saved; restore from an older checkpoint (list_checkpoints) or pass verify=False to inspect it"
+                    f"checksum mismatch for {key!r} in {where}: the tensor read back differs from the snapshot "
+                    "that was saved, though the stored bytes match their checksums (a serialization fault); "
+                    "restore from an older checkpoint (list_checkpoints) or pass verify=False to inspect it"
                 )
 
     extra = decode(manifest.get("extra_state", {}))

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import ConfigError
-from .state import ROLE_BUFFER, StateLayout, TensorEntry
+from .state import ROLE_BUFFER, TensorEntry
+from .transfer import SMALL_COPY_BYTES
 
 # Each entry starts on a 64-byte boundary: the widest vector load, and the cache line.
 ENTRY_ALIGN_BYTES = 64
@@ -45,7 +46,8 @@ class CopyPlan:
         return {fqn: g.index for g in self.groups for fqn in g.param_fqns}
 
 
-def _align(n: int) -> int:
+def align_bytes(n: int) -> int:
+    """``n`` rounded up to the entry alignment."""
     return (n + ENTRY_ALIGN_BYTES - 1) // ENTRY_ALIGN_BYTES * ENTRY_ALIGN_BYTES
 
 
@@ -86,7 +88,9 @@ def make_plan(entries: list[TensorEntry], window_steps: int, fingerprint: int = 
         idx = [i for f in fqns for i in unit_entries[f]]
         if j == window_steps - 1:
             idx += tail
-        order.extend(idx)
+        # Small entries (step counters, scalars) last and together: the copier gathers
+        # them into one transfer when their destinations form one dense span.
+        order.extend(sorted(idx, key=lambda i: entries[i].nbytes <= SMALL_COPY_BYTES))
         groups.append(
             CopyGroup(
                 index=j,
@@ -100,7 +104,7 @@ def make_plan(entries: list[TensorEntry], window_steps: int, fingerprint: int = 
     cursor = 0
     for i in order:  # groups are contiguous in the slot: one group is one span
         offsets[i] = cursor
-        cursor += _align(entries[i].nbytes)
+        cursor += align_bytes(entries[i].nbytes)
     return CopyPlan(
         window_steps=window_steps,
         offsets=tuple(offsets),
@@ -108,13 +112,3 @@ def make_plan(entries: list[TensorEntry], window_steps: int, fingerprint: int = 
         groups=tuple(groups),
         fingerprint=fingerprint,
     )
-
-
-def staging_span(plan: CopyPlan, layout: StateLayout) -> tuple[int, int]:
-    """What stage mode clones at the request: groups 1..W-1, one contiguous span of the slot
-    layout, as (its first byte's slot offset, its bytes); (0, 0) for a window of 1."""
-    later = [i for g in plan.groups[1:] for i in g.entry_indices]
-    if not later:
-        return 0, 0
-    base = min(plan.offsets[i] for i in later)
-    return base, max(plan.offsets[i] + layout.entries[i].nbytes for i in later) - base

@@ -19,32 +19,35 @@ class InitRequest:
     root: str
     storage_options: dict[str, Any]
     store_class: tuple[str, str]  # (module, qualified name) of a CheckpointStore subclass
+    group: Any = None  # a WriterGroupSpec in a distributed run: the writers' group to join
 
 
 @dataclass
-class MapSlotRequest:
-    slot_id: int
+class MapBufferRequest:
+    buffer_id: int
     path: str
     nbytes: int
 
 
 @dataclass
-class ReleaseSlotRequest:
-    slot_id: int
+class ReleaseBufferRequest:
+    buffer_id: int
 
 
 @dataclass
-class SetLayoutRequest:
-    layout_id: int
-    entries: list[TensorEntry]
+class SetPlanRequest:
+    plan_id: int  # names one (layout, window) pair
+    entries: list[TensorEntry]  # this rank's share
     offsets: tuple[int, ...]
+    # Every tensor of the checkpoint across all ranks, by DCP key: the coverage the writers check.
+    global_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass
 class PersistRequest:
     request_id: int
-    slot_id: int
-    layout_id: int
+    buffer_id: int  # the host slot the snapshot landed in
+    plan_id: int
     name: str
     step: int
     requested_step: int
@@ -56,6 +59,7 @@ class PersistRequest:
     stats: dict[str, Any]
     keep: int | None
     replay: Any = None  # the replay log of a replay-mode snapshot (see replay.py)
+    proposed_next_window: int | None = None  # window="auto": this rank's choice for the next checkpoint
 
 
 @dataclass
@@ -70,7 +74,7 @@ class ReadyResponse:
 
 @dataclass
 class MappedResponse:
-    slot_id: int
+    buffer_id: int
 
 
 @dataclass
@@ -80,6 +84,7 @@ class CommittedResponse:
     committed_at: float  # UNIX time
     persist_s: float
     removed: list[str] = field(default_factory=list)  # names deleted by retention
+    agreed_next_window: int | None = None  # window="auto": the window every rank uses next
 
 
 @dataclass

@@ -1,60 +1,80 @@
-"""Host slots and the record of one in-flight snapshot.
+"""The record of one in-flight snapshot, its mode and its states.
 
-A snapshot moves through these states (implemented in ``engine.py``)::
+A snapshot moves through these states (the engine drives them, in ``engine.py``)::
 
-    OPEN: groups are being enqueued, one per step; ``version`` is set once the
-          snapshot's version V is reached (small state and boundary captured then)
-    OPEN ──(version set, every group enqueued, boundary closed, every copy's
-           event fired)──► SENT (the persist request is queued to the writer)
-    SENT ──(writer answered)──► removed: committed or failed; the slot is free again
+    COPYING ──(version V reached: every group enqueued or staged)──► AT_BOUNDARY
+    AT_BOUNDARY ──(ckpt.step(), or the next pre-hook: boundary state captured)──► LANDING
+    LANDING ──(every copy's event fired)──► SENT (the persist request is queued to the writer)
+    SENT ──(the writer answered)──► removed: committed or failed; its host slot is free again
+
+A stage-mode snapshot reaches V at once (groups 1..W-1 are staged on the device) and
+goes on draining the staging area while AT_BOUNDARY or LANDING: ``next_group`` tells
+how far the copies are; the snapshot leaves LANDING only when all are enqueued.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from .hostbuf import SharedHostBuffer
 from .ledger import CheckpointLedger
 from .plan import CopyPlan
+from .slots import HostSlot
 from .state import StateLayout
 from .transfer import CopyTicket
 
-OPEN = "open"
-SENT = "sent"
+
+class SnapshotMode(str, enum.Enum):
+    """How a snapshot reaches one consistent version; the value is what the manifest records."""
+
+    SINGLE_STEP = "single"  # window 1: the whole state copied after the requested step
+    REPLAY = "replay"  # group j copied after step s+j, rolled forward to s+W-1 on the CPU
+    STAGE = "stage"  # groups 1..W-1 cloned on the device at step s, drained over the window
+
+
+class SnapshotState(enum.Enum):
+    COPYING = "copying"
+    AT_BOUNDARY = "at-boundary"
+    LANDING = "landing"
+    SENT = "sent"
 
 
 @dataclass
-class HostSlot:
-    """Host memory for one snapshot, reused for every checkpoint that lands in it."""
+class BoundaryState:
+    """What is captured at the iteration boundary of the version: everything that is not a tracked tensor.
 
-    slot_id: int
-    buffer: SharedHostBuffer
-    busy: bool = False
-    # Destination views for each entry, cached per plan: building them costs host time.
-    views_key: tuple[int, int] | None = None  # (layout fingerprint, window) of the cached views
-    views: list[torch.Tensor] = field(default_factory=list)
-    # Replay mode: the gradients the window logs. Stage mode: the device staging area.
-    grad_buffer: SharedHostBuffer | None = None
-    grad_buffer_id: int | None = None
-    grad_offsets: dict[tuple[int, str], int] = field(default_factory=dict)
-    grad_views: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
-    grad_plan_key: tuple[int, int] | None = None  # (layout fingerprint, window) of the gradient views
-    staging: torch.Tensor | None = None
-    staged_views: list[torch.Tensor] = field(default_factory=list)
-    staging_ready_tickets: list[CopyTicket] = field(default_factory=list)
+    ``param_groups`` and non-tensor optimizer entries (``optimizer_scalars``) belong to
+    the optimizer's state dict; ``stateful`` and ``rng`` are the extra objects.
+    """
 
-    def entry_views(self, plan: CopyPlan, layout: StateLayout) -> list[torch.Tensor]:
-        key = (plan.fingerprint, plan.window_steps)
-        if self.views_key != key or len(self.views) != len(layout.entries):
-            self.views = [
-                self.buffer.view(off, e.dtype, e.shape) for e, off in zip(layout.entries, plan.offsets)
-            ]
-            self.views_key = key
-        return self.views
+    param_groups: list[dict[str, Any]]
+    optimizer_scalars: dict[str, Any]
+    stateful: dict[str, Any]
+    rng: dict[str, Any]
+
+
+@dataclass
+class SnapshotStats:
+    """One checkpoint's figures, built once and completed when the writer commits it."""
+
+    step: int | None
+    requested_step: int
+    mode: str
+    window: int
+    nbytes: int
+    copy_s: float = 0.0
+    copied_nbytes: int = 0  # state, and replay's gradients
+    device_waits_inserted: int = 0
+    device_waits_in_flight: int = 0
+    hook_host_s: float = 0.0
+    deferred: bool = False
+    time_to_commit_s: float | None = None
+    committed_at_unix_s: float | None = None
+    persist_s: float | None = None
+    path: str | None = None
+    ledger: dict[str, Any] | None = None
 
 
 @dataclass
@@ -62,27 +82,26 @@ class Snapshot:
     """One checkpoint between its request and its commit."""
 
     request_id: int
-    requested_step: int
+    requested_step: int  # the step after which the checkpoint was requested
+    started_step: int  # the step at which its copies started (later than requested when deferred)
     window: int
-    mode: str  # "window" (W=1), "replay" or "stage"
+    mode: SnapshotMode
     slot: HostSlot
     plan: CopyPlan
+    plan_id: int  # the id the writer knows this (layout, window) plan by
     layout: StateLayout
-    layout_id: int
     ledger: CheckpointLedger
-    state: str = OPEN
+    state: SnapshotState = SnapshotState.COPYING
     next_group: int = 0
     version: int | None = None
     tickets: list[CopyTicket] = field(default_factory=list)
     # Copies enqueued by an earlier hook whose fence the compute stream has not yet got.
     unfenced: list[CopyTicket] = field(default_factory=list)
-    fenced_at_hook: int = -1
-    small_state: dict[str, Any] | None = None
-    extra_state: dict[str, Any] | None = None
-    boundary_open: bool = False
-    replay_log: Any = None
+    # Stage mode: per entry, the staged tensor its drain reads (None: group 0, or copied at stage time).
+    staged_views: list[Any] = field(default_factory=list)
+    boundary: BoundaryState | None = None
+    replay_log: Any = None  # replay mode: the ReplayLog the writer rolls the groups forward with
     requested_wall_s: float = field(default_factory=time.time)
-    requested_perf_s: float = field(default_factory=time.perf_counter)
     device_waits_inserted: int = 0
     device_waits_in_flight: int = 0
     hook_host_s: float = 0.0
@@ -92,5 +111,21 @@ class Snapshot:
     def nbytes(self) -> int:
         return self.layout.nbytes
 
-    def landed(self) -> bool:
-        return all(t.landed_at_s is not None for t in self.tickets)
+    @property
+    def all_enqueued(self) -> bool:
+        return self.next_group == len(self.plan.groups)
+
+    def stats(self) -> SnapshotStats:
+        return SnapshotStats(
+            step=self.version,
+            requested_step=self.requested_step,
+            mode=self.mode.value,
+            window=self.window,
+            nbytes=self.nbytes,
+            copy_s=sum(t.copy_s or 0.0 for t in self.tickets),
+            copied_nbytes=sum(t.nbytes for t in self.tickets),
+            device_waits_inserted=self.device_waits_inserted,
+            device_waits_in_flight=self.device_waits_in_flight,
+            hook_host_s=self.hook_host_s,
+            deferred=self.deferred,
+        )

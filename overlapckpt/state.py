@@ -14,7 +14,6 @@ to.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch
 from torch import nn
 
 from .errors import CheckpointMismatchError, ConfigError
+from .ownership import OwnershipUnit, TensorPlacement, local_tensor, owned_units, placement_of
 
 ROLE_PARAM = "param"
 ROLE_BUFFER = "buffer"
@@ -37,19 +37,37 @@ class TensorEntry:
     role: str  # ROLE_PARAM, ROLE_BUFFER or ROLE_OPTIM
     param_fqn: str | None  # the parameter a param or optim entry belongs to
     dtype: torch.dtype
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # of the local part this rank holds
     nbytes: int
+    global_shape: tuple[int, ...] = ()  # of the whole tensor across ranks (= shape in one process)
+    global_offset: tuple[int, ...] = ()  # of the local part inside the whole tensor
+
+    @property
+    def is_whole(self) -> bool:
+        """The local part is the whole tensor (written as a plain tensor)."""
+        return self.global_shape == self.shape
+
+
+@dataclass(frozen=True)
+class CheckpointScope:
+    """This process's place in the group that checkpoints together."""
+
+    rank: int = 0
+    world_size: int = 1
 
 
 @dataclass
 class StateLayout:
     """The tensor entries of one model + optimizer, with references to the live tensors."""
 
-    entries: list[TensorEntry]
-    live_tensors: list[torch.Tensor]
-    param_fqns: list[str]  # every optimized parameter, in optimizer order
-    params: list[torch.Tensor]  # the live parameters, aligned with param_fqns
-    group_param_fqns: list[list[str]]  # param_groups[i]["params"] as FQNs
+    entries: list[TensorEntry]  # the entries this rank copies and writes (its share)
+    live_tensors: list[torch.Tensor]  # their local tensors
+    param_fqns: list[str]  # the optimized parameters this rank owns, in optimizer order
+    params: list[torch.Tensor]  # those live parameters (whose .grad replay logs), aligned with param_fqns
+    param_locals: list[torch.Tensor]  # their local parts (shapes of what is logged)
+    group_param_fqns: list[list[str]]  # param_groups[i]["params"] as FQNs, every rank's
+    # Every tensor of the checkpoint across all ranks: DCP key -> global shape (the writers check coverage).
+    global_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # Non-tensor leaves of optimizer.state, as (fqn, key) pairs read at capture time.
     small_optim_keys: list[tuple[str, str]] = field(default_factory=list)
     fingerprint: int = 0
@@ -86,12 +104,12 @@ def live_fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
             if st:
                 for k, v in st.items():
                     if isinstance(v, torch.Tensor):
-                        parts.append((k, id(v), v.data_ptr()))
+                        parts.append((k, id(v), local_tensor(v).data_ptr()))
                     else:
                         parts.append(k)
     for t in model.state_dict(keep_vars=True).values():
         if isinstance(t, torch.Tensor):
-            parts.append((t.data_ptr(), t.dtype, tuple(t.shape)))
+            parts.append((local_tensor(t).data_ptr(), t.dtype, tuple(t.shape)))
     return hash(tuple(parts))
 
 
@@ -109,75 +127,94 @@ def check_optimizer_matches_model(model: nn.Module, optimizer: torch.optim.Optim
 
 
 def _param_fqns(model: nn.Module) -> dict[int, str]:
+    """Parameter id -> the canonical FQN ``get_state_dict`` gives it (no ``module.``, ``_orig_mod.``)."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
     # named_parameters() lists a shared (tied) parameter once, under its first name,
     # which is also the name get_state_dict gives its optimizer state.
-    return {id(p): name for name, p in model.named_parameters()}
+    out = {}
+    for name, p in model.named_parameters():
+        fqns = _get_fqns(model, name)
+        out[id(p)] = next(iter(fqns)) if len(fqns) == 1 else name
+    return out
 
 
-def build_layout(model: nn.Module, optimizer: torch.optim.Optimizer) -> StateLayout:
-    """Describe every tensor to checkpoint, in a deterministic order.
+def build_layout(model: nn.Module, optimizer: torch.optim.Optimizer, scope: CheckpointScope = CheckpointScope()) -> StateLayout:
+    """Describe every tensor this rank checkpoints, in a deterministic order.
 
     Order: model entries in ``state_dict`` order, then optimizer state per parameter
     in optimizer order, each parameter's keys sorted. The optimizer state must exist
     (after the first ``optimizer.step()``); an empty state would make
     ``get_state_dict`` run a zero-gradient step, which changes Adam's step count.
+    In a distributed run only this rank's share is kept (``ownership.py``).
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     fqn_by_id = _param_fqns(model)
-    param_ptrs = {p.data_ptr() for p in model.parameters()}
-    entries: list[TensorEntry] = []
-    live: list[torch.Tensor] = []
+    param_ptrs = {local_tensor(p).data_ptr() for p in model.parameters()}
+    param_names = set(fqn_by_id.values())
+    candidates: list[tuple[TensorEntry, torch.Tensor, str, TensorPlacement]] = []  # entry, local, unit key, placement
 
-    model_sd = get_model_state_dict(model)
-    for fqn, t in model_sd.items():
+    for fqn, t in get_model_state_dict(model).items():
         if not isinstance(t, torch.Tensor):
             continue
-        local = _local_tensor(t)
-        role = ROLE_PARAM if local.data_ptr() in param_ptrs and fqn in fqn_by_id.values() else ROLE_BUFFER
-        entries.append(_entry(("model", fqn), role, fqn if role == ROLE_PARAM else None, local))
-        live.append(local)
+        local = local_tensor(t)
+        role = ROLE_PARAM if local.data_ptr() in param_ptrs and fqn in param_names else ROLE_BUFFER
+        placement = placement_of(t, scope.rank, scope.world_size)
+        entry = _entry(("model", fqn), role, fqn if role == ROLE_PARAM else None, local, placement)
+        candidates.append((entry, local, fqn, placement))
 
-    params: list[torch.Tensor] = []
-    param_fqns: list[str] = []
     group_fqns: list[list[str]] = []
     small_keys: list[tuple[str, str]] = []
+    param_by_fqn: dict[str, torch.Tensor] = {}
+    param_order: list[str] = []
     for group in optimizer.param_groups:
         names = []
         for p in group["params"]:
             fqn = fqn_by_id[id(p)]
             names.append(fqn)
-            params.append(p)
-            param_fqns.append(fqn)
+            param_by_fqn[fqn] = p
+            param_order.append(fqn)
             for k in sorted(optimizer.state.get(p, {}).keys(), key=str):
                 v = optimizer.state[p][k]
                 if isinstance(v, torch.Tensor):
-                    local = _local_tensor(v)
-                    entries.append(_entry(("optimizer", "state", fqn, str(k)), ROLE_OPTIM, fqn, local))
-                    live.append(local)
+                    local = local_tensor(v)
+                    placement = placement_of(v, scope.rank, scope.world_size)
+                    entry = _entry(("optimizer", "state", fqn, str(k)), ROLE_OPTIM, fqn, local, placement)
+                    candidates.append((entry, local, fqn, placement))
                 else:
                     small_keys.append((fqn, k))
         group_fqns.append(names)
 
+    # A unit takes the placement of its first tensor: the parameter itself (model entries
+    # come first), not a CPU step counter of its optimizer state, which every rank holds.
+    unit_bytes: dict[str, int] = {}
+    unit_placement: dict[str, TensorPlacement] = {}
+    for entry, _, unit, placement in candidates:
+        unit_bytes[unit] = unit_bytes.get(unit, 0) + entry.nbytes
+        unit_placement.setdefault(unit, placement)
+    owned = owned_units(
+        [OwnershipUnit(u, unit_bytes[u], unit_placement[u].replica_index, unit_placement[u].replica_count) for u in unit_bytes]
+    )
+    kept = [(e, t) for e, t, unit, _ in candidates if unit in owned]
+    owned_params = [f for f in param_order if f in owned]
     return StateLayout(
-        entries=entries,
-        live_tensors=live,
-        param_fqns=param_fqns,
-        params=params,
+        entries=[e for e, _ in kept],
+        live_tensors=[t for _, t in kept],
+        param_fqns=owned_params,
+        params=[param_by_fqn[f] for f in owned_params],
+        param_locals=[local_tensor(param_by_fqn[f]) for f in owned_params],
         group_param_fqns=group_fqns,
-        small_optim_keys=small_keys,
+        global_shapes={e.key: e.global_shape for e, _, _, _ in candidates},
+        small_optim_keys=[(f, k) for f, k in small_keys if f in owned],
         fingerprint=live_fingerprint(model, optimizer),
         shape_signature=optimizer_shape_signature(optimizer),
     )
 
 
-def _local_tensor(t: torch.Tensor) -> torch.Tensor:
-    # DTensor (FSDP2, TP) checkpoints its local shard; DCP's metadata carries the layout.
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
-
-
-def _entry(path: tuple[str, ...], role: str, param_fqn: str | None, t: torch.Tensor) -> TensorEntry:
+def _entry(
+    path: tuple[str, ...], role: str, param_fqn: str | None, t: torch.Tensor, placement: TensorPlacement
+) -> TensorEntry:
     return TensorEntry(
         key=".".join(path),
         path=path,
@@ -186,31 +223,9 @@ def _entry(path: tuple[str, ...], role: str, param_fqn: str | None, t: torch.Ten
         dtype=t.dtype,
         shape=tuple(t.shape),
         nbytes=t.numel() * t.element_size(),
+        global_shape=placement.global_shape,
+        global_offset=placement.global_offset,
     )
-
-
-def capture_small_state(layout: StateLayout, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Deep-copy the non-tensor optimizer state at the current version.
-
-    ``param_groups`` change every step (a scheduler sets lr), so they are read at the
-    version the snapshot holds. Tensors inside them (a tensor lr) are copied to CPU.
-    """
-    groups = []
-    for group, fqns in zip(optimizer.param_groups, layout.group_param_fqns):
-        g = {k: _detached_copy(v) for k, v in group.items() if k != "params"}
-        g["params"] = list(fqns)
-        groups.append(g)
-    by_fqn = dict(zip(layout.param_fqns, layout.params))
-    small_optim = {
-        f"{fqn}\x00{k}": copy.deepcopy(optimizer.state[by_fqn[fqn]][k]) for fqn, k in layout.small_optim_keys
-    }
-    return {"param_groups": groups, "small_optim": small_optim}
-
-
-def _detached_copy(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return v.detach().to("cpu", copy=True)
-    return copy.deepcopy(v)
 
 
 def build_state_dict(

@@ -5,31 +5,80 @@
     <root>/
       step-000001000/        one checkpoint, DCP format
         __0_0.distcp ...     shards, written first
-        overlapckpt.json     manifest, written next
+        overlapckpt.json     manifest, written next, with the checksums of every stored byte
         .metadata            written last by DCP: its presence is the commit
       latest                 name of the newest committed checkpoint, updated after the commit
 
 A directory counts as a checkpoint only once ``.metadata`` exists. DCP writes
 ``.metadata.tmp`` and renames it: atomic on a local filesystem, and on S3 the
 rename is a server-side copy that makes the object appear whole, so a reader never
-sees a half-written checkpoint as committed. ``latest`` is written atomically too
+sees a half-written checkpoint as committed. The manifest is written between the
+two (it holds the checksum of ``.metadata.tmp``'s bytes), so it exists before the commit. ``latest`` is written atomically too
 (rename locally, a single PUT on S3). Retention removes ``.metadata`` first, so a
 checkpoint being deleted stops counting before any shard disappears.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import posixpath
-from collections.abc import Callable
-from typing import Any
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, BinaryIO
 
 from fsspec.core import url_to_fs
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+from torch.futures import Future
 
-from .errors import ConfigError
+from .blobsums import ChecksummingFileSystem, FileSegments, StoredChecksums, attach_checksums, plain_results
+from .checksum import default_algorithm
+from .errors import CheckpointReadError, CheckpointWriteError, ConfigError, OverlapCkptError
 from .manifest import LATEST_NAME, MANIFEST_NAME, METADATA_NAME, step_of_name
+
+
+def is_storage_error(e: BaseException) -> bool:
+    """Whether ``e`` means "storage could not be reached or read", as opposed to "the bytes are wrong".
+
+    botocore's connection errors are not OSErrors (s3fs translates most other S3
+    errors into OSErrors). botocore is not imported for this: if it is not loaded,
+    none of its errors can have been raised.
+    """
+    if isinstance(e, OSError):
+        return True
+    botocore_exceptions = sys.modules.get("botocore.exceptions")
+    return botocore_exceptions is not None and isinstance(e, botocore_exceptions.BotoCoreError)
+
+
+@contextmanager
+def translate_read_errors(where: str) -> Iterator[None]:
+    """Raise storage failures inside the block as CheckpointReadError naming ``where``, the cause chained.
+
+    Corruption (CorruptCheckpointError) and the other errors of overlapckpt pass through.
+    """
+    try:
+        yield
+    except OverlapCkptError:
+        raise
+    except Exception as e:
+        if not is_storage_error(e):
+            raise
+        raise CheckpointReadError(
+            f"reading {where} failed: {type(e).__name__}: {e}; the storage could not be read (this is not "
+            "corruption): check the connection, credentials and files, then retry"
+        ) from e
+
+
+def dcp_root_cause(e: BaseException) -> BaseException:
+    """DCP wraps each rank's failure in CheckpointException (a BaseException): the first rank's original error."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+            return dcp_root_cause(inner[0])
+    return e
 
 
 def _fsspec_dcp_classes() -> tuple[type, type]:
@@ -41,19 +90,75 @@ def _fsspec_dcp_classes() -> tuple[type, type]:
     return FsspecWriter, FsspecReader
 
 
+# Called with the checksums of every stored blob and of .metadata, before .metadata appears.
+BeforeCommit = Callable[[StoredChecksums], None]
+
+
 def _manifest_before_commit(base: type) -> type:
-    """A DCP storage writer that calls ``before_commit`` right before it writes ``.metadata``."""
+    """A DCP storage writer that checksums what it stores and calls ``before_commit`` right before ``.metadata``.
+
+    See :mod:`overlapckpt.blobsums` for how the checksums are computed and how they
+    travel from every rank to the coordinator's ``finish()``.
+    """
 
     class ManifestFirstWriter(base):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: Any, before_commit: Callable[[], None], **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
+        def __init__(self, *args: Any, before_commit: BeforeCommit, **kwargs: Any) -> None:
+            # Set before DCP's __init__, which assigns self.fs (wrapped by the property below).
+            self._algorithm = default_algorithm()
             self._before_commit = before_commit
+            self._pending: StoredChecksums | None = None
+            self._committed = False
+            super().__init__(*args, **kwargs)
+
+        # Whatever FileSystem DCP (or a subclass, or a test) assigns is wrapped, so
+        # every file it writes is checksummed on the way out.
+        @property
+        def fs(self) -> ChecksummingFileSystem:
+            return self._checksumming_fs
+
+        @fs.setter
+        def fs(self, inner: Any) -> None:
+            self._checksumming_fs = ChecksummingFileSystem(inner, self._algorithm, self._commit_manifest)
+
+        def reset(self, checkpoint_id: Any = None) -> None:
+            super().reset(checkpoint_id)
+            self._checksumming_fs.files.clear()  # a reused writer never reports an older save's spans
+
+        def write_data(self, plan: Any, planner: Any) -> Future:
+            written = super().write_data(plan, planner)
+            written.wait()
+            results = attach_checksums(written.value(), self._checksumming_fs.files, self._algorithm)
+            out: Future = Future()
+            out.set_result(results)
+            return out
 
         def finish(self, metadata: Any, results: Any) -> None:
-            # The manifest must exist before the commit marker, so that every
-            # committed checkpoint is verifiable.
-            self._before_commit()
-            super().finish(metadata, results)
+            # Only the coordinator gets here, with every rank's results.
+            self._pending = StoredChecksums.from_results(results, self._algorithm)
+            self._committed = False
+            super().finish(metadata, plain_results(results))
+            if not self._committed:
+                raise CheckpointWriteError(
+                    "DCP finished without renaming its metadata into place, so no manifest was written; "
+                    "this torch's DCP writer is not supported (use torch >= 2.6)"
+                )
+
+        def _commit_manifest(self, metadata_name: str, written: FileSegments) -> None:
+            # DCP has written .metadata.tmp and is about to rename it to .metadata (the
+            # commit): the manifest must exist before, so every committed checkpoint is verifiable.
+            if self._pending is None:
+                raise CheckpointWriteError(f"{metadata_name} is being committed before finish() collected the checksums")
+            spans = list(written.spans.values())
+            if len(spans) > 1:
+                raise CheckpointWriteError(f"{metadata_name} was written in {len(spans)} spans; expected one")
+            checksums = dataclasses.replace(
+                self._pending,
+                metadata_name=metadata_name,
+                metadata_nbytes=written.nbytes,
+                metadata_checksum=spans[0] if spans else 0,
+            )
+            self._before_commit(checksums)
+            self._committed = True
 
     ManifestFirstWriter.__name__ = f"ManifestFirst{base.__name__}"
     return ManifestFirstWriter
@@ -132,6 +237,16 @@ class CheckpointStore:
         with self.fs.open(self._join(name, filename), "rb") as f:
             return f.read()
 
+    @contextmanager
+    def open_read(self, name: str, filename: str) -> Iterator[BinaryIO]:
+        """A file of checkpoint ``name`` opened for sequential reads (verify streams shards through it)."""
+        with self.fs.open(self._join(name, filename), "rb") as f:
+            yield f
+
+    def file_size(self, name: str, filename: str) -> int:
+        """The stored size of one file of checkpoint ``name``, in bytes."""
+        return int(self.fs.size(self._join(name, filename)))
+
     def write_bytes(self, name: str, filename: str, data: bytes) -> None:
         """Write one small file whole: readers see the old content or the new, never a part."""
         path = self._join(name, filename) if name else self._join(filename)
@@ -175,8 +290,9 @@ class CheckpointStore:
 
     # ---- DCP storage plugins ---------------------------------------------------
 
-    def make_writer(self, name: str, before_commit: Callable[[], None]) -> StorageWriter:
-        """A DCP storage writer for checkpoint ``name`` that runs ``before_commit`` before ``.metadata``."""
+    def make_writer(self, name: str, before_commit: BeforeCommit) -> StorageWriter:
+        """A DCP storage writer for checkpoint ``name``: it checksums every blob it stores and calls
+        ``before_commit`` with those checksums (and ``.metadata``'s) right before ``.metadata`` appears."""
         if self.is_local:
             os.makedirs(self._join(name), exist_ok=True)
             return _manifest_before_commit(FileSystemWriter)(self._join(name), before_commit=before_commit)

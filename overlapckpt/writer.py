@@ -53,6 +53,7 @@ class WriterProcess:
         storage_options: dict[str, Any],
         store_class: tuple[str, str],
         startup_timeout_s: float = 120.0,
+        group: Any = None,
     ) -> None:
         self.startup_timeout_s = startup_timeout_s
         parent_sock, child_sock = socket.socketpair()
@@ -74,7 +75,11 @@ class WriterProcess:
         self._ready = False
         self._dead: WriterDiedError | None = None
         self.awaiting_responses = 1  # requests the writer answers and has not yet answered
-        self._send_now(p.InitRequest(sys_path=list(sys.path), root=root, storage_options=storage_options, store_class=store_class))
+        self._send_now(
+            p.InitRequest(
+                sys_path=list(sys.path), root=root, storage_options=storage_options, store_class=store_class, group=group
+            )
+        )
 
     @property
     def pid(self) -> int:
@@ -111,6 +116,19 @@ class WriterProcess:
         if not out and self._proc.poll() is not None:
             raise self._died("while checkpoints were in flight")
         return out
+
+    def wait_ready(self) -> None:
+        """Block until the writer has started (in a distributed run: joined the writers' group)."""
+        while not self._ready:
+            try:
+                response = self.wait_response(self.startup_timeout_s)
+            except TimeoutError as e:
+                raise WriterDiedError(
+                    f"the writer process (pid {self._proc.pid}) did not start within startup_timeout_s="
+                    f"{self.startup_timeout_s}; in a distributed run, check that every rank constructs its Checkpointer"
+                ) from e
+            if not isinstance(response, p.ReadyResponse):
+                raise WriterDiedError(f"the writer process answered {type(response).__name__} before it was ready")
 
     def check_alive(self) -> None:
         """Raise WriterDiedError if the process has exited (one waitpid, no pipe read)."""
@@ -181,13 +199,18 @@ class WriterProcess:
 
 # Requests the writer answers, and the answers: the engine polls the pipe only while
 # one is outstanding or a snapshot is in flight (an idle poll costs ~13 us per hook).
-_ANSWERED_REQUESTS = (p.MapSlotRequest, p.PersistRequest)
+_ANSWERED_REQUESTS = (p.MapBufferRequest, p.PersistRequest)
 _ANSWERS = (p.ReadyResponse, p.MappedResponse, p.CommittedResponse)
 
 
 def writer_error(response: p.ErrorResponse, what: str) -> OverlapCkptError:
     """The training-side error for a writer failure, with the original exception chained."""
     cause = response.exception
+    if isinstance(cause, OverlapCkptError):
+        # One of ours (ranks that disagree, a commit refused): raised with its own type.
+        named = type(cause)(f"{what}: {cause}")
+        named.__cause__ = cause
+        return named
     error = CheckpointWriteError(
         f"{what}: {response.type_name}: {response.message}\n--- writer traceback ---\n{response.traceback_text}"
     )

@@ -13,110 +13,36 @@ import importlib
 import os
 import pickle
 import sys
-import time
 import traceback
-import warnings
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
 from . import protocol as p
-from .errors import OverlapCkptError
-from .hostbuf import map_shared_file, view_bytes
-from .manifest import FORMAT_VERSION, CheckpointInfo, dump_manifest, tensor_crc32
-from .state import TensorEntry, build_state_dict
-from .storage import CheckpointStore
+from .hostbuf import map_existing_file
+from .persist import persist_snapshot
+from .storage import CheckpointStore, dcp_root_cause
+from .writer_group import WriterGroup
 
-
-class CheckpointExistsError(OverlapCkptError):
-    """A committed checkpoint of the same version already exists; it is never overwritten."""
+# How often an idle writer of a distributed run looks for checkpoints other ranks claimed.
+_IDLE_CHECK_S = 0.5
 
 
 class _WriterState:
-    def __init__(self, store: CheckpointStore) -> None:
+    def __init__(self, store: CheckpointStore, group: WriterGroup | None) -> None:
         self.store = store
-        self.slots: dict[int, torch.Tensor] = {}
-        self.layouts: dict[int, tuple[list[TensorEntry], tuple[int, ...]]] = {}
+        self.group = group
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.plans: dict[int, p.SetPlanRequest] = {}
 
     def persist(self, req: p.PersistRequest) -> p.CommittedResponse:
-        started = time.perf_counter()
-        entries, offsets = self.layouts[req.layout_id]
-        slot = self.slots[req.slot_id]
-        tensors = [view_bytes(slot, off, e.dtype, e.shape) for e, off in zip(entries, offsets)]
-        if req.replay is not None:
-            from .replay import replay_to_version
-
-            replay_to_version(entries, tensors, req.replay, self.slots[req.replay.grad_slot_id])
-        items = {
-            e.key: {"crc32": tensor_crc32(t), "dtype": str(e.dtype).removeprefix("torch."), "shape": list(e.shape)}
-            for e, t in zip(entries, tensors)
-        }
-        from .extra_state import encode
-
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "step": req.step,
-            "requested_step": req.requested_step,
-            "mode": req.mode,
-            "window": req.window,
-            "torch_version": torch.__version__,
-            "created_at": time.time(),
-            "nbytes": sum(e.nbytes for e in entries),
-            "items": items,
-            "extra_state": encode(req.extra_state, "extra_state"),
-            "extra_state_index": sorted(req.extra_state.keys()),
-            "ledger": req.ledger,
-            "stats": req.stats,
-        }
-        store = self.store
-        if store.is_committed(req.name):
-            raise CheckpointExistsError(
-                f"checkpoint {store.checkpoint_url(req.name)} is already committed; overlapckpt never "
-                "overwrites a committed checkpoint: use a new path, or delete it first"
-            )
-        store.clear_uncommitted(req.name)
-        state_dict = build_state_dict(entries, tensors, req.small_state)
-
-        def write_manifest() -> None:
-            manifest["created_at"] = time.time()
-            store.write_manifest(req.name, dump_manifest(manifest))
-
-        import torch.distributed.checkpoint as dcp
-
-        with warnings.catch_warnings():
-            # no_dist=True is deliberate: each writer saves its own process's snapshot.
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-            dcp.save(state_dict, storage_writer=store.make_writer(req.name, before_commit=write_manifest), no_dist=True)
-        store.write_latest(req.name)
-        removed: list[str] = []
-        if req.keep is not None:
-            committed = store.committed_names()
-            for old in committed[: max(0, len(committed) - req.keep)]:
-                store.remove_checkpoint(old)
-                removed.append(old)
-        info = CheckpointInfo.from_manifest(manifest, store.checkpoint_url(req.name))
-        return p.CommittedResponse(
-            request_id=req.request_id,
-            info=info,
-            committed_at=time.time(),
-            persist_s=time.perf_counter() - started,
-            removed=removed,
-        )
-
-
-def _root_cause(e: BaseException) -> BaseException:
-    """DCP wraps storage errors in CheckpointException (a BaseException) per rank: unwrap them."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        inner = next(iter(failures.values()))
-        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
-            return _root_cause(inner[0])
-    return e
+        plan = self.plans[req.plan_id]
+        return persist_snapshot(self.store, self.group, plan.entries, plan.offsets, plan.global_shapes, self.buffers, req)
 
 
 def _error_response(request_id: int | None, e: BaseException) -> p.ErrorResponse:
-    e = _root_cause(e)
+    e = dcp_root_cause(e)
     exc: BaseException | None = e
     try:
         pickle.loads(pickle.dumps(e))
@@ -153,27 +79,46 @@ def serve(conn: Connection) -> None:
         if not isinstance(init, p.InitRequest):
             raise TypeError(f"the first request must be InitRequest, got {type(init).__name__}")
         sys.path[:] = init.sys_path
-        state = _WriterState(_load_store(init))
+        # Joining the writers' group blocks until every rank's writer has joined (or times out).
+        group = WriterGroup(init.group) if init.group is not None else None
+        state = _WriterState(_load_store(init), group)
     except BaseException as e:
         _send(conn, _error_response(None, e))
         return
     _send(conn, p.ReadyResponse(pid=os.getpid()))
+    try:
+        _serve_requests(conn, state)
+    finally:
+        if state.group is not None:
+            state.group.close()
+
+
+def _serve_requests(conn: Connection, state: _WriterState) -> None:
     while True:
         try:
+            if state.group is not None and not conn.poll(_IDLE_CHECK_S):
+                # Idle in a distributed run: has another rank claimed a checkpoint this one has not?
+                mismatch = state.group.missing_claim()
+                if mismatch is not None:
+                    _send(conn, _error_response(None, mismatch))
+                continue
             req = _recv(conn)
-        except EOFError:  # the training process is gone: nothing left to serve
+        except (EOFError, ConnectionResetError):  # the training process is gone: nothing left to serve
             return
         request_id = getattr(req, "request_id", None)
         try:
             if isinstance(req, p.ShutdownRequest):
                 return
-            if isinstance(req, p.MapSlotRequest):
-                state.slots[req.slot_id] = map_shared_file(req.path, req.nbytes)
-                _send(conn, p.MappedResponse(slot_id=req.slot_id))
-            elif isinstance(req, p.ReleaseSlotRequest):
-                state.slots.pop(req.slot_id, None)
-            elif isinstance(req, p.SetLayoutRequest):
-                state.layouts[req.layout_id] = (req.entries, req.offsets)
+            if isinstance(req, p.MapBufferRequest):
+                try:
+                    state.buffers[req.buffer_id] = map_existing_file(req.path, req.nbytes)
+                except FileNotFoundError:
+                    pass  # released (and unlinked) before this request was read: its release follows
+                _send(conn, p.MappedResponse(buffer_id=req.buffer_id))
+            elif isinstance(req, p.ReleaseBufferRequest):
+                state.buffers.pop(req.buffer_id, None)
+            elif isinstance(req, p.SetPlanRequest):
+                state.plans[req.plan_id] = req
             elif isinstance(req, p.PersistRequest):
                 _send(conn, state.persist(req))
             else:

@@ -12,6 +12,9 @@ from torch import nn
 
 from overlapckpt import Checkpointer, UnsupportedOptimizerError, load
 from overlapckpt.autowindow import AUTO_FILL_FRACTION, HostGapTimer, WindowTuner
+from overlapckpt.gradlog import GradientLogger
+from overlapckpt.plan import make_plan
+from overlapckpt.state import build_layout
 from overlapckpt.transfer import CopyTicket, CpuCopier
 
 LAYERS = 24
@@ -137,9 +140,10 @@ def _run_auto(tmp_path, consistency: str) -> tuple[list[dict], dict[int, tuple[d
     x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(1))
     clock = SimulatedClock()
     states: dict[int, tuple[dict, dict]] = {}
-    ckpt = Checkpointer(model, opt, tmp_path, window="auto", consistency=consistency, max_window=8)
-    ckpt._engine.copier = SimulatedBandwidthCopier(clock, COPY_BYTES_PER_S)
-    ckpt._engine.gap_timer = HostGapTimer(clock)
+    ckpt = Checkpointer(
+        model, opt, tmp_path, window="auto", consistency=consistency, max_window=8,
+        copier=SimulatedBandwidthCopier(clock, COPY_BYTES_PER_S), phase_timer=HostGapTimer(clock),
+    )
     # Registered after the Checkpointer's hooks, so it runs after its pre-hook: the step's own time.
     opt.register_step_pre_hook(lambda *args: clock.advance(OPT_S))
     try:
@@ -219,20 +223,22 @@ def test_auto_with_replay_refuses_an_optimizer_it_cannot_replay(tmp_path):
         Checkpointer(model, opt, tmp_path, window="auto")
 
 
-def test_a_wider_window_grows_the_gradient_buffer_and_both_checkpoints_are_exact(tmp_path):
+def test_a_wider_window_reuses_the_preallocated_gradient_buffer_and_both_checkpoints_are_exact(tmp_path):
     # Step phases change mid-run: with a 30 ms optimizer step, replay's least-stall window is
     # 4; once the step takes 200 ms the gradients fit and the smallest fitting window is 6
-    # (group 0 within 40 ms needs 4 units). The slot's gradient buffer, made for W=4, grows.
+    # (group 0 within 40 ms needs 4 units). The gradient buffer was sized for max_window up
+    # front, so the wider window allocates nothing inside a hook.
     torch.manual_seed(0)
     model = Chain()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(1))
     clock, opt_s = SimulatedClock(), [OPT_S]
     states: dict[int, tuple[dict, dict]] = {}
-    ckpt = Checkpointer(model, opt, tmp_path, window="auto", consistency="replay", max_window=8)
-    ckpt._engine.copier = SimulatedBandwidthCopier(clock, COPY_BYTES_PER_S)
-    ckpt._engine.gap_timer = HostGapTimer(clock)
-    ckpt._engine.tuner.observe_copies(nbytes=6_000_000, seconds=1.0)  # as if measured on an earlier checkpoint
+    ckpt = Checkpointer(
+        model, opt, tmp_path, window="auto", consistency="replay", max_window=8,
+        copier=SimulatedBandwidthCopier(clock, COPY_BYTES_PER_S), phase_timer=HostGapTimer(clock),
+    )
+    ckpt._engine.windows.tuner.observe_copies(nbytes=6_000_000, seconds=1.0)  # as if measured on an earlier checkpoint
     opt.register_step_pre_hook(lambda *args: clock.advance(opt_s[0]))
     try:
         for it in range(1, 37):
@@ -260,7 +266,8 @@ def test_a_wider_window_grows_the_gradient_buffer_and_both_checkpoints_are_exact
     assert ckpt.stats[1]["ledger"]["window_choice"]["reason"].startswith("smallest window whose copies fit")
     assert [s["step"] for s in ckpt.stats] == [3 + 4 - 1, 27 + 6 - 1]
     assert ckpt._engine.slots.slots == []  # released at close
-    assert w6_buffer is not w4_buffer and w6_buffer.nbytes > w4_buffer.nbytes
+    w8_nbytes = GradientLogger.buffer_nbytes(make_plan(build_layout(model, opt).entries, 8), build_layout(model, opt))
+    assert w6_buffer is w4_buffer and w4_buffer.nbytes == w8_nbytes
     for stats in ckpt.stats:
         version = stats["step"]
         torch.manual_seed(5)

@@ -33,7 +33,7 @@ def test_snapshot_equals_state_at_request_step(tmp_path, optimizer):
 
     fresh_model, fresh_opt, fresh_sched, fresh_sampler = make_run(seed=99, optimizer=optimizer)
     info = load(str(tmp_path), fresh_model, fresh_opt, stateful={"sched": fresh_sched, "sampler": fresh_sampler})
-    assert info.step == 4 and info.window == 1 and info.mode == "window"
+    assert info.step == 4 and info.window == 1 and info.mode == "single"
     assert_state_equal(ref_model, ref_opt, fresh_model, fresh_opt)
     assert fresh_sampler.position == 4 and fresh_sched.last_epoch == 4
 

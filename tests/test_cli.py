@@ -44,8 +44,10 @@ def test_ls_lists_committed_only(tmp_path, capsys):
     assert main(["ls", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 3  # the header and two checkpoints
-    assert lines[1].split()[:4] == ["1", "1", "window", "1"]
-    assert lines[2].split()[:4] == ["5", "5", "window", "1"]
+    # The mode column is what the manifest records (the engine names window-1 checkpoints).
+    mode = json.loads((tmp_path / "step-000000005" / "overlapckpt.json").read_text())["mode"]
+    assert lines[1].split()[:4] == ["1", "1", mode, "1"]
+    assert lines[2].split()[:4] == ["5", "5", mode, "1"]
     assert "step-000000009" not in "\n".join(lines)
 
 
@@ -65,7 +67,7 @@ def test_verify_passes_then_names_the_flipped_tensor(tmp_path, capsys):
     stored = _two_checkpoints(tmp_path)
     assert main(["verify", "--all", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert out.count("every CRC-32 matches") == 2
+    assert out.count("checksum matches") == 2 and "CORRUPT" not in out
 
     shard = tmp_path / "step-000000005" / "__0_0.distcp"
     raw = bytearray(shard.read_bytes())
@@ -75,7 +77,8 @@ def test_verify_passes_then_names_the_flipped_tensor(tmp_path, capsys):
     shard.write_bytes(bytes(raw))
     assert main(["verify", str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    assert "CORRUPT" in out and "1 of" in out and "model.inp.weight" in out
+    assert "CORRUPT" in out and "1 problem(s)" in out
+    assert "checksum mismatch for 'model.inp.weight' in " in out and "step-000000005/__0_0.distcp" in out
     assert main(["verify", str(tmp_path), "--step", "1"]) == 0  # the older one is intact
 
 
@@ -111,7 +114,7 @@ def test_ls_and_verify_on_s3_with_json_storage_options(tmp_path, s3_options, cap
     out = capsys.readouterr().out
     assert "s3://ckpts/cli-run/step-000000001" in out and "s3://ckpts/cli-run/step-000000005" in out
     assert main(["verify", "--all", "s3://ckpts/cli-run", *options]) == 0
-    assert capsys.readouterr().out.count("every CRC-32 matches") == 2
+    assert capsys.readouterr().out.count("checksum matches") == 2
 
 
 def test_unreachable_storage_exits_2_without_a_traceback(capsys):

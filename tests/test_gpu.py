@@ -1,24 +1,222 @@
-"""GPU paths: side-stream copies, device-side fences, no host synchronization in hooks.
+"""GPU fences: checkpoints taken while the side stream is held back still equal an uninterrupted twin run.
 
-Marked ``gpu``; skipped without CUDA. Run on the GPU machine with ``pytest -m gpu``.
+Marked ``gpu``; skipped without CUDA. Run on the GPU machine with
+``pytest -m gpu tests/test_gpu.py tests/test_gpu_runtime.py`` (``benchmarks/gpu.sh``).
+
+Each test trains the same seeded run twice, once with a Checkpointer and once without
+(the twin), and compares the checkpoint with the twin's state at the checkpoint's
+version: bit for bit for window 1 and stage mode, within ``replay_tolerance`` for
+replay (the CPU replays what CUDA's kernels computed). The copiers are delayed by
+about 100 ms on the side stream (``gpu_support.DelayedCopier``), so a fence that is
+missing lets the next step, forward or ``zero_grad`` mutate a tensor before its copy
+reads it; ``test_removing_fence_2_tears_the_checkpoint`` shows that it then fails.
+Each test first asserts the precondition: the twin's state at the next step differs
+from the one compared, so a copy of a later version could not pass.
 """
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from torch import nn
 
+from gpu_support import (
+    CUDA,
+    DelayedCopier,
+    REPLAY_ULPS_PER_STEP,
+    ModelSpec,
+    UnfencedCopier,
+    checkpointed_run,
+    error_report,
+    make_run,
+    mismatches,
+    replay_tolerance,
+    report_to,
+    restored_state,
+    twin_states,
+)
 from overlapckpt import Checkpointer, load
 
 pytestmark = pytest.mark.gpu
 
+# Four 4096x4096 layers: 805 MB of fp32 state, a group of 201 MB at W=4, whose copy
+# (about 4 ms at 50 GB/s) outlasts the next step's kernels (well under 1 ms) even
+# without the delay. Without biases each of the 4 groups holds one whole layer.
+DELAY_MODEL = ModelSpec(width=4096, depth=4)
+# Four 2048x2048 layers, 201 MB: for the tests whose copies the delay alone holds back.
+SMALL_MODEL = ModelSpec(width=2048, depth=4)
+REQUEST_AT = 3
 
-def _model(width: int, depth: int = 2) -> nn.Module:
+MODES = [
+    pytest.param(1, "replay", id="w1"),
+    pytest.param(4, "replay", id="replay4"),
+    pytest.param(4, "stage", id="stage4"),
+]
+
+
+def _version(window: int, consistency: str) -> int:
+    return REQUEST_AT + window - 1 if consistency == "replay" and window > 1 else REQUEST_AT
+
+
+def _tolerance(window: int, consistency: str) -> float:
+    return replay_tolerance(window) if consistency == "replay" and window > 1 else 0.0
+
+
+@pytest.mark.parametrize("optimizer_kind", ["foreach", "fused"])
+@pytest.mark.parametrize("window,consistency", MODES)
+def test_delayed_copies_hold_the_twins_state(tmp_path, window, consistency, optimizer_kind, request):
+    version, tol = _version(window, consistency), _tolerance(window, consistency)
+    twin = twin_states(DELAY_MODEL, optimizer_kind, versions=(version, version + 1))
+    assert mismatches(twin[version + 1], twin[version], tol)  # a copy of the next version would show
+
+    copier = DelayedCopier()
+    (stats,) = checkpointed_run(
+        tmp_path, DELAY_MODEL, optimizer_kind, steps=REQUEST_AT + window + 1, request_at=[REQUEST_AT],
+        window=window, consistency=consistency, copier=copier,
+    )
+    assert copier.delays >= window and copier.delays_off_side_stream == 0  # every group's copy was held back
+    assert stats["step"] == version
+    # The delay kept a copy in flight when the next step's pre-hook fenced it: the fence was exercised.
+    assert stats["device_waits_in_flight"] >= 1
+    restored = restored_state(tmp_path, DELAY_MODEL, optimizer_kind, version)
+    assert mismatches(restored, twin[version], tol) == {}
+    if tol:
+        report_to(request, f"replay_w{window}_{optimizer_kind}_delayed", {
+            "window": window, "replayed_steps_max": window - 1, "tolerance": tol,
+            "errors": error_report(restored, twin[version]),
+        })
+
+
+@pytest.mark.parametrize("window,consistency", MODES)
+def test_removing_fence_2_tears_the_checkpoint(tmp_path, window, consistency):
+    # The same run as above with fence_compute inserting no wait: the next optimizer step
+    # overwrites state that the held-back copy has not read yet. This is what the delay
+    # tests would see if the engine lost the fence, so they can fail.
+    version, tol = _version(window, consistency), _tolerance(window, consistency)
+    twin = twin_states(SMALL_MODEL, "fused", versions=(version, version + 1))
+    assert mismatches(twin[version + 1], twin[version], tol)
+
+    copier = UnfencedCopier()
+    (stats,) = checkpointed_run(
+        tmp_path, SMALL_MODEL, "fused", steps=REQUEST_AT + window + 1, request_at=[REQUEST_AT],
+        window=window, consistency=consistency, copier=copier,
+    )
+    assert copier.fences_skipped >= 1 and copier.delays >= 1
+    assert stats["step"] == version
+    torn = mismatches(restored_state(tmp_path, SMALL_MODEL, "fused", version), twin[version], tol)
+    assert any(k.startswith("model.") for k in torn), torn  # parameters copied at a later version
+
+
+@pytest.mark.parametrize("window", [1, 4])
+def test_batchnorm_running_stats_hold_the_twins_state(tmp_path, window):
+    # The next forward updates running_mean/var before any fence of ours can run, so the
+    # engine must clone the buffers on the compute stream; the delay makes a missing clone
+    # read the next step's statistics.
+    spec = ModelSpec(width=2048, depth=3, batchnorm=True)
+    version, tol = _version(window, "replay"), _tolerance(window, "replay")
+    twin = twin_states(spec, "fused", versions=(version, version + 1))
+    moved = mismatches(twin[version + 1], twin[version])
+    assert any("running_mean" in k for k in moved) and any("num_batches_tracked" in k for k in moved)
+
+    copier = DelayedCopier()
+    (stats,) = checkpointed_run(
+        tmp_path, spec, "fused", steps=REQUEST_AT + window + 1, request_at=[REQUEST_AT],
+        window=window, consistency="replay", copier=copier,
+    )
+    assert stats["step"] == version and copier.delays >= window
+    restored = restored_state(tmp_path, spec, "fused", version)
+    assert mismatches(restored, twin[version], tol) == {}
+    buffers = {k: v for k, v in restored.items() if "running" in k or "num_batches" in k}
+    assert buffers and mismatches(buffers, {k: twin[version][k] for k in buffers}) == {}  # captured, not replayed
+
+
+def _step_reusing_freed_gradients(reused: list[bool]):
+    """A training step that, after ``zero_grad(set_to_none=True)``, fills same-sized tensors with NaN.
+
+    They are allocated on the compute stream right after the gradients were freed, so the
+    caching allocator hands them the gradients' memory unless something still holds it: a
+    gradient copy that read that memory afterwards would log NaN. ``reused`` records, per
+    step, whether any NaN tensor landed in a gradient's memory.
+    """
+    garbage: list[torch.Tensor] = []
+
+    def step(model, opt, x):
+        garbage.clear()
+        model(x).square().mean().backward()
+        opt.step()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        shapes = [(g.shape, g.dtype) for g in grads]
+        pointers = {g.data_ptr() for g in grads}
+        del grads
+        opt.zero_grad(set_to_none=True)
+        garbage.extend(torch.full(shape, float("nan"), dtype=dtype, device=CUDA) for shape, dtype in shapes)
+        reused.append(any(t.data_ptr() in pointers for t in garbage))
+
+    return step
+
+
+def test_replay_survives_freed_gradients_reused_on_the_compute_stream(tmp_path, request):
+    window, version = 4, _version(4, "replay")
+    twin_reused: list[bool] = []
+    twin = twin_states(SMALL_MODEL, "fused", versions=(version, version + 1), step_fn=_step_reusing_freed_gradients(twin_reused))
+    # Precondition: with nothing holding them, the freed gradients' memory is what the NaN tensors get.
+    assert any(twin_reused)
+    assert mismatches(twin[version + 1], twin[version], replay_tolerance(window))
+
+    copier = DelayedCopier()
+    (stats,) = checkpointed_run(
+        tmp_path, SMALL_MODEL, "fused", steps=REQUEST_AT + window + 1, request_at=[REQUEST_AT],
+        step_fn=_step_reusing_freed_gradients([]), window=window, consistency="replay", copier=copier,
+    )
+    assert stats["step"] == version and copier.delays >= window
+    restored = restored_state(tmp_path, SMALL_MODEL, "fused", version)
+    assert mismatches(restored, twin[version], replay_tolerance(window)) == {}
+
+
+def test_stage_staging_reuse_with_delayed_drains(tmp_path):
+    # A checkpoint every 2 steps with W=4 and two slots: the next snapshot stages its groups
+    # while the previous one's drains, held back on the side stream, still read staging. A
+    # staging area reused (or freed and reallocated) before its drains landed would hand a
+    # checkpoint the next snapshot's bytes.
+    copier = DelayedCopier()
+    stats = checkpointed_run(
+        tmp_path, SMALL_MODEL, "fused", steps=12, window=4, consistency="stage", every=2, max_inflight=2, copier=copier,
+    )
+    versions = [st["step"] for st in stats]  # stage mode: the step each snapshot started at
+    assert len(versions) >= 2, versions
+    # At least two snapshots were open at once (the second started inside the first's window).
+    assert any(b - a < 4 for a, b in zip(versions, versions[1:])), versions
+    assert copier.delays >= 2 * len(versions)  # group 0 and at least one drain of each
+    twin = twin_states(SMALL_MODEL, "fused", versions=versions)
+    for v in versions:
+        assert mismatches(restored_state(tmp_path, SMALL_MODEL, "fused", v), twin[v]) == {}, v
+
+
+def test_replay_window_8_error_against_the_twin(tmp_path, request):
+    # Eight 2048x2048 layers, one per group. Group 0 is replayed 7 steps, group 7 none.
+    spec, window = ModelSpec(width=2048, depth=8), 8
+    version, tol = _version(window, "replay"), replay_tolerance(window)
+    stats = checkpointed_run(
+        tmp_path, spec, "fused", steps=version + 2, request_at=[REQUEST_AT], window=window, consistency="replay",
+    )
+    assert [st["step"] for st in stats] == [version]
+    twin = twin_states(spec, "fused", versions=(version, version + 1))
+    assert mismatches(twin[version + 1], twin[version], tol)
+    restored = restored_state(tmp_path, spec, "fused", version)
+    errors = error_report(restored, twin[version])
+    report_to(request, "replay_w8_fused", {
+        "window": window, "replayed_steps_max": window - 1, "tolerance": tol,
+        "ulps_per_step_allowed": REPLAY_ULPS_PER_STEP, "errors": errors,
+    })
+    assert set(errors) == {"param_or_buffer", "exp_avg", "exp_avg_sq"}
+    assert mismatches(restored, twin[version], tol) == {}, errors
+
+
+# ---- earlier tests, kept ----------------------------------------------------------------
+
+
+def _model(width: int, depth: int = 2) -> torch.nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]).cuda()
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)]).cuda()
 
 
 def _step(model, opt, x):
@@ -31,28 +229,6 @@ def _step(model, opt, x):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     opt.zero_grad(set_to_none=True)
-
-
-def test_copy_runs_on_a_side_stream_without_host_sync(tmp_path):
-    model = _model(1024)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    x = torch.randn(64, 1024, device="cuda")
-    with Checkpointer(model, opt, tmp_path) as ckpt:
-        _step(model, opt, x)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            ckpt.request()
-            ckpt.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        for _ in range(3):
-            _step(model, opt, x)
-        side = ckpt._engine.copier.side_stream
-        assert side != torch.cuda.current_stream()
-        assert side.cuda_stream != torch.cuda.default_stream().cuda_stream
-        (info,) = ckpt.wait(timeout_s=300)
-        assert ckpt.stats[0]["device_waits_inserted"] >= 1
-    assert info.step == 1
 
 
 def test_copy_longer_than_the_step_is_still_exact(tmp_path):
@@ -79,72 +255,15 @@ def test_copy_longer_than_the_step_is_still_exact(tmp_path):
         assert torch.equal(fresh_opt.state[next(iter(fresh.parameters()))][k].cpu(), v), k
 
 
-def _adamw_run(width, opt_kwargs):
-    """A 4-layer model, its AdamW and a seeded batch generator: twin and checkpointed runs match."""
-    model = _model(width, depth=4)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **opt_kwargs)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    return model, opt, lambda: torch.randn(32, width, device="cuda", generator=gen)
-
-
-def _twin_states(width, steps, opt_kwargs, step=_step):
-    model, opt, batch = _adamw_run(width, opt_kwargs)
-    states = {}
-    for s in range(1, steps + 1):
-        step(model, opt, batch())
-        states[s] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    return states
-
-
-def _max_rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """The largest absolute error relative to the reference tensor's largest magnitude."""
-    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-
-
-def _checkpointed(tmp_path, width, steps, request_at, window, consistency, opt_kwargs):
-    model, opt, batch = _adamw_run(width, opt_kwargs)
-    with Checkpointer(model, opt, tmp_path, window=window, consistency=consistency) as ckpt:
-        for s in range(1, steps + 1):
-            _step(model, opt, batch())
-            if s == request_at:
-                ckpt.request()
-            ckpt.step()
-        (info,) = ckpt.wait(timeout_s=300)
-    fresh, fresh_opt, _ = _adamw_run(width, opt_kwargs)
-    load(str(tmp_path), fresh, fresh_opt)
-    return info, {k: v.detach().cpu() for k, v in fresh.state_dict().items()}
-
-
-def test_stage_window_4_is_bit_exact(tmp_path):
-    twin = _twin_states(512, 10, {"fused": True})
-    info, restored = _checkpointed(tmp_path, 512, 10, 3, 4, "stage", {"fused": True})
-    assert info.step == 3
-    for k, v in twin[3].items():
-        assert torch.equal(restored[k], v), k
-
-
-def test_replay_window_4_fused_adamw_within_1e6(tmp_path, request):
-    twin = _twin_states(512, 10, {"fused": True})
-    info, restored = _checkpointed(tmp_path, 512, 10, 3, 4, "replay", {"fused": True})
-    assert info.step == 6
-    report = {}
-    for k, v in twin[6].items():
-        got = restored[k]
-        rel = _max_rel_error(got, v)
-        report[k] = {"max_rel_error": rel, "bit_identical_share": (got == v).float().mean().item()}
-        assert rel <= 1e-6, (k, rel)
-    out = request.config.getoption("--gpu-report", default=None)
-    if out:
-        with open(out, "w") as f:
-            json.dump(report, f, indent=1)
+AUTO_MODEL = ModelSpec(width=512, depth=4, bias=True)
 
 
 def test_auto_window_times_forward_backward_with_events_and_stays_exact(tmp_path):
     # The gap timer must read CUDA events on the compute stream (never synchronize) and the
-    # second checkpoint must be chosen from a measured bandwidth; stage keeps version s exact.
-    model, opt, batch = _adamw_run(512, {"fused": True})
-    twin = _twin_states(512, 14, {"fused": True})
-    with Checkpointer(model, opt, tmp_path, window="auto", consistency="stage", max_window=4) as ckpt:
+    # second checkpoint must be chosen from a measured bandwidth; stage keeps version s exact,
+    # with every copy held back so that a missing fence would show.
+    model, opt, batch = make_run(AUTO_MODEL, "fused")
+    with Checkpointer(model, opt, tmp_path, window="auto", consistency="stage", max_window=4, copier=DelayedCopier()) as ckpt:
         assert type(ckpt._engine.gap_timer).__name__ == "CudaGapTimer"
         for s in range(1, 15):
             _step(model, opt, batch())
@@ -158,31 +277,25 @@ def test_auto_window_times_forward_backward_with_events_and_stays_exact(tmp_path
     assert first["window_steps"] == 4 and first["copy_bytes_per_s"] is None
     assert first["fwd_bwd_s"] is not None and first["fwd_bwd_s"] > 0
     assert second["copy_bytes_per_s"] > 0 and 1 <= second["window_steps"] <= 4
-    fresh, fresh_opt, _ = _adamw_run(512, {"fused": True})
-    load(str(tmp_path), fresh, fresh_opt, step=10)
-    for k, v in twin[10].items():
-        assert torch.equal(fresh.state_dict()[k].detach().cpu(), v), k
+    twin = twin_states(AUTO_MODEL, "fused", versions=(10,), step_fn=_step)
+    assert mismatches(restored_state(tmp_path, AUTO_MODEL, "fused", 10), twin[10]) == {}
 
 
 def test_replay_stays_correct_when_gradients_are_zeroed_in_place(tmp_path):
     # zero_grad(set_to_none=False) writes, in the next iteration, the tensors a gradient copy
-    # reads: the fence after the optimizer step must hold it until the copy landed.
+    # reads: the copy, held back on the side stream, must still read the step's gradients.
     def step(model, opt, x):
         opt.zero_grad(set_to_none=False)
         model(x).square().mean().backward()
         opt.step()
 
-    twin = _twin_states(512, 12, {"fused": True}, step=step)
-    model, opt, batch = _adamw_run(512, {"fused": True})
-    with Checkpointer(model, opt, tmp_path, window=4, consistency="replay") as ckpt:
-        for s in range(1, 13):
-            step(model, opt, batch())
-            if s == 3:
-                ckpt.request()
-            ckpt.step()
-        (info,) = ckpt.wait(timeout_s=300)
-    assert info.step == 6
-    fresh, fresh_opt, _ = _adamw_run(512, {"fused": True})
-    load(str(tmp_path), fresh, fresh_opt)
-    for k, v in twin[6].items():
-        assert _max_rel_error(fresh.state_dict()[k].detach().cpu(), v) <= 1e-6, k
+    window, version = 4, _version(4, "replay")
+    twin = twin_states(AUTO_MODEL, "fused", versions=(version, version + 1), step_fn=step)
+    assert mismatches(twin[version + 1], twin[version], replay_tolerance(window))
+    (stats,) = checkpointed_run(
+        tmp_path, AUTO_MODEL, "fused", steps=12, request_at=[REQUEST_AT], step_fn=step,
+        window=window, consistency="replay", copier=DelayedCopier(),
+    )
+    assert stats["step"] == version
+    restored = restored_state(tmp_path, AUTO_MODEL, "fused", version)
+    assert mismatches(restored, twin[version], replay_tolerance(window)) == {}

@@ -1,0 +1,31 @@
+"""The warnings the engine gives once, worded in one place."""
+
+GRAD_SCALER_WARNING = (
+    "overlapckpt: GradScaler drives this optimizer's fused step (it sets optimizer.grad_scale and "
+    "found_inf): the step unscales gradients and skips infinite ones inside the kernel, which replay "
+    "cannot follow. Checkpoints that would replay use window=1 instead (exact at the requested step), "
+    "and a replay window open now restarts at window 1; use consistency='stage' to spread the copy "
+    "over a window."
+)
+
+NEW_STATE_WARNING = (
+    "overlapckpt: the optimizer gained state or parameters inside the replay window of the checkpoint "
+    "requested at step {old} (a parameter unfrozen, or add_param_group), which that snapshot's layout "
+    "lacks, so it was restarted at step {new}."
+)
+
+BOUNDARY_WARNING = (
+    "overlapckpt: ckpt.step() was not called after the optimizer step that a checkpoint holds, so "
+    "stateful objects (LR schedulers, samplers) and RNG states were captured in the optimizer's "
+    "post-step hook, before the rest of the iteration ran (e.g. before scheduler.step()). A resumed "
+    "run then repeats that part of the iteration. Call ckpt.step() at the end of each iteration, "
+    "after scheduler.step()."
+)
+
+LATE_HOOK_WARNING = (
+    "overlapckpt: {count} optimizer post-step hook(s) run after overlapckpt's (registered after the "
+    "Checkpointer, or global). Between overlapckpt's post-hook and the next optimizer step, nothing may "
+    "write parameters, buffers or optimizer state in place (an EMA update into model tensors, "
+    "p.data.clamp_()): the checkpoint copies them in that interval. Register such hooks before creating "
+    "the Checkpointer, or do the write before optimizer.step() returns."
+)
