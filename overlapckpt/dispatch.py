@@ -30,8 +30,11 @@ class _Sent:
 class PersistDispatcher:
     """Sent snapshots, committed stats, and the first writer error."""
 
-    def __init__(self, writer: WriterProcess, slots: SlotPool, keep: int | None) -> None:
+    def __init__(self, writer: WriterProcess, slots: SlotPool, keep: int | None, unsolicited_errors: bool = False) -> None:
         self.writer = writer
+        # Distributed: the writer may report, unasked, that other ranks claimed a checkpoint
+        # this rank did not; the pipe is then read at every hook (~13 us), not only when due.
+        self.unsolicited_errors = unsolicited_errors
         self.slots = slots
         self.keep = keep
         self.stats: list[SnapshotStats] = []  # committed checkpoints, in commit order
@@ -84,7 +87,7 @@ class PersistDispatcher:
 
     def poll(self) -> None:
         """Handle every answer that has arrived; never blocks."""
-        if not self._sent and not self.writer.awaiting_responses:
+        if not self._sent and not self.writer.awaiting_responses and not self.unsolicited_errors:
             # Nothing is due: a liveness check (one waitpid) instead of reading the pipe.
             try:
                 self.writer.check_alive()

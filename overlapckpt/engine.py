@@ -86,7 +86,7 @@ class SnapshotEngine:
         self.plans = PlanCache(model, optimizer, writer, scope)
         self.staging = StagingArea(device, stage_budget_bytes, keep=keep_staging)
         self.gradients = GradientLogger(optimizer, copier)
-        self.dispatcher = PersistDispatcher(writer, self.slots, keep)
+        self.dispatcher = PersistDispatcher(writer, self.slots, keep, unsolicited_errors=scope.world_size > 1)
         self.step_count = 0
         self._hook_serial = 0
         self._next_request_id = 0

@@ -9,7 +9,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import CheckpointMismatchError, CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
+from .errors import (
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointReadError,
+    ConfigError,
+    CorruptCheckpointError,
+)
 from .extra_state import decode
 from .manifest import CheckpointInfo, checkpoint_name, step_of_name, tensor_crc32
 from .state import check_shapes, flatten_tensors
@@ -84,8 +90,8 @@ def resolve_checkpoint(store: CheckpointStore, step: int | None, skip_damaged: b
     return name
 
 
-def read_into(store: CheckpointStore, name: str, host: dict[str, Any]) -> None:
-    """Fill host tensors from checkpoint ``name`` with DCP.
+def read_into(store: CheckpointStore, name: str, host: dict[str, Any], process_group: Any = None) -> None:
+    """Fill host tensors from checkpoint ``name`` with DCP (collectively with ``process_group`` when given).
 
     CheckpointReadError if storage fails, CorruptCheckpointError if the bytes cannot
     be decoded.
@@ -94,9 +100,12 @@ def read_into(store: CheckpointStore, name: str, host: dict[str, Any]) -> None:
 
     where = store.checkpoint_url(name)
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load(host, storage_reader=store.make_reader(name), no_dist=True)
+        if process_group is not None:
+            dcp.load(host, storage_reader=store.make_reader(name), process_group=process_group)
+        else:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+                dcp.load(host, storage_reader=store.make_reader(name), no_dist=True)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # DCP's CheckpointException derives from BaseException
@@ -110,14 +119,68 @@ def read_into(store: CheckpointStore, name: str, host: dict[str, Any]) -> None:
 
 
 def _empty_like_on_cpu(value: Any) -> Any:
+    """Host tensors to read a checkpoint into, shaped like ``value`` (a DTensor keeps its placement)."""
     if isinstance(value, torch.Tensor):
-        local = value.to_local() if callable(getattr(value, "to_local", None)) else value
-        return torch.empty(local.shape, dtype=local.dtype, device="cpu")
+        to_local = getattr(value, "to_local", None)
+        if callable(to_local):
+            from torch.distributed.tensor import DTensor
+
+            local = to_local()
+            return DTensor.from_local(
+                torch.empty(local.shape, dtype=local.dtype, device="cpu"),
+                value.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
+        return torch.empty(value.shape, dtype=value.dtype, device="cpu")
     if isinstance(value, dict):
         return {k: _empty_like_on_cpu(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_empty_like_on_cpu(v) for v in value]
     return value
+
+
+PER_RANK_STATE_CHOICES = ("restore", "skip")
+
+
+def _split_checkpoint_path(path: str, storage_options: dict[str, Any] | None) -> tuple[CheckpointStore, str | None]:
+    """(store of the root, checkpoint name) when ``path`` is one checkpoint directory, else (store of ``path``, None)."""
+    text = str(path).rstrip("/")
+    name = text.rsplit("/", 1)[-1]
+    if step_of_name(name) is not None and "/" in text:
+        parent = CheckpointStore(text.rsplit("/", 1)[0] or "/", storage_options)
+        with translate_read_errors(text):
+            if parent.is_committed(name):
+                return parent, name
+    return CheckpointStore(path, storage_options), None
+
+
+def _world(process_group: Any) -> tuple[Any, int, int]:
+    """(the group to load with, or None in one process; this rank; the world size)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
+        return (process_group or dist.group.WORLD), dist.get_rank(process_group), dist.get_world_size(process_group)
+    return None, 0, 1
+
+
+def _agree_on_failure(group: Any, error: BaseException | None) -> None:
+    """Raise on every rank if any rank failed a check (so none is left waiting in DCP's collective)."""
+    if group is None:
+        if error is not None:
+            raise error
+        return
+    import torch.distributed as dist
+
+    errors: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}", group=group)
+    if error is not None:
+        raise error
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise CorruptCheckpointError(f"loading failed on rank {failed[0][0]}: {failed[0][1]}")
 
 
 def load(
@@ -128,23 +191,47 @@ def load(
     step: int | None = None,
     storage_options: dict[str, Any] | None = None,
     verify: bool = True,
+    *,
+    per_rank_state: str = "restore",
+    process_group: Any = None,
 ) -> CheckpointInfo:
     """Restore a committed checkpoint in place: model, optimizer, stateful objects and RNG states.
 
-    ``step=None`` loads the newest committed checkpoint. The checkpoint is read into
-    host memory and checked first (shapes, then per-item checksums when ``verify``),
-    so a mismatched or corrupt checkpoint raises before any live object changes.
-    With ``verify``, every stored byte is checked against the manifest's checksums
-    first (CorruptCheckpointError naming the file and blob), and each decoded tensor
-    against the CRC-32 of the snapshot it was saved from. Storage failures raise
-    CheckpointReadError, never CorruptCheckpointError.
+    ``path`` is the checkpoint root (``step=None`` loads the newest committed
+    checkpoint) or one checkpoint directory (``CheckpointInfo.path``). The checkpoint
+    is read into host memory and checked first (shapes, then per-item checksums when
+    ``verify``), so a mismatched or corrupt checkpoint raises before any live object
+    changes. With ``verify``, every stored byte is checked against the manifest's
+    checksums first (CorruptCheckpointError naming the file and blob), and each
+    decoded tensor against the CRC-32 of the snapshot it was saved from. Storage
+    failures raise CheckpointReadError, never CorruptCheckpointError.
+
+    Under torch.distributed, ``load`` is collective (every rank calls it) and reshards
+    through DCP: a checkpoint written at any world size and parallelism loads into
+    any other. Stateful objects and RNG states are per rank: they are restored only
+    at the world size that wrote them; at another one, CheckpointMismatchError names
+    both sizes unless ``per_rank_state="skip"`` loads model and optimizer only.
     """
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    store = CheckpointStore(path, storage_options)
-    name = resolve_checkpoint(store, step)
+    if per_rank_state not in PER_RANK_STATE_CHOICES:
+        raise ConfigError(f"per_rank_state={per_rank_state!r} is invalid; use 'restore' or 'skip'")
+    group, rank, world = _world(process_group)
+    store, name = _split_checkpoint_path(path, storage_options)
+    if name is None:
+        name = resolve_checkpoint(store, step)
+    elif step is not None and step_of_name(name) != step:
+        raise ConfigError(f"path {path!r} is the checkpoint of step {step_of_name(name)}, but step={step}; pass one or the other")
     where = store.checkpoint_url(name)
     manifest = read_manifest(store, name)
+    saved_world = int(manifest.get("world_size", 1))
+    if per_rank_state == "restore" and saved_world != world:
+        raise CheckpointMismatchError(
+            f"{where} was written by {saved_world} rank(s) and is loaded by {world}: its stateful objects and RNG "
+            "states are per rank and cannot be restored here; load at the same world size, or pass "
+            "per_rank_state='skip' to restore model and optimizer only"
+        )
+    failure: BaseException | None = None
     if verify:
         # Every stored byte against the checksums taken as it was written, before DCP
         # unpickles .metadata or decodes a blob. This reads the shards once here and
@@ -152,10 +239,11 @@ def load(
         # leaves a half-loaded state and names the damaged blob.
         report = verify_checkpoint(store, name, manifest)
         if not report.ok:
-            raise CorruptCheckpointError(
+            failure = CorruptCheckpointError(
                 f"reading the checkpoint {where} failed verification: {describe_problems(report)}; restore from an "
                 "older checkpoint (list_checkpoints), or pass verify=False to inspect it"
             )
+    _agree_on_failure(group, failure)
 
     if optimizer is not None:
         msd, osd = get_state_dict(model, optimizer)
@@ -168,26 +256,41 @@ def load(
     check_shapes(expected, flatten_tensors(target))
 
     host = _empty_like_on_cpu(target)
-    read_into(store, name, host)
+    read_into(store, name, host, group)
     if verify:
-        # End to end: the tensors DCP decoded against the host snapshot that was saved.
-        for key, t in flatten_tensors(host).items():
-            item = manifest["items"].get(key)
-            if item is not None and tensor_crc32(t) != int(item["crc32"]):
-                raise CorruptCheckpointError(
-                    f"checksum mismatch for {key!r} in {where}: the tensor read back differs from the snapshot "
-                    "that was saved, though the stored bytes match their checksums (a serialization fault); "
-                    "restore from an older checkpoint (list_checkpoints) or pass verify=False to inspect it"
-                )
+        _check_tensor_crcs(manifest, host, where)
 
-    extra = decode(manifest.get("extra_state", {}))
-    _check_stateful_names(extra, stateful or {}, where)
+    extra = _per_rank_extra_state(manifest, rank) if per_rank_state == "restore" else {}
+    if per_rank_state == "restore":
+        _check_stateful_names(extra, stateful or {}, where)
     if optimizer is not None:
         set_state_dict(model, optimizer, model_state_dict=host["model"], optim_state_dict=host["optimizer"])
     else:
         model.load_state_dict(host["model"])
-    _restore_extra_state(extra, stateful or {})
+    if per_rank_state == "restore":
+        _restore_extra_state(extra, stateful or {})
     return CheckpointInfo.from_manifest(manifest, where)
+
+
+def _check_tensor_crcs(manifest: dict[str, Any], host: dict[str, Any], where: str) -> None:
+    """End to end: whole tensors DCP decoded against the host snapshot that was saved (one-process checkpoints)."""
+    for key, t in flatten_tensors(host).items():
+        item = manifest["items"].get(key)
+        if item is None or "crc32" not in item or hasattr(t, "to_local") or list(t.shape) != list(item["shape"]):
+            continue  # a shard of a resharded load: its stored bytes were verified above
+        if tensor_crc32(t) != int(item["crc32"]):
+            raise CorruptCheckpointError(
+                f"checksum mismatch for {key!r} in {where}: the tensor read back differs from the snapshot "
+                "that was saved, though the stored bytes match their checksums (a serialization fault); "
+                "restore from an older checkpoint (list_checkpoints) or pass verify=False to inspect it"
+            )
+
+
+def _per_rank_extra_state(manifest: dict[str, Any], rank: int) -> dict[str, Any]:
+    ranks = manifest.get("ranks")
+    if ranks:
+        return decode(ranks[rank].get("extra_state", {}))
+    return decode(manifest.get("extra_state", {}))
 
 
 def _check_stateful_names(extra: dict[str, Any], stateful: dict[str, Any], where: str) -> None:

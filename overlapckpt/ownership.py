@@ -11,7 +11,8 @@ local part (its replicas):
 
 Tensors travel in units (a parameter with its optimizer state, or one buffer). Per
 replica class, the units are dealt to the replicas by bytes, largest first, each to
-the replica with the fewest bytes so far (ties to the lowest index). Every replica
+the replica with the fewest bytes so far (ties to the lowest index); buffers go to the
+first replica (below). Every replica
 of a group sees the same units with the same local sizes in the same order, so each
 computes the same owners: the union covers every local part once, and each rank
 copies about 1/N of what it holds.
@@ -68,6 +69,9 @@ class OwnershipUnit:
     nbytes: int  # bytes of the local parts
     replica_index: int
     replica_count: int
+    # Buffers go to the first replica: DDP broadcasts rank 0's buffers (BatchNorm running
+    # stats) at every forward, so rank 0 holds the authoritative copy; others drift from it.
+    first_replica_only: bool = False
 
 
 def owned_units(units: list[OwnershipUnit]) -> set[str]:
@@ -78,8 +82,8 @@ def owned_units(units: list[OwnershipUnit]) -> set[str]:
     owned: set[str] = set()
     for count, members in classes.items():
         loads = [0] * count
-        for u in sorted(members, key=lambda u: (-u.nbytes, u.key)):
-            owner = min(range(count), key=lambda r: (loads[r], r))
+        for u in sorted(members, key=lambda u: (not u.first_replica_only, -u.nbytes, u.key)):
+            owner = 0 if u.first_replica_only else min(range(count), key=lambda r: (loads[r], r))
             loads[owner] += u.nbytes
             if owner == u.replica_index:
                 owned.add(u.key)

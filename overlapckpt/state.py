@@ -193,8 +193,12 @@ def build_layout(model: nn.Module, optimizer: torch.optim.Optimizer, scope: Chec
     for entry, _, unit, placement in candidates:
         unit_bytes[unit] = unit_bytes.get(unit, 0) + entry.nbytes
         unit_placement.setdefault(unit, placement)
+    buffer_units = {unit for entry, _, unit, _ in candidates if entry.role == ROLE_BUFFER}
     owned = owned_units(
-        [OwnershipUnit(u, unit_bytes[u], unit_placement[u].replica_index, unit_placement[u].replica_count) for u in unit_bytes]
+        [
+            OwnershipUnit(u, unit_bytes[u], unit_placement[u].replica_index, unit_placement[u].replica_count, u in buffer_units)
+            for u in unit_bytes
+        ]
     )
     kept = [(e, t) for e, t, unit, _ in candidates if unit in owned]
     owned_params = [f for f in param_order if f in owned]

@@ -1,0 +1,399 @@
+"""One rank of a multi-process gloo run for tests/test_distributed.py.
+
+    python tests/dist_worker.py SCENARIO OUT_DIR [ARG]   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
+
+Each scenario runs several checks in one process-group launch and writes what it
+observed to OUT_DIR/rank<R>.json; the test asserts on those files. A worker passes
+a barrier after writing and leaves with os._exit(0) (gloo's teardown can abort).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from overlapckpt import Checkpointer, list_checkpoints, load  # noqa: E402
+
+STEPS = 7
+REQUEST_AT = 3
+WIDTH = 255  # odd: FSDP2 shards dim 0 unevenly (128 and 127 rows on 2 ranks)
+FEATURES = 64
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(FEATURES, WIDTH)
+        self.norm = nn.BatchNorm1d(WIDTH)  # a buffer the forward mutates
+        self.drop = nn.Dropout(0.2)  # per-rank RNG matters on resume
+        self.out = nn.Linear(WIDTH, FEATURES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.drop(torch.relu(self.norm(self.inp(x)))))
+
+
+class Sampler:
+    """Per-rank data with its own generator: state that a resume must restore per rank."""
+
+    def __init__(self, rank: int) -> None:
+        self.generator = torch.Generator().manual_seed(1000 + rank)
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(16, FEATURES, generator=self.generator)
+        return x, x * 2.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+
+
+def build(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model: nn.Module = Net()
+    world = dist.get_world_size()
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+    elif kind in ("fsdp", "hsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if kind == "fsdp":
+            mesh = init_device_mesh("cpu", (world,))
+        else:
+            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        for layer in (model.inp, model.out):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif kind != "plain":
+        raise ValueError(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    torch.manual_seed(100 + dist.get_rank())  # per-rank dropout masks
+    return model, opt
+
+
+def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The whole model and optimizer state, gathered on every rank, by DCP key (outside any hook)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    out = {f"model.{k}": v.detach().clone() for k, v in msd.items() if isinstance(v, torch.Tensor)}
+    for fqn, st in osd["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                out[f"optimizer.state.{fqn}.{k}"] = v.detach().clone()
+    return out
+
+
+def train(model, opt, sampler, steps, ckpt=None, requests=(), losses=None, states=None, start=1):
+    for it in range(start, steps + 1):
+        x, y = sampler.batch()
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if losses is not None:
+            losses[it] = float(loss.detach())
+        if ckpt is not None:
+            if it in requests:
+                ckpt.request()
+            ckpt.step()
+        if states is not None:
+            states[it] = full_state(model, opt)
+
+
+def diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    if set(a) != set(b):
+        return sorted(set(a) ^ set(b))
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+class CollectiveWatch:
+    """Wraps torch.distributed's collectives and records any called from inside an overlapckpt hook."""
+
+    NAMES = (
+        "all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier",
+        "gather_object", "scatter_object_list", "all_gather_into_tensor", "reduce_scatter_tensor", "gather",
+        "scatter", "reduce", "all_to_all", "send", "recv", "monitored_barrier",
+    )
+    HOOKS = ("_pre_hook", "_post_hook", "mark_iteration_end", "request")
+
+    def __init__(self) -> None:
+        self.calls_in_hooks: list[str] = []
+        self.calls_outside = 0
+        import torch.distributed.distributed_c10d as c10d
+
+        self._saved = []
+        for module in (dist, c10d):
+            for name in self.NAMES:
+                fn = getattr(module, name, None)
+                if fn is not None:
+                    self._saved.append((module, name, fn))
+                    setattr(module, name, self._wrap(name, fn))
+
+    def _wrap(self, name, fn):
+        def wrapped(*args, **kwargs):
+            frame = sys._getframe(1)
+            while frame is not None:
+                code = frame.f_code
+                if code.co_name in self.HOOKS and code.co_filename.endswith(os.path.join("overlapckpt", "engine.py")):
+                    self.calls_in_hooks.append(f"{name} from {code.co_name}")
+                    break
+                frame = frame.f_back
+            else:
+                self.calls_outside += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    def restore(self) -> None:
+        for module, name, fn in self._saved:
+            setattr(module, name, fn)
+
+
+def shard_files(path: str) -> dict[str, int]:
+    return {f: os.path.getsize(os.path.join(path, f)) for f in sorted(os.listdir(path)) if f.endswith(".distcp")}
+
+
+def exactness(kind: str, out: str, settings: dict[str, Any], name: str) -> dict[str, Any]:
+    """A checkpointed run against its uninterrupted twin, each committed checkpoint loaded back."""
+    rank = dist.get_rank()
+    twin: dict[int, dict[str, torch.Tensor]] = {}
+    model, opt = build(kind)
+    train(model, opt, Sampler(rank), STEPS, states=twin)
+    model, opt = build(kind)
+    path = os.path.join(out, name)
+    watch = CollectiveWatch()
+    try:
+        ckpt = Checkpointer(model, opt, path, **settings)
+        train(model, opt, Sampler(rank), STEPS, ckpt=ckpt, requests=(REQUEST_AT,))
+        infos = ckpt.wait(timeout_s=120)
+        stats = ckpt.stats
+        ckpt.close()
+    finally:
+        watch.restore()
+    # The reference is rank 0's twin: DDP broadcasts rank 0's buffers, the others' drift.
+    box = [twin]
+    dist.broadcast_object_list(box, src=0)
+    twin = box[0]
+    result: dict[str, Any] = {
+        "versions": [i.step for i in infos],
+        "copied_nbytes": [s["copied_nbytes"] for s in stats],
+        "nbytes": [s["nbytes"] for s in stats],
+        "collectives_in_hooks": watch.calls_in_hooks,
+        "state_bytes": sum(v.numel() * v.element_size() for v in twin[1].values()),
+        "mismatched": {},
+    }
+    for info in infos:
+        fresh, fresh_opt = build(kind)
+        load(info.path, fresh, fresh_opt, per_rank_state="skip")
+        result["mismatched"][str(info.step)] = diff(full_state(fresh, fresh_opt), twin[info.step])
+        result["files"] = shard_files(info.path)
+        if rank == 0:  # for the one-process reshard the test does after this run
+            torch.save(twin[info.step], os.path.join(path, f"twin-{info.step}.pt"))
+    return result
+
+
+def scenario_exact(kind: str, out: str) -> dict[str, Any]:
+    configs = {"w1": dict(window=1), "w3-replay": dict(window=3, consistency="replay"), "w3-stage": dict(window=3, consistency="stage")}
+    if kind == "hsdp":
+        configs.pop("w3-stage")
+    return {name: exactness(kind, out, settings, name) for name, settings in configs.items()}
+
+
+def scenario_ddp(out: str) -> dict[str, Any]:
+    result = scenario_exact("ddp", out)
+    result["resume"] = resume("ddp", out)
+    result["reshard_to_fsdp"] = reshard_into("fsdp", os.path.join(out, "w1"))
+    result["mismatched_steps"] = mismatched_requests(out, {0: 2, 1: 3}, "steps")
+    result["one_rank_only"] = mismatched_requests(out, {0: 2}, "one")
+    result["writer_killed"] = writer_killed(out)
+    return result
+
+
+def scenario_fsdp(out: str) -> dict[str, Any]:
+    result = scenario_exact("fsdp", out)
+    result["reshard_from_plain"] = reshard_into("fsdp", os.path.join(out, "..", "plain"), expect_file=os.path.join(out, "..", "plain.pt"))
+    return result
+
+
+def reshard_into(kind: str, root: str, expect_file: str | None = None) -> dict[str, Any]:
+    """Load the newest checkpoint under ``root`` into a ``kind`` model, with overlapckpt and with stock DCP."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    info = list_checkpoints(root)[-1]
+    if expect_file is not None:
+        expected = torch.load(expect_file)
+    else:
+        expected = None
+    out: dict[str, Any] = {"step": info.step}
+    model, opt = build(kind)
+    load(info.path, model, opt, per_rank_state="skip")
+    ours = full_state(model, opt)
+    model2, opt2 = build(kind)
+    msd, osd = get_state_dict(model2, opt2)
+    dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=info.path)
+    set_state_dict(model2, opt2, model_state_dict=msd, optim_state_dict=osd)
+    stock = full_state(model2, opt2)
+    out["overlapckpt_vs_stock"] = diff(ours, stock)
+    plain, plain_opt = build("plain")
+    load(info.path, plain, plain_opt, per_rank_state="skip")
+    out["vs_plain_model"] = diff(ours, full_state(plain, plain_opt))
+    if expected is not None:
+        out["vs_saved"] = diff(ours, expected)
+    return out
+
+
+def resume(kind: str, out: str) -> dict[str, Any]:
+    """Losses after a resume at the same world size against the uninterrupted twin's."""
+    rank = dist.get_rank()
+    twin_losses: dict[int, float] = {}
+    model, opt = build(kind)
+    sampler = Sampler(rank)
+    path = os.path.join(out, "resume")
+    with Checkpointer(model, opt, path, window=2, consistency="replay", stateful={"sampler": sampler}) as ckpt:
+        train(model, opt, sampler, STEPS + 3, ckpt=ckpt, requests=(REQUEST_AT,), losses=twin_losses)
+        (info,) = ckpt.wait(timeout_s=120)
+    model, opt = build(kind)
+    sampler = Sampler(rank)
+    torch.manual_seed(12345)  # a different RNG: the restore must bring back this rank's
+    load(path, model, opt, stateful={"sampler": sampler})
+    resumed: dict[int, float] = {}
+    train(model, opt, sampler, STEPS + 3, losses=resumed, start=info.step + 1)
+    return {
+        "version": info.step,
+        "losses_equal": all(resumed[s] == twin_losses[s] for s in resumed),
+        "compared": sorted(resumed),
+        "first_loss": resumed[min(resumed)],
+    }
+
+
+def mismatched_requests(out: str, request_at: dict[int, int], name: str) -> dict[str, Any]:
+    """Ranks that request differently: a named error on every rank within a bounded time, nothing committed."""
+    rank = dist.get_rank()
+    # No DDP here: a rank that stops at its error must not leave the other in a backward all-reduce.
+    model, opt = build("plain")
+    path = os.path.join(out, f"mismatch-{name}")
+    ckpt = Checkpointer(model, opt, path, window=1, agreement_timeout_s=4.0, collective_timeout_s=30.0)
+    started = time.monotonic()
+    error = None
+    sampler = Sampler(rank)
+    try:
+        for it in range(1, 100_000):  # until the error arrives, or the deadline below
+            x, y = sampler.batch()
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            if request_at.get(rank) == it:
+                ckpt.request()
+            ckpt.step()
+            if it >= 5 and rank in request_at:
+                ckpt.wait(timeout_s=60)
+            if time.monotonic() - started > 60:
+                break
+    except Exception as e:  # what we are here to see
+        error = e
+    elapsed = time.monotonic() - started
+    try:
+        ckpt.close(timeout_s=10)
+    except Exception:
+        pass
+    return {
+        "error_type": None if error is None else type(error).__name__,
+        "error": None if error is None else str(error)[:2000],
+        "elapsed_s": elapsed,
+        "listed": [i.step for i in list_checkpoints(path)],
+    }
+
+
+def writer_killed(out: str) -> dict[str, Any]:
+    """Rank 1's writer SIGKILLed while it persists: every rank raises in bounded time, nothing is listed."""
+    from fakes import BLOCK_FIFO_ENV, ONLY_NAME_ENV
+
+    rank = dist.get_rank()
+    fifo = os.path.join(out, "block.fifo")
+    if rank == 1:
+        os.environ[BLOCK_FIFO_ENV] = fifo
+        os.environ[ONLY_NAME_ENV] = "step-000000002"
+    else:
+        os.environ.pop(BLOCK_FIFO_ENV, None)
+        os.environ[ONLY_NAME_ENV] = "none"
+    if rank == 0:
+        os.mkfifo(fifo)
+    dist.barrier()
+    model, opt = build("plain")
+    path = os.path.join(out, "killed")
+    ckpt = Checkpointer(model, opt, path, window=1, store_class=__import__("fakes").BlockingStore, collective_timeout_s=20.0)
+    sampler = Sampler(rank)
+    error = None
+    started = None
+    try:
+        for it in range(1, 4):
+            x, y = sampler.batch()
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            if it == 2:
+                ckpt.request()
+            ckpt.step()
+        if rank == 1:
+            with open(fifo) as f:  # the writer announces it is inside a shard write
+                f.readline()
+            started = time.monotonic()
+            os.kill(ckpt.writer_pid, signal.SIGKILL)
+        else:
+            started = time.monotonic()
+        ckpt.wait(timeout_s=90)
+    except Exception as e:
+        error = e
+    elapsed = time.monotonic() - (started or time.monotonic())
+    try:
+        ckpt.close(timeout_s=10)
+    except Exception:
+        pass
+    return {
+        "error_type": None if error is None else type(error).__name__,
+        "error": None if error is None else str(error)[:500],
+        "elapsed_s": elapsed,
+        "listed": [i.step for i in list_checkpoints(path)],
+    }
+
+
+SCENARIOS = {"ddp": scenario_ddp, "fsdp": scenario_fsdp, "hsdp": lambda out: scenario_exact("hsdp", out)}
+
+
+def main() -> None:
+    scenario, out = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
+    rank = dist.get_rank()
+    try:
+        result = SCENARIOS[scenario](out)
+    except BaseException:
+        result = {"crashed": traceback.format_exc()}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    try:
+        dist.barrier()
+    finally:
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
