@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # would pull a multi-GB CUDA build where a CPU wheel is wanted.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv install demo test bench clean
+.PHONY: venv install demo demo-dist test bench bench-dist clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,12 +24,21 @@ install: $(VENV)/.installed
 demo: install
 	$(PY) -m overlapckpt.demo
 
+# 2 ranks of FSDP2 on CPU under torchrun (--standalone picks a free port), then a restore in one process.
+demo-dist: install
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=2 -m overlapckpt.demo_dist train
+	OMP_NUM_THREADS=1 $(PY) -m overlapckpt.demo_dist restore
+
 test: install
 	$(PY) -m pytest -q tests
 
 bench: install
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	$(PY) benchmarks/harness.py --size tiny --out benchmarks/results/cpu
+
+# 2 CPU ranks (gloo), DDP then FSDP2: overlapckpt against dcp.async_save, about 6 minutes on 2 cores.
+bench-dist: install
+	$(PY) benchmarks/harness.py --nproc 2 --size tiny --throughput-checkpoints 1 --out benchmarks/results/cpu-2rank
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -2,6 +2,7 @@
 
     python benchmarks/harness.py --size tiny --out benchmarks/results/cpu
     python benchmarks/harness.py --size h200 --device cuda --out results/h200
+    python benchmarks/harness.py --nproc 2 --size tiny --out benchmarks/results/cpu-2rank   (see dist_bench.py)
 
 Every method trains the same model on the same token stream (training simply goes
 on from one method to the next), with a warm-up that takes one checkpoint, so the
@@ -181,7 +182,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--throughput-checkpoints", type=int, default=DEFAULT_CHECKPOINTS, help="checkpoints per method in the throughput phase")
     parser.add_argument("--budget-s", type=float, default=None, help="skip methods that would end past this many seconds")
     parser.add_argument("--list", action="store_true", help="print the method names and exit")
+    parser.add_argument("--nproc", type=int, default=1, help="ranks (CPU, gloo): above 1, benchmarks/dist_bench.py runs DDP and FSDP2")
+    parser.add_argument("--parallelism", default="ddp,fsdp2", help="with --nproc > 1: ddp, fsdp2, or both (comma-separated)")
     args = parser.parse_args(argv)
+    if args.nproc > 1:
+        if args.list or not args.out:
+            from dist_bench import dist_methods
+
+            if args.list:
+                print("\n".join(m.name for m in dist_methods()))
+                return {}
+            parser.error("--out is required: the directory for results.json and results.md")
+        from dist_bench import run_distributed
+
+        return run_distributed(args)
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device))
     cuda = device.type == "cuda"

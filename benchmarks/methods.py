@@ -182,6 +182,10 @@ class DcpAsyncSave(Method):
     step: DCP's own way to overlap the copy with forward and backward.
     """
 
+    # The stager type, where this torch has DefaultStager (None: DefaultStager itself). The
+    # multi-rank benchmark puts a subclass here that counts the bytes each stage copies.
+    stager_type: type | None = None
+
     def __init__(self, kind: str, overlap_staging: bool = False) -> None:
         super().__init__()
         self.kind = kind
@@ -212,7 +216,7 @@ class DcpAsyncSave(Method):
             # torch 2.11's DefaultStager closes its own cache after each stage, so the second
             # save through it fails; there, each save gets its own (which is what 2.11 costs).
             self._stager_per_save = _stager_closes_itself()
-            self._stager = DefaultStager(options)
+            self._stager = (self.stager_type or DefaultStager)(options)
             self.notes["stager_per_save"] = self._stager_per_save
             self.notes["staging"] = {
                 "pinned": options.use_pinned_memory,
@@ -242,7 +246,7 @@ class DcpAsyncSave(Method):
             if self._stager_per_save and self.records:
                 from torch.distributed.checkpoint.staging import DefaultStager
 
-                self._stager = DefaultStager(self._options)
+                self._stager = (self.stager_type or DefaultStager)(self._options)
             kwargs["async_stager"] = self._stager
         with _Blocking(rec):
             if self._upload is not None:

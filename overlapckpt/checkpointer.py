@@ -22,6 +22,7 @@ from .state import CheckpointScope
 from .storage import CheckpointStore
 from .transfer import Copier, make_copier
 from .writer import WriterProcess
+from .writer_restarts import DEFAULT_MAX_WRITER_RESTARTS
 
 CONSISTENCY_MODES = ("replay", "stage")
 
@@ -93,6 +94,9 @@ class Checkpointer:
             on GPU and a copy at the call on CPU; ``CpuStreamCopier`` models a stream on the CPU.
         phase_timer: with ``window="auto"``, what times forward+backward and the optimizer step
             (default: CUDA events on GPU, the host clock on CPU).
+        max_writer_restarts: a writer process that dies is replaced by a new one, which persists the
+            snapshots complete in host memory, at most this many times an hour; the next death is raised
+            as WriterDiedError (at once in a distributed run, whose writers share a group).
         process_group: under torch.distributed, the ranks that checkpoint together (default: the
             world). Construct the Checkpointer on every rank of it, with the same settings.
         collective_timeout_s: distributed: the timeout of every collective of the writers' group (a
@@ -127,6 +131,7 @@ class Checkpointer:
         keep_staging: bool = False,
         copier: Copier | None = None,
         phase_timer: PhaseTimer | None = None,
+        max_writer_restarts: int = DEFAULT_MAX_WRITER_RESTARTS,
         process_group: Any = None,
         collective_timeout_s: float = 300.0,
         agreement_timeout_s: float = 120.0,
@@ -134,6 +139,10 @@ class Checkpointer:
         _check_window(window, max_window)
         _check_positive_int("every", every, "checkpoint after every N-th optimizer step, or None")
         _check_positive_int("keep", keep, "the number of newest committed checkpoints to keep, or None")
+        if isinstance(max_writer_restarts, bool) or not isinstance(max_writer_restarts, int) or max_writer_restarts < 0:
+            raise ConfigError(
+                f"max_writer_restarts={max_writer_restarts!r} is invalid; pass an integer >= 0 (0: a dead writer is raised at once)"
+            )
         _check_positive_int("max_inflight", max_inflight, "snapshots in flight at once; each costs one state of host memory", allow_none=False)
         if consistency not in CONSISTENCY_MODES:
             raise ConfigError(f"consistency={consistency!r} is invalid; use 'replay' or 'stage'")
@@ -185,12 +194,15 @@ class Checkpointer:
         self.window = window
         self.consistency = consistency
         self._closed = False
-        self._writer = WriterProcess(
-            self.path,
-            self.storage_options,
-            (store_class.__module__, store_class.__qualname__),
-            group=None if self._distributed is None else self._distributed.writer_spec,
-        )
+        def start_writer() -> WriterProcess:
+            return WriterProcess(
+                self.path,
+                self.storage_options,
+                (store_class.__module__, store_class.__qualname__),
+                group=None if self._distributed is None else self._distributed.writer_spec,
+            )
+
+        self._writer = start_writer()
         if self._distributed is not None:
             try:
                 self._writer.wait_ready()  # every rank's writer has joined the writers' group
@@ -219,6 +231,8 @@ class Checkpointer:
                 gap_timer=phase_timer if window == AUTO_WINDOW else None,
                 device=device,
                 scope=CheckpointScope() if self._distributed is None else self._distributed.scope,
+                writer_factory=start_writer,
+                max_writer_restarts=max_writer_restarts,
             )
         except BaseException:
             self._writer.close()  # nothing may outlive a constructor that raised
@@ -257,7 +271,7 @@ class Checkpointer:
             return self._engine.wait(timeout_s)
         finally:
             self._engine.remove_hooks()
-            self._writer.close()
+            self._engine.writer.close()
             self._engine.release()
 
     def __enter__(self) -> Checkpointer:
@@ -285,7 +299,17 @@ class Checkpointer:
 
     @property
     def writer_pid(self) -> int:
-        return self._writer.pid
+        return self._engine.writer.pid
+
+    @property
+    def writer_restarts(self) -> int:
+        """Times a dead writer process was replaced by a new one."""
+        return self._engine.writer_restarts.count
+
+    @property
+    def snapshots_dropped(self) -> int:
+        """Snapshots still being copied when their writer died (their requests may be made again)."""
+        return self._engine.snapshots_dropped
 
     def restore(self, step: int | None = None) -> CheckpointInfo:
         """Load this Checkpointer's newest (or ``step``'s) checkpoint and continue its step count."""
@@ -295,7 +319,15 @@ class Checkpointer:
         # not a training step, so the hooks must not count or checkpoint it.
         self._engine.remove_hooks()
         try:
-            info = load(self.path, self.model, self.optimizer, self.stateful, step, self.storage_options)
+            info = load(
+                self.path,
+                self.model,
+                self.optimizer,
+                self.stateful,
+                step,
+                self.storage_options,
+                process_group=None if self._distributed is None else self._distributed.group,
+            )
         finally:
             self._engine.install_hooks()
         self._engine.step_count = info.step

@@ -57,9 +57,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not infos:
         print(f"no committed checkpoint under {args.root}")
         return 0
-    print(f"{'step':>10} {'requested':>10} {'mode':>7} {'window':>6} {'size':>10}  committed                path")
+    print(f"{'step':>10} {'requested':>10} {'mode':>7} {'window':>6} {'ranks':>5} {'size':>10}  committed                path")
     for i in infos:
-        print(f"{i.step:>10} {i.requested_step:>10} {i.mode:>7} {i.window:>6} {_size(i.nbytes):>10}  {_when(i.created_at)}  {i.path}")
+        print(
+            f"{i.step:>10} {i.requested_step:>10} {i.mode:>7} {i.window:>6} {i.world_size:>5} {_size(i.nbytes):>10}  "
+            f"{_when(i.created_at)}  {i.path}"
+        )
     return 0
 
 
@@ -75,6 +78,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"version      step {m['step']} (requested at step {m['requested_step']}), mode {m['mode']}, window {m['window']}")
     print(f"state        {len(m['items'])} tensors, {_size(int(m['nbytes']))}; torch {m['torch_version']}; committed {_when(m['created_at'])}")
     print(f"extra state  {', '.join(m.get('extra_state_index', [])) or '-'}; boundary captured at {ledger.get('boundary')}")
+    ranks = m.get("ranks") or []
+    if ranks:
+        mesh = "x".join(str(d) for d in m.get("mesh_shape", [len(ranks)]))
+        print(f"ranks        {m.get('world_size', len(ranks))} (mesh {mesh}); each wrote its share:")
+        for r in ranks:
+            versions = sorted({g["version"] for g in (r.get("ledger") or {}).get("groups", [])})
+            copied = (r.get("stats") or {}).get("copied_nbytes")
+            print(
+                f"  rank {r['rank']}: {_size(int(r['nbytes']))} in {len(r['items'])} tensors or shards, groups at versions "
+                f"{versions}{'' if copied is None else f', copied {_size(int(copied))}'}"
+            )
     for g in ledger.get("groups", []):
         landed = g.get("landed_s")
         print(f"  group {g['index']}: {_size(g['nbytes'])} at version {g['version']}, landed {'-' if landed is None else f'{landed * 1000:.1f} ms'} after the request")

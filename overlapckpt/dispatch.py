@@ -25,6 +25,7 @@ from .writer import WriterProcess, writer_error
 class _Sent:
     snapshot: Snapshot
     stats: SnapshotStats
+    request: p.PersistRequest  # kept: a new writer persists it again if this one dies
 
 
 class PersistDispatcher:
@@ -63,26 +64,25 @@ class PersistDispatcher:
         if replay is not None:
             for step in replay.steps:
                 step.hyperparameters = resolve_values(step.hyperparameters)
-        self._sent[snap.request_id] = _Sent(snap, stats)
-        self.writer.send(
-            p.PersistRequest(
-                request_id=snap.request_id,
-                buffer_id=snap.slot.buffer_id,
-                plan_id=snap.plan_id,
-                name=checkpoint_name(snap.version),  # type: ignore[arg-type]
-                step=snap.version,  # type: ignore[arg-type]
-                requested_step=snap.requested_step,
-                mode=snap.mode.value,
-                window=snap.window,
-                small_state=small_state,
-                extra_state=extra_state,
-                ledger=snap.ledger.to_json(),
-                stats=_stats_json(stats),
-                keep=self.keep,
-                replay=replay,
-                proposed_next_window=proposed_next_window,
-            )
+        request = p.PersistRequest(
+            request_id=snap.request_id,
+            buffer_id=snap.slot.buffer_id,
+            plan_id=snap.plan_id,
+            name=checkpoint_name(snap.version),  # type: ignore[arg-type]
+            step=snap.version,  # type: ignore[arg-type]
+            requested_step=snap.requested_step,
+            mode=snap.mode.value,
+            window=snap.window,
+            small_state=small_state,
+            extra_state=extra_state,
+            ledger=snap.ledger.to_json(),
+            stats=_stats_json(stats),
+            keep=self.keep,
+            replay=replay,
+            proposed_next_window=proposed_next_window,
         )
+        self._sent[snap.request_id] = _Sent(snap, stats, request)
+        self.writer.send(request)
         return stats
 
     def poll(self) -> None:
@@ -118,14 +118,24 @@ class PersistDispatcher:
         out, self._unreturned = self._unreturned, []
         return out
 
+    def rebind(self, writer: WriterProcess) -> int:
+        """A new writer replaced a dead one: persist again what the dead one held (complete in host memory)."""
+        self.writer = writer
+        self.error = None
+        for sent in self._sent.values():
+            snap = sent.snapshot
+            writer.send(p.SetPlanRequest(snap.plan_id, snap.layout.entries, snap.plan.offsets, snap.layout.global_shapes))
+            writer.send(sent.request)
+        return len(self._sent)
+
     def drop_all(self) -> None:
         """The writer died: what was sent is lost with it."""
         self._sent.clear()
 
     def _handle(self, response: object) -> None:
         if isinstance(response, p.MappedResponse):
-            self.slots.mapped(response.buffer_id)
-        elif isinstance(response, p.CommittedResponse):
+            return  # counted by the writer link; the buffer is shared from now on
+        if isinstance(response, p.CommittedResponse):
             sent = self._sent.pop(response.request_id, None)
             if sent is None:
                 return

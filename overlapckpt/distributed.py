@@ -14,10 +14,10 @@ the training process group. The hooks never do.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -86,21 +86,20 @@ def set_up_distributed(
     group = process_group if process_group is not None else dist.group.WORLD
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     agree_on_settings(settings, group)
-    # The address the other ranks reach rank 0 at: torchrun's, else this host (one-node runs).
-    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    store, port = None, 0
+    store, port, host = None, 0, ""
     if rank == 0:
+        host = _reachable_address()
         from datetime import timedelta
 
         store = dist.TCPStore(
             host, 0, world_size=None, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=collective_timeout_s)
         )
         port = int(store.port)
-    box = [port]
+    box: list[Any] = [(host, port)]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     spec = WriterGroupSpec(
-        store_host=host,
-        store_port=int(box[0]),
+        store_host=str(box[0][0]),
+        store_port=int(box[0][1]),
         rank=rank,
         world_size=world,
         timeout_s=collective_timeout_s,
@@ -110,9 +109,19 @@ def set_up_distributed(
     return DistributedRun(scope=CheckpointScope(rank=rank, world_size=world), group=group, writer_spec=spec, store=store)
 
 
-def barrier(run: DistributedRun) -> None:
-    """Wait for every rank (construction only: after every writer has joined its group)."""
-    if torch.distributed.get_backend(run.group) == "nccl":
-        dist.barrier(group=run.group, device_ids=[torch.cuda.current_device()])
-    else:
-        dist.barrier(group=run.group)
+def _reachable_address() -> str:
+    """An address of this host (rank 0, which hosts the writers' store) that the other ranks can reach.
+
+    The interface this host would use to reach the rendezvous address (torchrun's
+    MASTER_ADDR) faces the other ranks; a UDP socket's connect picks it without
+    sending anything. Without MASTER_ADDR (one-node runs), the loopback address.
+    """
+    target = os.environ.get("MASTER_ADDR")
+    if not target or target in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((target, int(os.environ.get("MASTER_PORT", "29500"))))
+            return str(s.getsockname()[0])
+    except OSError:
+        return target

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,9 +42,10 @@ from .snapshot import Snapshot, SnapshotMode, SnapshotState
 from .staging import StagingArea
 from .state import ROLE_BUFFER, CheckpointScope, StateLayout
 from .transfer import Copier, CopyTicket, FenceResult
-from .warnings_text import BOUNDARY_WARNING, GRAD_SCALER_WARNING, LATE_HOOK_WARNING, NEW_STATE_WARNING
+from .warnings_text import BOUNDARY_WARNING, GRAD_SCALER_WARNING, LATE_HOOK_WARNING, NEW_STATE_WARNING, WRITER_RESTART_WARNING
 from .window_policy import WindowPolicy
 from .writer import WriterProcess
+from .writer_restarts import DEFAULT_MAX_WRITER_RESTARTS, WriterRestartBudget
 
 
 class SnapshotEngine:
@@ -68,6 +70,8 @@ class SnapshotEngine:
         gap_timer: PhaseTimer | None,
         device: torch.device,
         scope: CheckpointScope,
+        writer_factory: Callable[[], WriterProcess] | None = None,
+        max_writer_restarts: int = DEFAULT_MAX_WRITER_RESTARTS,
     ) -> None:
         self.optimizer = optimizer
         self.consistency = SnapshotMode(consistency)
@@ -95,11 +99,16 @@ class SnapshotEngine:
         self._waiting_for_slot = False
         self._last_started_step: int | None = None
         self._restarted_from: int | None = None
+        self._slot_wait_s = 0.0  # distributed: hook time the next snapshot waited for a free slot
         self._prepared_fingerprint: int | None = None
         self.deferrals = 0
         self._user_marks_boundary = False
         self._warned: set[str] = set()
         self.dead: WriterDiedError | None = None  # set once a writer death has been raised
+        # A dead writer is replaced (one process: the writers of a distributed run share a group).
+        self._writer_factory = None if self.distributed else writer_factory
+        self.writer_restarts = WriterRestartBudget(max_writer_restarts)
+        self.snapshots_dropped = 0  # incomplete snapshots lost with a dead writer
         self._hooks: list[Any] = []
         self.install_hooks()
         if optimizer.state:  # the state exists (a warm start): allocate now, before any step
@@ -252,7 +261,9 @@ class SnapshotEngine:
         must_drain = self.windows.tuner is not None and (self._snapshots or self.dispatcher.in_flight)
         if not must_drain and (len(self.slots.slots) < self.slots.max_inflight or any(not s.busy for s in self.slots.slots)):
             return
+        started = time.perf_counter()
         self._drain(timeout_s=None, start_pending=False)
+        self._slot_wait_s += time.perf_counter() - started  # in the next snapshot's stats
 
     def _start_snapshot(
         self,
@@ -292,6 +303,7 @@ class SnapshotEngine:
             ledger=ledger,
             deferred=deferred,
         )
+        snap.waited_for_slot_s, self._slot_wait_s = self._slot_wait_s, 0.0
         views = slot.entry_views(plan, layout)
         if mode == SnapshotMode.STAGE:
             for other in self._snapshots:  # the region is overwritten below: drain what still reads it
@@ -475,6 +487,7 @@ class SnapshotEngine:
                 self._snapshots.remove(snap)
                 proposal = self.windows.propose(snap.layout, self.plans, self.staging)
                 stats = self.dispatcher.send(snap, proposed_next_window=proposal)
+                stats.writer_restarts = self.writer_restarts.count
                 if snap.mode == SnapshotMode.STAGE:
                     self.staging.release_if_idle(self.copier)
                 self.windows.observe_copies(stats.copied_nbytes, stats.copy_s)
@@ -487,11 +500,32 @@ class SnapshotEngine:
         if error is None:
             return
         if isinstance(error, WriterDiedError):
+            if self._replace_dead_writer(error):
+                return
             # In-flight snapshots are gone with the writer; their slots are unusable.
             self.dead = error
             self._snapshots.clear()
             self.dispatcher.drop_all()
         raise error
+
+    def _replace_dead_writer(self, error: WriterDiedError) -> bool:
+        """Start a new writer and hand it the host buffers, plans and complete snapshots; False if none may start."""
+        if self._writer_factory is None or not self.writer_restarts.allow():
+            return False
+        self.writer.close(timeout_s=5.0)  # reap the dead one
+        writer = self._writer_factory()
+        self.writer = writer
+        self.slots.rebind(writer)
+        self.plans.rebind(writer)
+        # Snapshots still being copied are dropped: their request may be made again. The
+        # ones sent were complete in host memory and are persisted by the new writer.
+        for snap in self._snapshots:
+            snap.slot.busy = False
+        self.snapshots_dropped += len(self._snapshots)
+        self._snapshots.clear()
+        self.dispatcher.rebind(writer)
+        self._warn_once("writer-restart", WRITER_RESTART_WARNING.format(error=error, limit=self.writer_restarts.max_restarts))
+        return True
 
     def _charge(self, started: float) -> None:
         spent = time.perf_counter() - started

@@ -1,15 +1,17 @@
 """Host buffers shared by the training process and the writer process.
 
-A buffer is a file in a shared-memory filesystem (``/dev/shm``), mapped with
-``MAP_SHARED`` by both processes, so the writer reads the snapshot in place: no
-tensor data ever passes through a pipe. Where CUDA is present the training side
-page-locks its mapping with ``cudaHostRegister``, so device-to-host copies into it
-are truly asynchronous DMA.
+A buffer is anonymous shared memory (``memfd_create``), mapped with ``MAP_SHARED``
+by both processes, so the writer reads the snapshot in place: no tensor data ever
+passes through a pipe. Where CUDA is present the training side page-locks its
+mapping with ``cudaHostRegister``, so device-to-host copies into it are truly
+asynchronous DMA.
 
-Lifecycle: the training process creates the file and maps it; the writer maps the
-same path; then the training process unlinks the path. The memory lives while
-either mapping does, so nothing is left in ``/dev/shm`` if either process is
-killed. Buffers are allocated once per Checkpointer and reused for every
+The memory has no name: the training process hands the writer its file descriptor
+over their socket (``SCM_RIGHTS``), so there is nothing in ``/dev/shm`` to leak,
+whatever the moment a process is killed; the memory goes when the last mapping and
+descriptor close. Where ``memfd_create`` is missing, or ``OVERLAPCKPT_SHM_DIR``
+names a directory, a file there is created and unlinked at once, keeping only the
+descriptor. Buffers are allocated once per Checkpointer and reused for every
 checkpoint (DCP's stager leaked and broke on reuse in torch 2.9 to 2.12).
 """
 
@@ -38,20 +40,6 @@ def map_shared_file(path: str, nbytes: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
-def map_existing_file(path: str, nbytes: int) -> torch.Tensor:
-    """Map ``path`` like ``map_shared_file``, but raise FileNotFoundError instead of creating it.
-
-    The writer maps a buffer some time after the training process announced it; if
-    the training side released (unlinked) it meanwhile, creating the file again here
-    would leave it in /dev/shm for good.
-    """
-    fd = os.open(path, os.O_RDWR)  # no O_CREAT
-    try:
-        return map_shared_file(f"/proc/self/fd/{fd}", nbytes) if os.path.isdir("/proc/self/fd") else map_shared_file(path, nbytes)
-    finally:
-        os.close(fd)
-
-
 def _reserve(fd: int, nbytes: int) -> None:
     if not hasattr(os, "posix_fallocate"):  # macOS
         os.ftruncate(fd, nbytes)
@@ -64,30 +52,51 @@ def _reserve(fd: int, nbytes: int) -> None:
         os.ftruncate(fd, nbytes)  # a filesystem without fallocate: the size, unreserved
 
 
+def _anonymous_fd(nbytes: int) -> tuple[int, str]:
+    """A descriptor of ``nbytes`` of shared memory with no name left anywhere, and where it lives."""
+    directory = os.environ.get("OVERLAPCKPT_SHM_DIR")
+    if directory is None and hasattr(os, "memfd_create"):
+        # The name shows only in /proc/<pid>/maps ("/memfd:overlapckpt-..."), never in a filesystem.
+        name = f"overlapckpt-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        return os.memfd_create(name, os.MFD_CLOEXEC), "anonymous shared memory (memfd)"
+    directory = directory or shared_memory_dir()
+    if hasattr(os, "O_TMPFILE"):
+        try:
+            # An unnamed file in that filesystem: no moment at which a kill leaves a name behind.
+            return os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600), directory
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+    path = os.path.join(directory, f"overlapckpt-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.unlink(path)  # the descriptor keeps the memory; the name goes at once (a kill in between leaves it)
+    return fd, directory
+
+
+def fd_path(fd: int) -> str:
+    """A path that opens the file behind ``fd`` (Linux's /proc/self/fd)."""
+    return f"/proc/self/fd/{fd}"
+
+
 class SharedHostBuffer:
-    """One slot of host memory for one snapshot, shared with the writer process."""
+    """One slot of host memory for one snapshot, shared with the writer process by descriptor."""
 
     def __init__(self, nbytes: int, pin: bool) -> None:
         if nbytes <= 0:
             raise ConfigError(f"host buffer size {nbytes} bytes is invalid; it must be positive")
-        directory = shared_memory_dir()
-        self.path = os.path.join(directory, f"overlapckpt-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         self.nbytes = nbytes
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.fd, where = _anonymous_fd(nbytes)
         try:
-            # Reserve the pages now: on tmpfs a plain ftruncate succeeds past the
-            # filesystem's size, and the first copy into the hole then dies of SIGBUS.
-            _reserve(fd, nbytes)
+            # Reserve the pages now: on tmpfs (and memfd) a plain ftruncate succeeds past
+            # what is free, and the first copy into the hole then dies of SIGBUS.
+            _reserve(self.fd, nbytes)
         except OSError as e:
-            os.close(fd)
-            os.unlink(self.path)
+            os.close(self.fd)
             raise ConfigError(
-                f"cannot allocate a {nbytes}-byte host buffer in {directory}: {e}; enlarge the "
-                "shared-memory filesystem or point OVERLAPCKPT_SHM_DIR at one with room"
+                f"cannot allocate a {nbytes}-byte host buffer in {where}: {e}; free host memory, enlarge the "
+                "shared-memory filesystem, or point OVERLAPCKPT_SHM_DIR at one with room"
             ) from e
-        os.close(fd)
-        self.tensor = map_shared_file(self.path, nbytes)
-        self._unlinked = False
+        self.tensor = map_shared_file(fd_path(self.fd), nbytes)
         self._pinned = False
         if pin:
             self._pin()
@@ -108,21 +117,14 @@ class SharedHostBuffer:
         """The slot bytes at ``offset`` seen as a tensor of ``dtype`` and ``shape``."""
         return view_bytes(self.tensor, offset, dtype, shape)
 
-    def unlink(self) -> None:
-        """Remove the file name once every process that needs the memory has mapped it."""
-        if not self._unlinked:
-            self._unlinked = True
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-
     def release(self) -> None:
-        """Unpin and drop this process's mapping (the caller drops its views first)."""
+        """Unpin and drop this process's mapping and descriptor (the caller drops its views first)."""
         if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self._pinned = False
-        self.unlink()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         self.tensor = torch.empty(0, dtype=torch.uint8)
 
 

@@ -15,6 +15,8 @@ from .errors import (
     CheckpointReadError,
     ConfigError,
     CorruptCheckpointError,
+    OverlapCkptError,
+    RankDisagreementError,
 )
 from .extra_state import decode
 from .manifest import CheckpointInfo, checkpoint_name, step_of_name, tensor_crc32
@@ -166,21 +168,40 @@ def _world(process_group: Any) -> tuple[Any, int, int]:
     return None, 0, 1
 
 
-def _agree_on_failure(group: Any, error: BaseException | None) -> None:
-    """Raise on every rank if any rank failed a check (so none is left waiting in DCP's collective)."""
+def _agree_before_reading(group: Any, error: BaseException | None, name: str | None) -> None:
+    """Distributed: raise on every rank if any rank failed its checks or resolved another checkpoint.
+
+    Run before DCP's collective read, so that no rank is left waiting in it. A rank
+    that failed raises its own error; the others raise the same type, naming that rank.
+    """
     if group is None:
         if error is not None:
             raise error
         return
     import torch.distributed as dist
 
-    errors: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}", group=group)
+    outcome = (name, None if error is None else (type(error).__name__, str(error)))
+    outcomes: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(outcomes, outcome, group=group)
     if error is not None:
         raise error
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        raise CorruptCheckpointError(f"loading failed on rank {failed[0][0]}: {failed[0][1]}")
+    for rank, (_, failure) in enumerate(outcomes):
+        if failure is not None:
+            error_type = _ERROR_TYPES.get(failure[0], CorruptCheckpointError)
+            raise error_type(f"loading failed on rank {rank}: {failure[0]}: {failure[1]}")
+    names = [n for n, _ in outcomes]
+    if any(n != names[0] for n in names):
+        per_rank = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
+        raise RankDisagreementError(
+            f"the ranks resolved different checkpoints to load ({per_rank}); pass the same path and step on every "
+            "rank (with step=None, a checkpoint committed while the ranks were resolving can cause this: retry)"
+        )
+
+
+_ERROR_TYPES: dict[str, type[OverlapCkptError]] = {
+    cls.__name__: cls
+    for cls in (CheckpointMismatchError, CheckpointNotFoundError, CheckpointReadError, ConfigError, CorruptCheckpointError)
+}
 
 
 def load(
@@ -217,43 +238,26 @@ def load(
     if per_rank_state not in PER_RANK_STATE_CHOICES:
         raise ConfigError(f"per_rank_state={per_rank_state!r} is invalid; use 'restore' or 'skip'")
     group, rank, world = _world(process_group)
-    store, name = _split_checkpoint_path(path, storage_options)
-    if name is None:
-        name = resolve_checkpoint(store, step)
-    elif step is not None and step_of_name(name) != step:
-        raise ConfigError(f"path {path!r} is the checkpoint of step {step_of_name(name)}, but step={step}; pass one or the other")
-    where = store.checkpoint_url(name)
-    manifest = read_manifest(store, name)
-    saved_world = int(manifest.get("world_size", 1))
-    if per_rank_state == "restore" and saved_world != world:
-        raise CheckpointMismatchError(
-            f"{where} was written by {saved_world} rank(s) and is loaded by {world}: its stateful objects and RNG "
-            "states are per rank and cannot be restored here; load at the same world size, or pass "
-            "per_rank_state='skip' to restore model and optimizer only"
-        )
-    failure: BaseException | None = None
-    if verify:
-        # Every stored byte against the checksums taken as it was written, before DCP
-        # unpickles .metadata or decodes a blob. This reads the shards once here and
-        # once more in DCP's load below: twice the reads, for a refusal that never
-        # leaves a half-loaded state and names the damaged blob.
-        report = verify_checkpoint(store, name, manifest)
-        if not report.ok:
-            failure = CorruptCheckpointError(
-                f"reading the checkpoint {where} failed verification: {describe_problems(report)}; restore from an "
-                "older checkpoint (list_checkpoints), or pass verify=False to inspect it"
-            )
-    _agree_on_failure(group, failure)
-
     if optimizer is not None:
-        msd, osd = get_state_dict(model, optimizer)
+        msd, osd = get_state_dict(model, optimizer)  # collective for some parallelisms: every rank, first
         target = {"model": msd, "optimizer": osd}
     else:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         target = {"model": get_model_state_dict(model)}
-    expected = {k: tuple(v["shape"]) for k, v in manifest["items"].items()}
-    check_shapes(expected, flatten_tensors(target))
+    failure: BaseException | None = None
+    name: str | None = None
+    try:
+        store, name = _split_checkpoint_path(path, storage_options)
+        if name is None:
+            name = resolve_checkpoint(store, step)
+        elif step is not None and step_of_name(name) != step:
+            raise ConfigError(f"path {path!r} is the checkpoint of step {step_of_name(name)}, but step={step}; pass one or the other")
+        manifest = _checked_manifest(store, name, world, per_rank_state, verify, target)
+    except OverlapCkptError as e:  # raised on every rank below, before any rank reads
+        failure = e
+    _agree_before_reading(group, failure, name)
+    where = store.checkpoint_url(name)  # type: ignore[arg-type]
 
     host = _empty_like_on_cpu(target)
     read_into(store, name, host, group)
@@ -270,6 +274,36 @@ def load(
     if per_rank_state == "restore":
         _restore_extra_state(extra, stateful or {})
     return CheckpointInfo.from_manifest(manifest, where)
+
+
+def _checked_manifest(
+    store: CheckpointStore, name: str, world: int, per_rank_state: str, verify: bool, target: dict[str, Any]
+) -> dict[str, Any]:
+    """The manifest of ``name``, once everything that can be checked before reading has passed."""
+    where = store.checkpoint_url(name)
+    manifest = read_manifest(store, name)
+    saved_world = int(manifest.get("world_size", 1))
+    if per_rank_state == "restore" and saved_world != world:
+        raise CheckpointMismatchError(
+            f"{where} was written by {saved_world} rank(s) and is loaded by {world}: its stateful objects and RNG "
+            "states are per rank and cannot be restored here; load at the same world size, or pass "
+            "per_rank_state='skip' to restore model and optimizer only"
+        )
+    if verify:
+        # Every stored byte against the checksums taken as it was written, before DCP
+        # unpickles .metadata or decodes a blob. This reads the shards once here and
+        # once more in DCP's load below: twice the reads, for a refusal that never
+        # leaves a half-loaded state and names the damaged blob. (Every rank of a
+        # distributed load verifies every shard.)
+        report = verify_checkpoint(store, name, manifest)
+        if not report.ok:
+            raise CorruptCheckpointError(
+                f"reading the checkpoint {where} failed verification: {describe_problems(report)}; restore from an "
+                "older checkpoint (list_checkpoints), or pass verify=False to inspect it"
+            )
+    expected = {k: tuple(v["shape"]) for k, v in manifest["items"].items()}
+    check_shapes(expected, flatten_tensors(target))
+    return manifest
 
 
 def _check_tensor_crcs(manifest: dict[str, Any], host: dict[str, Any], where: str) -> None:

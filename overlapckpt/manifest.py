@@ -74,11 +74,12 @@ class CheckpointInfo:
     step: int  # the version it holds, in optimizer steps
     path: str  # the checkpoint directory (local path or URL)
     window: int
-    mode: str  # "window" (W=1), "replay" or "stage"
-    nbytes: int  # bytes of tensor state
+    mode: str  # "single" (W=1), "replay" or "stage"
+    nbytes: int  # bytes of tensor state (every rank's share)
     created_at: float  # UNIX time of the commit
     requested_step: int  # the step at which the checkpoint was requested
     torch_version: str
+    world_size: int = 1  # ranks that wrote it
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any], path: str) -> CheckpointInfo:
@@ -91,6 +92,7 @@ class CheckpointInfo:
             created_at=float(manifest["created_at"]),
             requested_step=int(manifest["requested_step"]),
             torch_version=str(manifest["torch_version"]),
+            world_size=int(manifest.get("world_size", 1)),
         )
 
 

@@ -42,6 +42,14 @@ class PlanCache:
             self._plan_ids = {}
         return self._layout
 
+    def rebind(self, writer: WriterProcess) -> None:
+        """A new writer replaced a dead one: register the current plans with it again, under the same ids."""
+        self.writer = writer
+        if self._layout is not None:
+            for window, plan_id in self._plan_ids.items():
+                layout, plan = self._layout, self._plans[window]
+                writer.send(p.SetPlanRequest(plan_id, layout.entries, plan.offsets, layout.global_shapes))
+
     def plan(self, layout: StateLayout, window_steps: int) -> CopyPlan:
         """The plan for ``window_steps`` over ``layout``, which must be the current layout."""
         if window_steps not in self._plans:

@@ -24,8 +24,9 @@ class InitRequest:
 
 @dataclass
 class MapBufferRequest:
+    """Followed on the socket by the buffer's file descriptor (SCM_RIGHTS)."""
+
     buffer_id: int
-    path: str
     nbytes: int
 
 

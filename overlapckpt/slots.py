@@ -174,13 +174,13 @@ class SlotPool:
         slot.grad_buffer, slot.grad_buffer_id = buffer, self._new_buffer_id()
         self._announce(buffer, slot.grad_buffer_id)
 
-    def mapped(self, buffer_id: int) -> None:
-        """The writer mapped this buffer: both processes hold it, so its name can go."""
+    def rebind(self, writer: WriterProcess) -> None:
+        """A new writer replaced a dead one: hand it every buffer (the memory itself never moved)."""
+        self.writer = writer
         for slot in self.slots:
-            if slot.buffer_id == buffer_id:
-                slot.buffer.unlink()
-            if slot.grad_buffer is not None and slot.grad_buffer_id == buffer_id:
-                slot.grad_buffer.unlink()
+            self._announce(slot.buffer, slot.buffer_id)
+            if slot.grad_buffer is not None and slot.grad_buffer_id is not None:
+                self._announce(slot.grad_buffer, slot.grad_buffer_id)
 
     def host_tensors(self) -> list[torch.Tensor]:
         """Every host buffer this pool holds (slots and gradient buffers)."""
@@ -217,9 +217,9 @@ class SlotPool:
     def _announce(self, buffer: SharedHostBuffer, buffer_id: int) -> None:
         """Ask the writer to map ``buffer``; release it here if the writer cannot be told."""
         try:
-            self.writer.send(p.MapBufferRequest(buffer_id, buffer.path, buffer.nbytes))
+            self.writer.send_with_fd(p.MapBufferRequest(buffer_id, buffer.nbytes), buffer.fd)
         except BaseException:
-            buffer.release()  # unpinned and unlinked: nothing is left in /dev/shm
+            buffer.release()
             raise
 
     def _tell_writer(self, request: p.ReleaseBufferRequest) -> None:

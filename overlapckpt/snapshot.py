@@ -70,6 +70,8 @@ class SnapshotStats:
     device_waits_in_flight: int = 0
     hook_host_s: float = 0.0
     deferred: bool = False
+    waited_for_slot_s: float = 0.0  # distributed: blocked in a hook for a free slot (not deferred: same version)
+    writer_restarts: int = 0  # writer processes replaced so far in this run, when this one was sent
     time_to_commit_s: float | None = None
     committed_at_unix_s: float | None = None
     persist_s: float | None = None
@@ -106,6 +108,7 @@ class Snapshot:
     device_waits_in_flight: int = 0
     hook_host_s: float = 0.0
     deferred: bool = False
+    waited_for_slot_s: float = 0.0  # distributed: the hook blocked this long for a free slot before starting
 
     @property
     def nbytes(self) -> int:
@@ -128,4 +131,5 @@ class Snapshot:
             device_waits_in_flight=self.device_waits_in_flight,
             hook_host_s=self.hook_host_s,
             deferred=self.deferred,
+            waited_for_slot_s=self.waited_for_slot_s,
         )

@@ -29,3 +29,9 @@ LATE_HOOK_WARNING = (
     "p.data.clamp_()): the checkpoint copies them in that interval. Register such hooks before creating "
     "the Checkpointer, or do the write before optimizer.step() returns."
 )
+
+WRITER_RESTART_WARNING = (
+    "overlapckpt: the writer process died ({error}); a new one was started and given the host buffers. "
+    "Checkpoints complete in host memory are persisted by it; one still being copied was dropped (see "
+    "ckpt.snapshots_dropped). At most {limit} restarts an hour are made; the next death is raised."
+)

@@ -71,6 +71,8 @@ class WriterProcess:
         # Close our copy of the child's end: when the child dies, its end closes and
         # our reads see EOF immediately.
         child_sock.close()
+        # A second handle on the same socket, for the host buffers' descriptors (SCM_RIGHTS).
+        self._fd_sock = socket.socket(fileno=os.dup(parent_sock.fileno()))
         self._conn = Connection(parent_sock.detach())
         self._ready = False
         self._dead: WriterDiedError | None = None
@@ -93,6 +95,16 @@ class WriterProcess:
             raise self._died("while sending a request") from e
         if isinstance(request, _ANSWERED_REQUESTS):
             self.awaiting_responses += 1
+
+    def send_with_fd(self, request: object, fd: int) -> None:
+        """Send ``request`` and then the descriptor ``fd``, which the writer reads right after it."""
+        self.send(request)
+        try:
+            # One byte carries the descriptor; the writer takes it with recv_fds once it has
+            # read the request, so the framed stream stays in step.
+            socket.send_fds(self._fd_sock, [b"F"], [fd])
+        except OSError as e:
+            raise self._died("while sending a host buffer") from e
 
     def _send_now(self, request: object) -> None:
         # Plain pickle, not multiprocessing's: its reducers would share tensors through
@@ -195,6 +207,7 @@ class WriterProcess:
                 self._proc.kill()
                 self._proc.wait(timeout=timeout_s)
         self._conn.close()
+        self._fd_sock.close()
 
 
 # Requests the writer answers, and the answers: the engine polls the pipe only while

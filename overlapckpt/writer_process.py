@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
+import socket
 import sys
 import traceback
 from multiprocessing.connection import Connection
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from . import protocol as p
-from .hostbuf import map_existing_file
+from .hostbuf import fd_path, map_shared_file
 from .persist import persist_snapshot
 from .storage import CheckpointStore, dcp_root_cause
 from .writer_group import WriterGroup
@@ -73,7 +74,7 @@ def _recv(conn: Connection) -> object:
     return pickle.loads(conn.recv_bytes())
 
 
-def serve(conn: Connection) -> None:
+def serve(conn: Connection, fd_sock: socket.socket) -> None:
     init = _recv(conn)
     try:
         if not isinstance(init, p.InitRequest):
@@ -87,13 +88,13 @@ def serve(conn: Connection) -> None:
         return
     _send(conn, p.ReadyResponse(pid=os.getpid()))
     try:
-        _serve_requests(conn, state)
+        _serve_requests(conn, fd_sock, state)
     finally:
         if state.group is not None:
             state.group.close()
 
 
-def _serve_requests(conn: Connection, state: _WriterState) -> None:
+def _serve_requests(conn: Connection, fd_sock: socket.socket, state: _WriterState) -> None:
     while True:
         try:
             if state.group is not None and not conn.poll(_IDLE_CHECK_S):
@@ -110,10 +111,12 @@ def _serve_requests(conn: Connection, state: _WriterState) -> None:
             if isinstance(req, p.ShutdownRequest):
                 return
             if isinstance(req, p.MapBufferRequest):
+                _, fds, _, _ = socket.recv_fds(fd_sock, 1, 1)
                 try:
-                    state.buffers[req.buffer_id] = map_existing_file(req.path, req.nbytes)
-                except FileNotFoundError:
-                    pass  # released (and unlinked) before this request was read: its release follows
+                    state.buffers[req.buffer_id] = map_shared_file(fd_path(fds[0]), req.nbytes)
+                finally:
+                    for fd in fds:
+                        os.close(fd)  # the mapping keeps the memory
                 _send(conn, p.MappedResponse(buffer_id=req.buffer_id))
             elif isinstance(req, p.ReleaseBufferRequest):
                 state.buffers.pop(req.buffer_id, None)
@@ -154,11 +157,14 @@ def main(argv: list[str]) -> None:
     except OSError:
         pass  # not permitted here: run at the training process's priority
     torch.set_num_threads(writer_thread_count())
+    # The host buffers' descriptors arrive as ancillary data on the same socket.
+    fd_sock = socket.socket(fileno=os.dup(fd))
     conn = Connection(fd)
     try:
-        serve(conn)
+        serve(conn, fd_sock)
     finally:
         conn.close()
+        fd_sock.close()
 
 
 if __name__ == "__main__":

@@ -71,3 +71,18 @@ class BlockingStore(CheckpointStore):
 
             writer.fs = _HookedFileSystem(hang)
         return writer
+
+
+BLOCK_ONCE_MARKER_ENV = "OVERLAPCKPT_TEST_BLOCK_ONCE_MARKER"  # a path: BlockingOnceStore hangs only while it is absent
+
+
+class BlockingOnceStore(BlockingStore):
+    """BlockingStore that hangs the first time only: a writer started after it was killed persists normally."""
+
+    def make_writer(self, name, before_commit):
+        marker = os.environ.get(BLOCK_ONCE_MARKER_ENV)
+        if marker is None or os.path.exists(marker):
+            return CheckpointStore.make_writer(self, name, before_commit)
+        with open(marker, "w"):
+            pass
+        return super().make_writer(name, before_commit)

@@ -200,3 +200,62 @@ def test_a_failing_method_is_reported_and_the_rest_still_run(tmp_path, monkeypat
     assert list(on_disk["failed"]) == ["torch_save_disk_full"]
     assert on_disk["methods"]["overlapckpt_w1"]["metrics"]["checkpoints_committed"] == 1
     assert os.listdir(tmp_path / "ck") == []  # the failed method's files were removed too
+
+
+DIST_EVERY = 2
+
+
+@pytest.fixture(scope="module")
+def dist_result(tmp_path_factory):
+    """``harness.py --nproc 2``, DDP only, at the micro size: dcp.async_save against overlapckpt window=1."""
+    out = tmp_path_factory.mktemp("bench-dist")
+    proc = subprocess.run(
+        [
+            sys.executable, os.path.join(REPO, "benchmarks", "harness.py"),
+            "--nproc", "2", "--parallelism", "ddp", "--size", "micro",
+            "--methods", "dcp_async_process,overlapckpt_w1",
+            "--checkpoints", "1", "--throughput-checkpoints", "1", "--every", str(DIST_EVERY),
+            "--quiet-steps", "1", "--warmup", "1", "--timeout-s", "120",
+            "--out", str(out), "--checkpoint-dir", str(out / "checkpoints"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(out / "results.json") as f:
+        return json.load(f)
+
+
+def test_two_ddp_ranks_each_copy_half_of_what_dcp_stages_on_every_rank(dist_result):
+    part = dist_result["parallelisms"]["ddp"]
+    state = part["state_nbytes"]
+    assert state == _micro_state_nbytes() and part["failed"] == {}
+    ranks = part["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    ours = []
+    for r in ranks:
+        assert list(r["methods"]) == ["baseline", "dcp_async_process", "overlapckpt_w1"]
+        assert r["local_state_nbytes"] == state  # DDP: every rank holds the whole replicated state
+        dcp_records, our_records = r["methods"]["dcp_async_process"]["records"], r["methods"]["overlapckpt_w1"]["records"]
+        # DCP stages the whole state on every rank; overlapckpt copies this rank's share only.
+        assert [x["copied_nbytes"] for x in dcp_records] == [state] * len(dcp_records)
+        copied = {x["copied_nbytes"] for x in our_records}
+        assert len(copied) == 1, copied  # the same share at every checkpoint
+        ours.append(copied.pop())
+        assert 0.3 * state <= ours[-1] <= 0.7 * state, (ours[-1], state)
+        for name in ("dcp_async_process", "overlapckpt_w1"):
+            m = r["methods"][name]["metrics"]
+            assert m["host_copy_nbytes_per_checkpoint"] == r["methods"][name]["records"][1]["copied_nbytes"]
+            assert m["checkpoints_committed"] == 1 and m["mean_request_to_commit_s"] > 0 and m["mean_blocking_s"] > 0
+            assert len(m["stall_per_checkpoint_s"]) == 1 and m["median_step_s"] > 0
+    assert sum(ours) == state  # the shares cover the state exactly once
+
+
+def test_dist_table_has_a_row_per_method_and_rank(dist_result):
+    with open(os.path.join(os.path.dirname(dist_result["checkpoint_dir"]), "results.md")) as f:
+        table = f.read()
+    for label in ("no checkpoint (baseline)", "dcp.async_save PROCESS", "overlapckpt window=1"):
+        for rank in (0, 1):
+            assert f"| {label} | {rank} |" in table
+    assert "### DDP on 2 CPU ranks (gloo): micro workload" in table

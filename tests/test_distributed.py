@@ -181,3 +181,34 @@ def test_hsdp_four_ranks_each_shard_written_once(tmp_path):
         # shard groups hold and write (DCP stores each once).
         extra = sum(r[name]["nbytes"][0] for r in results) - results[0][name]["state_bytes"]
         assert 0 <= extra <= 64, (name, extra)
+
+
+def test_cli_shows_the_ranks_and_verify_checks_every_ranks_shards(fsdp_results, capsys):
+    from overlapckpt.cli import main
+
+    results, root = fsdp_results
+    run = root / "run" / "w3-replay"
+    (info,) = list_checkpoints(str(run))
+    assert main(["ls", str(run)]) == 0
+    line = capsys.readouterr().out.splitlines()[1].split()
+    assert line[:5] == [str(info.step), "3", "replay", "3", "2"], line
+    assert main(["inspect", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "ranks        2 (mesh 2); each wrote its share:" in out, out
+    for rank, r in enumerate(results):
+        assert f"  rank {rank}: " in out and "groups at versions [3, 4, 5]" in out, out
+    assert main(["verify", str(run)]) == 0
+    capsys.readouterr()
+    shard = os.path.join(info.path, "__1_0.distcp")
+    with open(shard, "r+b") as f:  # one flipped bit in rank 1's shard
+        f.seek(os.path.getsize(shard) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x10]))
+    try:
+        assert main(["verify", str(run)]) == 1
+        assert "__1_0.distcp" in capsys.readouterr().out
+    finally:
+        with open(shard, "r+b") as f:
+            f.seek(os.path.getsize(shard) // 2)
+            f.write(byte)

@@ -1,0 +1,136 @@
+"""Faults the run must survive: a writer killed at any moment, a training process killed, leaks."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from fakes import BLOCK_FIFO_ENV, BLOCK_ONCE_MARKER_ENV, ONLY_NAME_ENV, BlockingOnceStore
+from helpers import assert_state_equal, make_run, snapshot, train_step
+from overlapckpt import Checkpointer, WriterDiedError, list_checkpoints, load
+
+STEPS = 9
+
+
+def _twin() -> dict[int, tuple[dict, dict]]:
+    model, opt, sched, sampler = make_run()
+    states = {}
+    for it in range(1, STEPS + 1):
+        train_step(model, opt, sched, sampler)
+        states[it] = snapshot(model, opt)
+    return states
+
+
+def _kill_writer(ckpt: Checkpointer) -> int:
+    pid = ckpt.writer_pid
+    os.kill(pid, signal.SIGKILL)
+    ckpt._engine.writer._proc.wait(timeout=30)  # dead and reaped before training goes on
+    return pid
+
+
+@pytest.mark.parametrize("moment", ["idle", "mid-copy", "mid-persist"])
+def test_a_killed_writer_is_replaced_and_later_checkpoints_are_exact(tmp_path, monkeypatch, moment):
+    twin = _twin()
+    fifo = tmp_path / "block.fifo"
+    if moment == "mid-persist":
+        os.mkfifo(fifo)
+        monkeypatch.setenv(BLOCK_FIFO_ENV, str(fifo))
+        monkeypatch.setenv(ONLY_NAME_ENV, "step-000000003")
+        monkeypatch.setenv(BLOCK_ONCE_MARKER_ENV, str(tmp_path / "blocked-once"))
+    model, opt, sched, sampler = make_run()
+    window = 3 if moment == "mid-copy" else 1
+    ckpt = Checkpointer(model, opt, tmp_path / "ckpts", window=window, consistency="replay", store_class=BlockingOnceStore)
+    killed = []
+    with pytest.warns(UserWarning, match=r"the writer process died .* a new one was started"):
+        try:
+            for it in range(1, STEPS + 1):
+                train_step(model, opt, sched, sampler)
+                if it == 3:
+                    ckpt.request()
+                if moment == "idle" and it == 2:
+                    killed.append(_kill_writer(ckpt))
+                if moment == "mid-copy" and it == 4:  # the window opened at 3 is copying
+                    killed.append(_kill_writer(ckpt))
+                if moment == "mid-copy" and it == 6:
+                    ckpt.request()  # the dropped one asked again
+                ckpt.step()
+                if moment == "mid-persist" and it == 3:
+                    with open(fifo) as f:  # the writer is inside the shard write of step 3
+                        f.readline()
+                    killed.append(_kill_writer(ckpt))
+            infos = ckpt.wait(timeout_s=120)
+        finally:
+            ckpt.close(timeout_s=60)
+    assert ckpt.writer_restarts == 1 and ckpt.writer_pid != killed[0]
+    expected = {"idle": [3], "mid-copy": [8], "mid-persist": [3]}[moment]
+    assert [i.step for i in infos] == expected
+    assert ckpt.snapshots_dropped == (1 if moment == "mid-copy" else 0)
+    assert [i.step for i in list_checkpoints(str(tmp_path / "ckpts"))] == expected
+    fresh, fresh_opt, _, _ = make_run(seed=5)
+    load(str(tmp_path / "ckpts"), fresh, fresh_opt)
+    assert_state_equal(*twin[expected[0]], fresh, fresh_opt)
+
+
+def test_restarts_are_bounded_then_the_death_is_raised(tmp_path):
+    model, opt, sched, sampler = make_run()
+    with pytest.warns(UserWarning, match=r"a new one was started"):
+        with Checkpointer(model, opt, tmp_path, max_writer_restarts=1) as ckpt:
+            train_step(model, opt, sched, sampler)
+            _kill_writer(ckpt)
+            train_step(model, opt, sched, sampler)  # the hook notices and replaces it
+            assert ckpt.writer_restarts == 1
+            _kill_writer(ckpt)
+            with pytest.raises(WriterDiedError, match=r"was killed by SIGKILL"):
+                train_step(model, opt, sched, sampler)
+            with pytest.raises(WriterDiedError):
+                ckpt.request()
+
+
+def _wait_for_exit(pid: int, timeout_s: float) -> bool:
+    """Whether process ``pid`` (not our child) exits within ``timeout_s``: waits on a pidfd, no polling."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout_s)[0])
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("shm_dir", [False, True], ids=["memfd", "shm-dir"])
+@pytest.mark.parametrize("moment", ["constructed", "mid-copy", "mid-persist"])
+def test_a_killed_training_process_leaves_no_files_and_no_writer(tmp_path, moment, shm_dir):
+    env = dict(os.environ, **{BLOCK_FIFO_ENV: str(tmp_path / "fifo"), ONLY_NAME_ENV: "step-000000007"})
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    if shm_dir:
+        env["OVERLAPCKPT_SHM_DIR"] = str(shm)  # the file fallback: created and unlinked at once
+    os.mkfifo(tmp_path / "fifo")
+    before = {f for f in os.listdir("/dev/shm") if f.startswith("overlapckpt-")}
+    root = tmp_path / "ckpts"
+    child = subprocess.Popen(
+        [sys.executable, os.path.join(os.path.dirname(__file__), "fault_script.py"), moment, str(root)],
+        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        writer_pid = int(child.stdout.readline().split()[1])
+        assert child.stdout.readline().strip() == f"at {moment}"
+        os.kill(child.pid, signal.SIGKILL)
+        assert child.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert _wait_for_exit(writer_pid, 30), "the writer outlived its training process"
+    assert {f for f in os.listdir("/dev/shm") if f.startswith("overlapckpt-")} == before
+    assert os.listdir(shm) == []
+    listed = list_checkpoints(str(root)) if root.exists() else []
+    assert [i.step for i in listed] == ([4] if moment == "mid-persist" else [])
+    for info in listed:  # every listed checkpoint loads
+        fresh, fresh_opt, _, _ = make_run(seed=3, width=512)
+        load(info.path, fresh, fresh_opt)
