@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import asdict
 from typing import Any
 
@@ -22,6 +23,7 @@ from .state import CheckpointScope
 from .storage import CheckpointStore
 from .transfer import Copier, make_copier
 from .writer import WriterProcess
+from .preemption import PreemptionGuard
 from .writer_restarts import DEFAULT_MAX_WRITER_RESTARTS
 
 CONSISTENCY_MODES = ("replay", "stage")
@@ -97,6 +99,13 @@ class Checkpointer:
         max_writer_restarts: a writer process that dies is replaced by a new one, which persists the
             snapshots complete in host memory, at most this many times an hour; the next death is raised
             as WriterDiedError (at once in a distributed run, whose writers share a group).
+        exit_timeout_s: leaving ``with Checkpointer(...)`` on an exception commits the snapshots
+            already complete in host memory within this many seconds, abandons open windows, and lets
+            the exception through.
+        save_on_signal: signals (e.g. ``(signal.SIGTERM,)``) on which to close open windows at the
+            current step, checkpoint that step if nothing covers it, commit within ``signal_grace_s``,
+            then exit as the signal would (or chain to the handler installed before). Installed from
+            the main thread; one process only.
         process_group: under torch.distributed, the ranks that checkpoint together (default: the
             world). Construct the Checkpointer on every rank of it, with the same settings.
         collective_timeout_s: distributed: the timeout of every collective of the writers' group (a
@@ -132,6 +141,9 @@ class Checkpointer:
         copier: Copier | None = None,
         phase_timer: PhaseTimer | None = None,
         max_writer_restarts: int = DEFAULT_MAX_WRITER_RESTARTS,
+        exit_timeout_s: float = 60.0,
+        save_on_signal: tuple[int, ...] = (),
+        signal_grace_s: float = 30.0,
         process_group: Any = None,
         collective_timeout_s: float = 300.0,
         agreement_timeout_s: float = 120.0,
@@ -193,6 +205,7 @@ class Checkpointer:
         self.stateful = stateful
         self.window = window
         self.consistency = consistency
+        self.exit_timeout_s = float(exit_timeout_s)
         self._closed = False
         def start_writer() -> WriterProcess:
             return WriterProcess(
@@ -238,6 +251,18 @@ class Checkpointer:
             self._writer.close()  # nothing may outlive a constructor that raised
             raise
 
+        self._preemption: PreemptionGuard | None = None
+        if save_on_signal:
+            if self._distributed is not None:
+                self.close()
+                raise ConfigError(
+                    f"save_on_signal={save_on_signal!r} is for one process: ranks would each save at the step they "
+                    "happen to be in when the signal arrives, and disagree. In a distributed run, checkpoint with "
+                    "every= often enough for the grace period"
+                )
+            self._preemption = PreemptionGuard(tuple(save_on_signal), float(signal_grace_s), self._save_now)
+            self._engine.at_boundary = self._preemption.at_boundary
+
     # ---- training loop ---------------------------------------------------------------
 
     def request(self) -> None:
@@ -260,11 +285,19 @@ class Checkpointer:
         self._check_open()
         return self._engine.wait(timeout_s)
 
+    def _save_now(self, timeout_s: float) -> list[CheckpointInfo]:
+        """Close open windows at the current step, checkpoint it unless covered, commit within ``timeout_s``."""
+        if not self._engine.covers_current_step():
+            self._engine.request()
+        return self._engine.wait(timeout_s)
+
     def close(self, timeout_s: float | None = None) -> list[CheckpointInfo]:
         """Finish what is in flight, stop the writer and remove the hooks."""
         if self._closed:
             return []
         self._closed = True
+        if getattr(self, "_preemption", None) is not None:
+            self._preemption.uninstall()
         try:
             if self._engine.dead is not None:
                 return []  # the death was raised already; nothing is left to finish
@@ -277,8 +310,29 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # The loop raised: the user's exception goes on, delayed by at most exit_timeout_s.
+        self._close_after_error()
+
+    def _close_after_error(self) -> None:
+        """Commit what is complete in host memory within ``exit_timeout_s``, abandon open windows, never raise."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._preemption is not None:
+            self._preemption.uninstall()
+        try:
+            if self._engine.dead is None:
+                self._engine.abandon(self.exit_timeout_s)
+        except Exception as e:  # never mask the exception that is unwinding
+            warnings.warn(f"overlapckpt: closing after an error failed: {e}", stacklevel=3)
+        finally:
+            self._engine.remove_hooks()
+            self._engine.writer.close(timeout_s=min(30.0, self.exit_timeout_s))
+            self._engine.release()
 
     # ---- inspection and restore ------------------------------------------------------
 

@@ -31,7 +31,7 @@ from torch import nn
 from .autowindow import FWD_BWD_END, FWD_BWD_START, OPT_END, OPT_START, PhaseTimer, WindowChoice
 from .boundary import capture_boundary
 from .dispatch import PersistDispatcher
-from .errors import ConfigError, WriterDiedError
+from .errors import ConfigError, OverlapCkptError, WriterDiedError
 from .gradlog import GradientLogger
 from .ledger import CheckpointLedger, GroupRecord
 from .manifest import CheckpointInfo
@@ -109,6 +109,8 @@ class SnapshotEngine:
         self._writer_factory = None if self.distributed else writer_factory
         self.writer_restarts = WriterRestartBudget(max_writer_restarts)
         self.snapshots_dropped = 0  # incomplete snapshots lost with a dead writer
+        # Called at each iteration boundary (save on a preemption signal); see preemption.py.
+        self.at_boundary: Callable[[], None] | None = None
         self._hooks: list[Any] = []
         self.install_hooks()
         if optimizer.state:  # the state exists (a warm start): allocate now, before any step
@@ -176,6 +178,8 @@ class SnapshotEngine:
             # Last, after our own copies and clones: what follows is the next iteration.
             self.gap_timer.mark(FWD_BWD_START)
         self._raise_pending()
+        if self.at_boundary is not None and not self._user_marks_boundary:
+            self.at_boundary()  # the loop marks no boundary of its own: the step's end is one
 
     def mark_iteration_end(self) -> None:
         """``ckpt.step()``: the boundary where stateful objects are captured."""
@@ -189,6 +193,8 @@ class SnapshotEngine:
                 snap.ledger.boundary = "step()"
         self._progress()
         self._raise_pending()
+        if self.at_boundary is not None:
+            self.at_boundary()
 
     def request(self) -> None:
         """Checkpoint the state of the last completed optimizer step, now or as soon as a slot frees."""
@@ -573,6 +579,52 @@ class SnapshotEngine:
                 except TimeoutError:
                     continue  # the deadline check above raises the named error
             self._raise_pending()
+
+    def abandon(self, timeout_s: float) -> list[CheckpointInfo]:
+        """Leaving on an error: commit what is complete in host memory within ``timeout_s``, drop the rest.
+
+        Open windows are abandoned (never closed early: the state may be mid-update when
+        an exception unwinds). A snapshot whose groups are all enqueued and whose
+        boundary was captured lands and is sent; the writer's answers are awaited up to
+        the deadline. Nothing here raises: the caller's exception must come through.
+        """
+        deadline = time.monotonic() + timeout_s
+        self._pending_request_steps = []
+        for snap in list(self._snapshots):
+            if snap.all_enqueued and snap.version is not None:
+                if snap.state == SnapshotState.AT_BOUNDARY:
+                    self._close_boundary(snap, provisional=False)
+                for t in snap.tickets:
+                    self.copier.wait(t)
+            else:
+                snap.slot.busy = False
+                self._snapshots.remove(snap)
+                self.snapshots_dropped += 1
+        try:
+            self._progress()
+            while self.dispatcher.in_flight and self.dispatcher.error is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    self.dispatcher.wait_one(remaining)
+                except TimeoutError:
+                    break
+        except OverlapCkptError as e:
+            warnings.warn(f"overlapckpt: while leaving on an error, the pending checkpoints could not commit: {e}", stacklevel=3)
+        if self.dispatcher.error is not None:
+            warnings.warn(f"overlapckpt: while leaving on an error: {self.dispatcher.error}", stacklevel=3)
+            self.dispatcher.error = None
+        return self.dispatcher.take_committed()
+
+    def covers_current_step(self) -> bool:
+        """Whether a snapshot in flight ends at the current step once its window closes now."""
+        for snap in self._snapshots:
+            if snap.version == self.step_count or (snap.mode == SnapshotMode.REPLAY and snap.version is None):
+                return True
+        return self.step_count in self.dispatcher.sent_versions() or any(
+            s.step == self.step_count for s in self.dispatcher.stats
+        )
 
     def unfinished_versions(self) -> list[int | None]:
         return [s.version for s in self._snapshots] + self.dispatcher.sent_versions()

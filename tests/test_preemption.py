@@ -1,0 +1,82 @@
+"""Preemption: SIGTERM inside a replay window commits the current step, then the process dies of it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import assert_state_equal, make_run, snapshot, train_step
+from overlapckpt import Checkpointer, list_checkpoints, load
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "preempt_script.py")
+
+
+def _twin(steps: int) -> dict[int, tuple[dict, dict]]:
+    model, opt, sched, sampler = make_run()
+    states = {}
+    for it in range(1, steps + 1):
+        train_step(model, opt, sched, sampler)
+        states[it] = snapshot(model, opt)
+    return states
+
+
+@pytest.mark.parametrize("how", ["outside", "inside-hook"])
+def test_sigterm_in_a_replay_window_commits_the_current_step_and_exits_with_the_signal(tmp_path, how):
+    twin = _twin(8)
+    child = subprocess.Popen([sys.executable, SCRIPT, str(tmp_path), how], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        if how == "outside":
+            assert child.stdout.readline().strip() == "step 1"
+            for expected in range(2, 5):
+                assert child.stdout.readline().strip() == f"step {expected}"
+            # At step 4 the window opened at 3 is half copied; the loop waits for our answer.
+            signalled = time.monotonic()
+            child.send_signal(signal.SIGTERM)
+            child.send_signal(signal.SIGTERM)  # twice: the second is ignored while saving
+            child.stdin.write("\n")
+            child.stdin.flush()
+        else:
+            signalled = time.monotonic()
+        assert child.wait(timeout=120) == -signal.SIGTERM
+        exited_after_s = time.monotonic() - signalled
+    finally:
+        if child.poll() is None:
+            child.kill()
+    (info,) = list_checkpoints(str(tmp_path))
+    # The signal is handled at the next iteration boundary: the end of step 5 in both cases,
+    # inside the window opened at 3 (which would otherwise end at 6): closed early there.
+    assert info.step == 5 and info.requested_step == 3, info
+    manifest = json.loads((tmp_path / "step-000000005" / "overlapckpt.json").read_text())
+    assert manifest["ledger"]["closed_early_at"] == 5
+    assert exited_after_s < 60  # within the grace period the script set
+    fresh, fresh_opt, _, _ = make_run(seed=3)
+    load(str(tmp_path), fresh, fresh_opt)
+    assert_state_equal(*twin[5], fresh, fresh_opt)
+
+
+def test_leaving_with_on_an_exception_commits_complete_snapshots_and_lets_it_through(tmp_path):
+    twin = _twin(6)
+    model, opt, sched, sampler = make_run()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="the loop broke"):
+        with Checkpointer(model, opt, tmp_path, window=3, consistency="replay", max_inflight=2, exit_timeout_s=30) as ckpt:
+            for it in range(1, 5):
+                train_step(model, opt, sched, sampler)
+                if it in (2, 3):
+                    ckpt.request()  # from 2: version 4, complete at step 4; from 3: its window is still open
+                ckpt.step()
+            assert ckpt.stats == []  # precondition: version 4 is complete in host memory, not yet sent
+            raise RuntimeError("the loop broke")
+    assert time.monotonic() - started < 60
+    assert [i.step for i in list_checkpoints(str(tmp_path))] == [4]  # complete: committed; open: abandoned
+    assert ckpt.snapshots_dropped == 1
+    fresh, fresh_opt, _, _ = make_run(seed=3)
+    load(str(tmp_path), fresh, fresh_opt)
+    assert_state_equal(*twin[4], fresh, fresh_opt)
