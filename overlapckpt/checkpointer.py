@@ -90,8 +90,10 @@ class Checkpointer:
         max_inflight: snapshots in flight at once; each holds one host slot of the state's size.
         store_class: a ``CheckpointStore`` subclass the writer process uses to reach storage.
         max_window: with ``window="auto"``, the widest window it may choose.
-        keep_staging: stage mode: keep the device staging area between checkpoints (no allocation per
-            checkpoint) instead of freeing it after its last drain.
+        keep_staging: stage mode: keep the staging area between checkpoints (no allocation per
+            checkpoint) instead of freeing it after its last drain. Default: free it on CUDA (the
+            caching allocator makes the next allocation cheap, and 7/8 of the state would otherwise
+            stay on the GPU), keep it on the CPU (where a fresh region costs a page fault per 4 KiB).
         copier: how bytes reach host memory (``overlapckpt.transfer``): by default a side CUDA stream
             on GPU and a copy at the call on CPU; ``CpuStreamCopier`` models a stream on the CPU.
         phase_timer: with ``window="auto"``, what times forward+backward and the optimizer step
@@ -137,7 +139,7 @@ class Checkpointer:
         max_inflight: int = 1,
         store_class: type[CheckpointStore] = CheckpointStore,
         max_window: int = DEFAULT_MAX_WINDOW,
-        keep_staging: bool = False,
+        keep_staging: bool | None = None,
         copier: Copier | None = None,
         phase_timer: PhaseTimer | None = None,
         max_writer_restarts: int = DEFAULT_MAX_WRITER_RESTARTS,
@@ -192,7 +194,7 @@ class Checkpointer:
                 "max_inflight": max_inflight,
                 "max_window": max_window,
                 "stage_budget_bytes": stage_budget_bytes,
-                "keep_staging": bool(keep_staging),
+                "keep_staging": keep_staging,
                 "stateful": sorted(stateful),
                 "store_class": f"{store_class.__module__}.{store_class.__qualname__}",
                 "copier": None if copier is None else type(copier).__qualname__,
@@ -238,7 +240,7 @@ class Checkpointer:
                 writer=self._writer,
                 max_inflight=max_inflight,
                 stage_budget_bytes=stage_budget_bytes,
-                keep_staging=bool(keep_staging),
+                keep_staging=(device.type != "cuda") if keep_staging is None else bool(keep_staging),
                 max_window=max_window,
                 copier=copier if copier is not None else make_copier(device),
                 gap_timer=phase_timer if window == AUTO_WINDOW else None,

@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from .autowindow import FWD_BWD_END, FWD_BWD_START, OPT_END, OPT_START, PhaseTimer, WindowChoice
-from .boundary import capture_boundary
 from .dispatch import PersistDispatcher
 from .errors import ConfigError, OverlapCkptError, WriterDiedError
 from .gradlog import GradientLogger
@@ -39,9 +38,10 @@ from .plan import CopyPlan
 from .plan_cache import PlanCache
 from .slots import HostSlot, SlotPool
 from .snapshot import Snapshot, SnapshotMode, SnapshotState
+from .snapshot_copies import SnapshotCopies
 from .staging import StagingArea
-from .state import ROLE_BUFFER, CheckpointScope, StateLayout
-from .transfer import Copier, CopyTicket, FenceResult
+from .state import CheckpointScope, StateLayout
+from .transfer import Copier
 from .warnings_text import BOUNDARY_WARNING, GRAD_SCALER_WARNING, LATE_HOOK_WARNING, NEW_STATE_WARNING, WRITER_RESTART_WARNING
 from .window_policy import WindowPolicy
 from .writer import WriterProcess
@@ -90,6 +90,7 @@ class SnapshotEngine:
         self.plans = PlanCache(model, optimizer, writer, scope)
         self.staging = StagingArea(device, stage_budget_bytes, keep=keep_staging)
         self.gradients = GradientLogger(optimizer, copier)
+        self.copies = SnapshotCopies(optimizer, stateful, copier, self.staging, self.gradients)
         self.dispatcher = PersistDispatcher(writer, self.slots, keep, unsolicited_errors=scope.world_size > 1)
         self.step_count = 0
         self._hook_serial = 0
@@ -140,13 +141,13 @@ class SnapshotEngine:
         self._hook_serial += 1
         self._note_grad_scaler()
         for snap in list(self._snapshots):
-            self._fence_earlier_copies(snap)
+            self.copies.fence_earlier_copies(snap, self._hook_serial)
             if snap.state == SnapshotState.AT_BOUNDARY:
                 self._close_boundary(snap, provisional=True)
             if snap.mode == SnapshotMode.REPLAY and snap.version is None:
-                self._log_gradients(snap, step=self.step_count + 1)
+                self.copies.log_gradients(snap, self.step_count + 1, self._hook_serial)
+        self._charge(started)  # before sending: a snapshot sent below carries this hook's time
         self._progress()
-        self._charge(started)
         if self.gap_timer is not None:
             self.gap_timer.mark(OPT_START)
         self._raise_pending()
@@ -154,6 +155,8 @@ class SnapshotEngine:
     def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.dead is not None:
             self.step_count += 1
+            if self.at_boundary is not None and not self._user_marks_boundary:
+                self.at_boundary()  # a preemption signal must still end the process
             return
         if self.gap_timer is not None:
             # Before the fence below: the optimizer step ends here, the wait on the gradient copy is ours.
@@ -164,16 +167,16 @@ class SnapshotEngine:
         self._note_grad_scaler()
         self._restart_if_state_grew()
         for snap in self._snapshots:
-            self._fence_earlier_copies(snap)  # the gradient copies logged by this step's pre-hook
+            self.copies.fence_earlier_copies(snap, self._hook_serial)  # the gradient copies logged by this step's pre-hook
             if not snap.all_enqueued:
-                self._advance_window(snap)
+                self.copies.advance(snap, self.step_count, self._hook_serial)
         if self.every is not None and self.step_count % self.every == 0:
             self._pending_request_steps.append(self.step_count)
         if self._prepared_fingerprint is None:
             self._prepare()  # the first step created the optimizer state: its size is known now
         self._start_pending()
-        self._progress()
         self._charge(started)
+        self._progress()
         if self.gap_timer is not None:
             # Last, after our own copies and clones: what follows is the next iteration.
             self.gap_timer.mark(FWD_BWD_START)
@@ -184,13 +187,17 @@ class SnapshotEngine:
     def mark_iteration_end(self) -> None:
         """``ckpt.step()``: the boundary where stateful objects are captured."""
         if self.dead is not None:
+            if self.at_boundary is not None:
+                self.at_boundary()  # a preemption signal must still end the process
             return
         self._user_marks_boundary = True
+        started = time.perf_counter()
         for snap in self._snapshots:
             if snap.state == SnapshotState.AT_BOUNDARY:
-                self._capture_boundary(snap)
+                self.copies.capture_boundary(snap)
                 snap.state = SnapshotState.LANDING
                 snap.ledger.boundary = "step()"
+        self._charge(started)
         self._progress()
         self._raise_pending()
         if self.at_boundary is not None:
@@ -201,8 +208,10 @@ class SnapshotEngine:
         if self.dead is not None:
             raise self.dead
         self._raise_pending()
+        started = time.perf_counter()
         self._pending_request_steps.append(self.step_count)
         self._start_pending()
+        self._charge(started)  # the copies a request starts are host time the loop waits for
         self._progress()
         self._raise_pending()
 
@@ -314,120 +323,19 @@ class SnapshotEngine:
         if mode == SnapshotMode.STAGE:
             for other in self._snapshots:  # the region is overwritten below: drain what still reads it
                 if other.mode == SnapshotMode.STAGE:
-                    self._enqueue_remaining(other)
+                    self.copies.enqueue_remaining(other, self.step_count, self._hook_serial)
             # First, so that an over-budget staging area raises before the snapshot is registered.
             snap.staged_views = self.staging.stage(self.copier, plan, layout, views)
         if mode == SnapshotMode.REPLAY:
             snap.replay_log = self.gradients.open(slot, plan, layout, base_step=s)
         slot.busy = True
         self._snapshots.append(snap)
-        self._enqueue_group(snap, 0)
+        self.copies.enqueue_group(snap, 0, self.step_count, self._hook_serial)
         if mode != SnapshotMode.REPLAY or snap.all_enqueued:
             # Window 1 and stage mode hold version s: every later group was staged above.
-            self._reach_version(snap, s)
-
-    # ---- advancing snapshots -------------------------------------------------------
-
-    def _advance_window(self, snap: Snapshot) -> None:
-        """Post-hook of step t: copy (replay) or drain (stage) the group due now."""
-        self._enqueue_group(snap, snap.next_group)
-        if snap.version is None and snap.all_enqueued:
-            self._reach_version(snap, self.step_count)
-
-    def _enqueue_remaining(self, snap: Snapshot) -> None:
-        while not snap.all_enqueued:
-            self._enqueue_group(snap, snap.next_group)
-
-    def close_window(self, snap: Snapshot) -> None:
-        """Close a window early at the current step: copy what is missing now."""
-        if snap.version is None and not snap.all_enqueued:
-            snap.ledger.closed_early_at = self.step_count
-        self._enqueue_remaining(snap)
-        if snap.version is None:
-            self._reach_version(snap, self.step_count)
-
-    def _reach_version(self, snap: Snapshot, version: int) -> None:
-        snap.version = version
-        snap.ledger.target_version = version
-        # Provisional: ckpt.step() at the end of this iteration captures the boundary again.
-        self._capture_boundary(snap)
-        snap.state = SnapshotState.AT_BOUNDARY
-        if snap.replay_log is not None:
-            snap.replay_log.target_version = version
-
-    def _enqueue_group(self, snap: Snapshot, j: int) -> None:
-        plan, layout = snap.plan, snap.layout
-        idx = plan.groups[j].entry_indices
-        views = snap.slot.entry_views(plan, layout)
-        from_staging = snap.mode == SnapshotMode.STAGE and j > 0
-        keepalive: list[torch.Tensor] = []
-        if from_staging:
-            # Host-resident entries were copied at stage time; the rest drain from the region.
-            idx = tuple(i for i in idx if snap.staged_views[i] is not None)
-            src = [snap.staged_views[i] for i in idx]
-        else:
-            src = [layout.live_tensors[i] for i in idx]
-            buffers = [k for k, i in enumerate(idx) if layout.entries[i].role == ROLE_BUFFER]
-            if buffers:
-                # Fence 3: the next forward mutates buffers (BatchNorm running stats)
-                # before any fence of ours runs: copy clones made now, in order.
-                clones = self.copier.stage([src[k] for k in buffers])
-                for k, c in zip(buffers, clones):
-                    src[k] = c
-                keepalive = clones
-        ticket = self.copier.copy_async(src, [views[i] for i in idx], keepalive=keepalive)
-        ticket.group_index = j
-        snap.tickets.append(ticket)
-        if from_staging:
-            self.staging.note_drain(ticket)  # no training kernel writes the region: fenced only before its reuse
-        else:
-            snap.unfenced.append(ticket)
-            ticket.fence_after_hook = self._hook_serial
-        version = snap.started_step if snap.mode == SnapshotMode.STAGE else self.step_count
-        snap.ledger.group_enqueued(j, version)
-        if snap.replay_log is not None:
-            snap.replay_log.group_versions[j] = version
-        snap.next_group = j + 1
-
-    def _log_gradients(self, snap: Snapshot, step: int) -> None:
-        """Pre-hook of ``step`` inside a replay window: copy the gradients it will consume."""
-        logged = self.gradients.log(snap.replay_log, snap.slot, snap.plan, snap.layout, snap.next_group, step)
-        if logged is None:
-            return
-        snap.tickets.extend(logged.tickets)
-        if logged.fence_before_step is not None:
-            # Fence 2 before this step: it writes the gradients in place while the copy reads them.
-            self._count_fence(snap, self.copier.fence_compute(logged.fence_before_step))
-        if logged.fence_after_step is not None:
-            # Fence 2 after the step (in its post-hook): the next zero_grad or backward may write them in place.
-            snap.unfenced.append(logged.fence_after_step)
-            logged.fence_after_step.fence_after_hook = self._hook_serial
-        snap.ledger.gradients_logged(step, list(range(snap.next_group)))
-
-    def _fence_earlier_copies(self, snap: Snapshot) -> None:
-        """Fence 2 for copies enqueued by earlier hooks: what they read is about to be mutated."""
-        keep: list[CopyTicket] = []
-        for ticket in snap.unfenced:
-            if ticket.fence_after_hook >= self._hook_serial:
-                keep.append(ticket)
-            else:
-                self._count_fence(snap, self.copier.fence_compute(ticket))
-        snap.unfenced = keep
-
-    @staticmethod
-    def _count_fence(snap: Snapshot, result: FenceResult) -> None:
-        if result != FenceResult.NOT_NEEDED:
-            snap.device_waits_inserted += 1
-        if result == FenceResult.WAITED_IN_FLIGHT:
-            snap.device_waits_in_flight += 1
+            self.copies.reach_version(snap, s)
 
     # ---- boundaries, GradScaler, layout changes ---------------------------------------
-
-    def _capture_boundary(self, snap: Snapshot) -> None:
-        # A scheduler sets the next step's lr between the optimizer step and the end of
-        # the iteration: param_groups belong to the boundary, like stateful objects.
-        snap.boundary, tickets = capture_boundary(snap.layout, self.optimizer, self.stateful, self.copier)
-        snap.tickets.extend(tickets)
 
     def _close_boundary(self, snap: Snapshot, provisional: bool) -> None:
         """Keep the boundary captured in the post-hook: ckpt.step() did not come."""
@@ -534,6 +442,7 @@ class SnapshotEngine:
         return True
 
     def _charge(self, started: float) -> None:
+        """Add the host time since ``started`` to every snapshot in flight (``hook_host_s``)."""
         spent = time.perf_counter() - started
         for snap in self._snapshots:
             snap.hook_host_s += spent
@@ -558,7 +467,7 @@ class SnapshotEngine:
                 # A deferred request starts as soon as a slot is free, at the current step.
                 self._start_pending()
             for snap in list(self._snapshots):
-                self.close_window(snap)
+                self.copies.close_window(snap, self.step_count, self._hook_serial)
                 if snap.state == SnapshotState.AT_BOUNDARY:
                     self._close_boundary(snap, provisional=False)
                 for t in snap.tickets:

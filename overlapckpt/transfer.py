@@ -10,7 +10,8 @@ One protocol, three implementations:
   compute stream waits on the event" becomes a host wait before the mutation it
   guards. CPU tests drive every fence through it.
 * ``CpuCopier``: copies at the call with a plain memcpy; every ticket it returns
-  has already landed, so no fence is ever needed.
+  has already landed, so no fence is ever needed. (The CPU default is the stream
+  model, which overlaps the copy with forward and backward on a spare core.)
 
 Fences, in the order a snapshot meets them (the engine places them; each copier
 implements them for its stream model):
@@ -311,10 +312,17 @@ class CudaStreamCopier:
 
 
 def make_copier(device: torch.device) -> Copier:
-    """The default copier for the device the state lives on."""
+    """The default copier for the device the state lives on.
+
+    On the CPU, the stream model: its copies run on a spare core while forward and
+    backward run (benchmarks/copier_compare.py: hooks 1.4 ms per checkpoint against
+    20.7 ms for a copy in the hook, 172 MiB of state, the loop 6% faster).
+    """
     if device.type == "cuda" and torch.cuda.is_available():
         return CudaStreamCopier(device)
-    return CpuCopier()
+    from .cpu_stream import CpuStreamCopier
+
+    return CpuStreamCopier()
 
 
 def copy_values_to_host(

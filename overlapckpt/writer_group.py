@@ -103,7 +103,7 @@ class WriterGroup:
             claims = self._claims(sequence)
             missing = [r for r in range(self.world_size) if r not in claims]
             raise RankDisagreementError(
-                f"checkpoint #{sequence}: ranks {missing} requested no checkpoint within "
+                f"checkpoint #{sequence}: ranks {missing} requested no checkpoint (or their writer died) within "
                 f"agreement_timeout_s={self.spec.agreement_timeout_s} of {_describe(claims)}; nothing was committed. "
                 "Every rank must request the same checkpoints (request() after the same step, or the same every=)"
             ) from e

@@ -224,7 +224,33 @@ def scenario_ddp(out: str) -> dict[str, Any]:
     result["mismatched_steps"] = mismatched_requests(out, {0: 2, 1: 3}, "steps")
     result["one_rank_only"] = mismatched_requests(out, {0: 2}, "one")
     result["writer_killed"] = writer_killed(out)
+    result["settings_mismatch"] = settings_mismatch(out)
+    result["auto_window"] = auto_window(out)
     return result
+
+
+def settings_mismatch(out: str) -> dict[str, Any]:
+    """Different settings on different ranks: ConfigError on every rank, naming the setting and each value."""
+    model, opt = build("plain")
+    try:
+        Checkpointer(model, opt, os.path.join(out, "settings"), every=3 + dist.get_rank())
+    except Exception as e:
+        return {"error_type": type(e).__name__, "error": str(e)}
+    return {"error_type": None}
+
+
+def auto_window(out: str) -> dict[str, Any]:
+    """window="auto": every rank uses the same window, the writers' agreement after each commit."""
+    model, opt = build("ddp")
+    sampler = Sampler(dist.get_rank())
+    with Checkpointer(model, opt, os.path.join(out, "auto"), window="auto", max_window=4) as ckpt:
+        train(model, opt, sampler, 3, ckpt=ckpt, requests=(2,))
+        ckpt.wait(timeout_s=120)
+        train(model, opt, sampler, 12, ckpt=ckpt, requests=(8,), start=4)
+        ckpt.wait(timeout_s=120)
+        choices = [s["ledger"]["window_choice"] for s in ckpt.stats]
+        return {"windows": [s["window"] for s in ckpt.stats], "versions": [s["step"] for s in ckpt.stats],
+                "reasons": [c["reason"] for c in choices]}
 
 
 def scenario_fsdp(out: str) -> dict[str, Any]:

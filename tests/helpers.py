@@ -76,6 +76,16 @@ def snapshot(model, opt) -> tuple[dict, dict]:
     return copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
 
 
+def twin_states(steps: int, **run_kwargs: Any) -> dict[int, tuple[dict, dict]]:
+    """An uninterrupted run's (model, optimizer) state dicts after each step 1..steps."""
+    model, opt, sched, sampler = make_run(**run_kwargs)
+    states = {}
+    for it in range(1, steps + 1):
+        train_step(model, opt, sched, sampler)
+        states[it] = snapshot(model, opt)
+    return states
+
+
 def assert_state_equal(model_sd: dict, opt_sd: dict, model, opt) -> None:
     """Bit-for-bit equality of a reference (model, optimizer) state with live objects."""
     live_m = model.state_dict()

@@ -137,6 +137,39 @@ def test_ranks_that_request_differently_all_get_a_named_error_and_nothing_commit
     assert "requested none" in ddp_results[1]["one_rank_only"]["error"] or "requested no checkpoint" in ddp_results[1]["one_rank_only"]["error"]
 
 
+def test_settings_that_differ_across_ranks_are_refused_on_every_rank(ddp_results):
+    for r in ddp_results:
+        c = r["settings_mismatch"]
+        assert c["error_type"] == "ConfigError", c
+        assert "settings differ across ranks: every (rank 0: 3, rank 1: 4)" in c["error"], c
+
+
+def test_auto_window_is_the_same_on_every_rank(ddp_results):
+    a0, a1 = (r["auto_window"] for r in ddp_results)
+    assert a0["windows"] == a1["windows"] and a0["versions"] == a1["versions"], (a0, a1)
+    assert a0["windows"][0] == 4 and a0["reasons"][0].startswith("first checkpoint of a distributed run")
+    assert a0["reasons"][1].startswith("agreed by the writers after the previous commit")
+    assert a0["reasons"] == a1["reasons"]
+
+
+def test_parts_that_do_not_tile_a_tensor_are_refused_before_the_commit():
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+
+    from overlapckpt.shards import CoverageError, check_coverage
+
+    def md(*chunks):
+        return TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([10, 4]),
+                                     [ChunkStorageMetadata(torch.Size(o), torch.Size(z)) for o, z in chunks])
+
+    check_coverage({"w": md(((0, 0), (5, 4)), ((5, 0), (5, 4)))}, {"w": (10, 4)})  # two halves: fine
+    with pytest.raises(CoverageError, match=r"no rank wrote 1 tensor\(s\) of the checkpoint, e.g. \['b'\]"):
+        check_coverage({"w": md(((0, 0), (10, 4)))}, {"w": (10, 4), "b": (4,)})
+    with pytest.raises(CoverageError, match=r"'w' of global shape \(10, 4\) is covered by 2 part\(s\) of 36 elements"):
+        check_coverage({"w": md(((0, 0), (5, 4)), ((6, 0), (4, 4)))}, {"w": (10, 4)})  # a gap
+    with pytest.raises(CoverageError, match=r"\(overlapping\), not exactly once"):
+        check_coverage({"w": md(((0, 0), (6, 4)), ((5, 0), (4, 4)))}, {"w": (10, 4)})  # the same elements twice
+
+
 def test_a_writer_killed_mid_persist_fails_every_rank_and_lists_nothing(ddp_results):
     r0, r1 = (r["writer_killed"] for r in ddp_results)
     assert r1["error_type"] == "WriterDiedError", r1
@@ -153,7 +186,7 @@ def test_fsdp2_uneven_shards_exact_and_reshard_both_ways(fsdp_results, tmp_path)
         assert reshard["vs_saved"] == [] and reshard["overlapckpt_vs_stock"] == [], reshard
     # 2-rank FSDP2 -> 1 process, with overlapckpt's load and with the stock recipe.
     sys.path.insert(0, os.path.dirname(__file__))
-    from dist_worker import Net
+    from dist_worker import FEATURES, Net
 
     run = root / "run" / "w3-replay"
     (info,) = list_checkpoints(str(run))
@@ -171,6 +204,21 @@ def test_fsdp2_uneven_shards_exact_and_reshard_both_ways(fsdp_results, tmp_path)
     for fqn, p in model.named_parameters():
         for k, v in opt.state[p].items():
             assert torch.equal(v, expected[f"optimizer.state.{fqn}.{k}"]), (fqn, k)
+    # The stock recipe, in one process, with no overlapckpt code.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.manual_seed(6)
+    stock = Net()
+    stock_opt = torch.optim.AdamW(stock.parameters(), lr=1e-2, foreach=True)
+    stock(torch.randn(2, FEATURES)).sum().backward()
+    stock_opt.step()  # the optimizer needs state to load into
+    msd, osd = get_state_dict(stock, stock_opt)
+    dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=info.path, no_dist=True)
+    set_state_dict(stock, stock_opt, model_state_dict=msd, optim_state_dict=osd)
+    for k, v in expected.items():
+        if k.startswith("model."):
+            assert torch.equal(stock.state_dict()[k[len("model."):]], v), k
 
 
 def test_hsdp_four_ranks_each_shard_written_once(tmp_path):

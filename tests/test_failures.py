@@ -12,6 +12,7 @@ import pytest
 from fakes import BLOCK_FIFO_ENV, FAIL_AT_ENV, ONLY_NAME_ENV, BlockingStore, FailingStore
 from helpers import assert_state_equal, make_run, snapshot, train_step
 from overlapckpt import Checkpointer, CheckpointWriteError, WriterDiedError, list_checkpoints, load
+from overlapckpt.transfer import CpuCopier
 
 LIVENESS_BOUND_S = 10.0
 
@@ -39,7 +40,9 @@ def test_writer_killed_while_persisting(tmp_path, monkeypatch):
     monkeypatch.setenv(ONLY_NAME_ENV, "step-000000004")
     monkeypatch.setenv(BLOCK_FIFO_ENV, fifo)
     model, opt, sched, sampler = make_run()
-    ckpt = Checkpointer(model, opt, root, store_class=BlockingStore)
+    # No restart: this is the path where a death is raised (tests/test_faults.py covers the
+    # restarts). Copies at the call, so the snapshot is complete, and sent, at ckpt.step().
+    ckpt = Checkpointer(model, opt, root, store_class=BlockingStore, max_writer_restarts=0, copier=CpuCopier())
     try:
         for _ in range(2):
             train_step(model, opt, sched, sampler)

@@ -11,19 +11,10 @@ import sys
 import pytest
 
 from fakes import BLOCK_FIFO_ENV, BLOCK_ONCE_MARKER_ENV, ONLY_NAME_ENV, BlockingOnceStore
-from helpers import assert_state_equal, make_run, snapshot, train_step
+from helpers import assert_state_equal, make_run, train_step, twin_states
 from overlapckpt import Checkpointer, WriterDiedError, list_checkpoints, load
 
 STEPS = 9
-
-
-def _twin() -> dict[int, tuple[dict, dict]]:
-    model, opt, sched, sampler = make_run()
-    states = {}
-    for it in range(1, STEPS + 1):
-        train_step(model, opt, sched, sampler)
-        states[it] = snapshot(model, opt)
-    return states
 
 
 def _kill_writer(ckpt: Checkpointer) -> int:
@@ -35,7 +26,7 @@ def _kill_writer(ckpt: Checkpointer) -> int:
 
 @pytest.mark.parametrize("moment", ["idle", "mid-copy", "mid-persist"])
 def test_a_killed_writer_is_replaced_and_later_checkpoints_are_exact(tmp_path, monkeypatch, moment):
-    twin = _twin()
+    twin = twin_states(STEPS)
     fifo = tmp_path / "block.fifo"
     if moment == "mid-persist":
         os.mkfifo(fifo)

@@ -11,24 +11,15 @@ import time
 
 import pytest
 
-from helpers import assert_state_equal, make_run, snapshot, train_step
+from helpers import assert_state_equal, make_run, train_step, twin_states
 from overlapckpt import Checkpointer, list_checkpoints, load
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "preempt_script.py")
 
 
-def _twin(steps: int) -> dict[int, tuple[dict, dict]]:
-    model, opt, sched, sampler = make_run()
-    states = {}
-    for it in range(1, steps + 1):
-        train_step(model, opt, sched, sampler)
-        states[it] = snapshot(model, opt)
-    return states
-
-
 @pytest.mark.parametrize("how", ["outside", "inside-hook"])
 def test_sigterm_in_a_replay_window_commits_the_current_step_and_exits_with_the_signal(tmp_path, how):
-    twin = _twin(8)
+    twin = twin_states(8)
     child = subprocess.Popen([sys.executable, SCRIPT, str(tmp_path), how], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
     try:
@@ -62,7 +53,7 @@ def test_sigterm_in_a_replay_window_commits_the_current_step_and_exits_with_the_
 
 
 def test_leaving_with_on_an_exception_commits_complete_snapshots_and_lets_it_through(tmp_path):
-    twin = _twin(6)
+    twin = twin_states(6)
     model, opt, sched, sampler = make_run()
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="the loop broke"):
