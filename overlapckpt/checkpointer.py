@@ -95,7 +95,8 @@ class Checkpointer:
             caching allocator makes the next allocation cheap, and 7/8 of the state would otherwise
             stay on the GPU), keep it on the CPU (where a fresh region costs a page fault per 4 KiB).
         copier: how bytes reach host memory (``overlapckpt.transfer``): by default a side CUDA stream
-            on GPU and a copy at the call on CPU; ``CpuStreamCopier`` models a stream on the CPU.
+            on GPU, and on CPU ``CpuStreamCopier`` (copies on a worker thread, a spare core); pass
+            ``CpuCopier()`` to copy inside the hooks instead.
         phase_timer: with ``window="auto"``, what times forward+backward and the optimizer step
             (default: CUDA events on GPU, the host clock on CPU).
         max_writer_restarts: a writer process that dies is replaced by a new one, which persists the

@@ -92,12 +92,12 @@ class PersistDispatcher:
             try:
                 self.writer.check_alive()
             except OverlapCkptError as e:
-                self._fail(e)
+                self.fail(e)
             return
         try:
             responses = self.writer.poll()
         except OverlapCkptError as e:
-            self._fail(e)
+            self.fail(e)
             return
         for response in responses:
             self._handle(response)
@@ -107,7 +107,7 @@ class PersistDispatcher:
         try:
             response = self.writer.wait_response(timeout_s)
         except WriterDiedError as e:
-            self._fail(e)
+            self.fail(e)
             return
         self._handle(response)
 
@@ -159,9 +159,10 @@ class PersistDispatcher:
                 if sent is not None
                 else "the writer failed"
             )
-            self._fail(writer_error(response, what))
+            self.fail(writer_error(response, what))
 
-    def _fail(self, error: OverlapCkptError) -> None:
+    def fail(self, error: OverlapCkptError) -> None:
+        """Keep the first error until the engine raises it (or replaces a dead writer)."""
         if self.error is None:
             self.error = error
 

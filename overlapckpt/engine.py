@@ -231,6 +231,14 @@ class SnapshotEngine:
         self._prepared_fingerprint = layout.fingerprint
 
     def _start_pending(self) -> None:
+        try:
+            self._start_pending_now()
+        except WriterDiedError as e:
+            # The writer died while being told of a buffer or plan: replaced (or raised) by
+            # _raise_pending; the request stays pending and starts at the next chance.
+            self.dispatcher.fail(e)
+
+    def _start_pending_now(self) -> None:
         if not self._pending_request_steps:
             return
         if self.step_count == 0 and not self.optimizer.state:
@@ -394,6 +402,15 @@ class SnapshotEngine:
 
     def _progress(self) -> None:
         """Hand landed snapshots to the writer and read its answers. Never blocks."""
+        try:
+            self._send_landed()
+        except WriterDiedError as e:
+            self.dispatcher.fail(e)  # what was sent is persisted again by a new writer
+        self.dispatcher.poll()
+        if self.dispatcher.agreed_window is not None:
+            self.windows.agreed_window = self.dispatcher.agreed_window
+
+    def _send_landed(self) -> None:
         if self.slots.preallocation_done():
             self.slots.finish_preallocation()  # announce the buffers a background thread allocated
         for snap in list(self._snapshots):
@@ -405,9 +422,6 @@ class SnapshotEngine:
                 if snap.mode == SnapshotMode.STAGE:
                     self.staging.release_if_idle(self.copier)
                 self.windows.observe_copies(stats.copied_nbytes, stats.copy_s)
-        self.dispatcher.poll()
-        if self.dispatcher.agreed_window is not None:
-            self.windows.agreed_window = self.dispatcher.agreed_window
 
     def _raise_pending(self) -> None:
         error, self.dispatcher.error = self.dispatcher.error, None
@@ -415,6 +429,10 @@ class SnapshotEngine:
             return
         if isinstance(error, WriterDiedError):
             if self._replace_dead_writer(error):
+                # A request the death interrupted starts now, at this same step.
+                self._start_pending()
+                self._progress()
+                self._raise_pending()
                 return
             # In-flight snapshots are gone with the writer; their slots are unusable.
             self.dead = error

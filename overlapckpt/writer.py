@@ -63,7 +63,7 @@ class WriterProcess:
         env["PYTHONPATH"] = os.pathsep.join([_package_parent_dir(), *filter(None, [env.get("PYTHONPATH")])])
         child_fd = child_sock.fileno()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "overlapckpt.writer_process", str(child_fd)],
+            [sys.executable, "-m", "overlapckpt.writer_process", str(child_fd), str(os.getpid())],
             pass_fds=[child_fd],
             env=env,
             stdin=subprocess.DEVNULL,

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import ctypes
 import pickle
+import signal
 import socket
 import sys
 import traceback
@@ -150,8 +152,29 @@ def writer_thread_count() -> int:
     return max(1, min(WRITER_MAX_THREADS, cores // 4))
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """Have the kernel kill this process when the training process dies (Linux).
+
+    An idle writer notices a dead parent by EOF on its pipe, but one blocked inside a
+    storage write (a hung NFS or S3 call) never reads the pipe again; without this it
+    would outlive the job.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return  # not Linux: EOF on the pipe still ends an idle writer
+    if os.getppid() != parent_pid:
+        os._exit(1)  # the parent died before the line above took effect
+
+
+_PR_SET_PDEATHSIG = 1
+
+
 def main(argv: list[str]) -> None:
     fd = int(argv[1])
+    if len(argv) > 2:
+        _die_with_parent(int(argv[2]))
     try:
         os.nice(WRITER_NICE_INCREMENT)
     except OSError:

@@ -19,13 +19,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fakes import BLOCK_FIFO_ENV, BlockingStore  # noqa: E402
 from helpers import make_run, train_step  # noqa: E402
 from overlapckpt import Checkpointer  # noqa: E402
+from overlapckpt.transfer import CpuCopier  # noqa: E402
 
 
 def main() -> None:
     moment, root = sys.argv[1], sys.argv[2]
     model, opt, sched, sampler = make_run(width=512)
     train_step(model, opt, sched, sampler)  # the state exists: buffers are allocated at construction
-    ckpt = Checkpointer(model, opt, root, window=3, consistency="replay", store_class=BlockingStore)
+    # Copies at the call: each snapshot is complete, and handed to the writer, at a known hook.
+    ckpt = Checkpointer(model, opt, root, window=3, consistency="replay", store_class=BlockingStore, copier=CpuCopier())
     print(f"writer {ckpt.writer_pid}", flush=True)
     if moment == "mid-copy":
         train_step(model, opt, sched, sampler)
@@ -34,15 +36,17 @@ def main() -> None:
         train_step(model, opt, sched, sampler)
         ckpt.step()
     elif moment == "mid-persist":
-        for request_at in (2, 5):  # versions 4 (commits) and 7 (its shard write blocks: ONLY_NAME)
+        # The Checkpointer counts the steps it sees: requests after its steps 1 and 4 hold
+        # versions 3 (commits) and 6 (its shard write blocks: ONLY_NAME).
+        for request_at in (1, 4):
             for step in range(request_at, request_at + 3):
                 train_step(model, opt, sched, sampler)
                 if step == request_at:
                     ckpt.request()
                 ckpt.step()
-            if request_at == 2:
+            if request_at == 1:
                 ckpt.wait(timeout_s=120)
-        train_step(model, opt, sched, sampler)  # its pre-hook hands version 7 to the writer
+        train_step(model, opt, sched, sampler)  # its pre-hook hands version 6 to the writer
         with open(os.environ[BLOCK_FIFO_ENV]) as f:
             f.readline()
     print(f"at {moment}", flush=True)

@@ -7,12 +7,15 @@ import select
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from fakes import BLOCK_FIFO_ENV, BLOCK_ONCE_MARKER_ENV, ONLY_NAME_ENV, BlockingOnceStore
 from helpers import assert_state_equal, make_run, train_step, twin_states
 from overlapckpt import Checkpointer, WriterDiedError, list_checkpoints, load
+from overlapckpt.transfer import CpuCopier
+from test_failures import _read_fifo
 
 STEPS = 9
 
@@ -35,7 +38,10 @@ def test_a_killed_writer_is_replaced_and_later_checkpoints_are_exact(tmp_path, m
         monkeypatch.setenv(BLOCK_ONCE_MARKER_ENV, str(tmp_path / "blocked-once"))
     model, opt, sched, sampler = make_run()
     window = 3 if moment == "mid-copy" else 1
-    ckpt = Checkpointer(model, opt, tmp_path / "ckpts", window=window, consistency="replay", store_class=BlockingOnceStore)
+    # Copies at the call: the snapshot is complete, and goes to the writer, at ckpt.step().
+    ckpt = Checkpointer(
+        model, opt, tmp_path / "ckpts", window=window, consistency="replay", store_class=BlockingOnceStore, copier=CpuCopier()
+    )
     killed = []
     with pytest.warns(UserWarning, match=r"the writer process died .* a new one was started"):
         try:
@@ -51,8 +57,7 @@ def test_a_killed_writer_is_replaced_and_later_checkpoints_are_exact(tmp_path, m
                     ckpt.request()  # the dropped one asked again
                 ckpt.step()
                 if moment == "mid-persist" and it == 3:
-                    with open(fifo) as f:  # the writer is inside the shard write of step 3
-                        f.readline()
+                    _read_fifo(str(fifo), timeout_s=120)  # the writer is inside the shard write of step 3
                     killed.append(_kill_writer(ckpt))
             infos = ckpt.wait(timeout_s=120)
         finally:
@@ -82,6 +87,20 @@ def test_restarts_are_bounded_then_the_death_is_raised(tmp_path):
                 ckpt.request()
 
 
+def _readline(child: subprocess.Popen, timeout_s: float) -> str:
+    """The child's next stdout line (a binary pipe), or AssertionError if none comes within ``timeout_s``."""
+    fd = child.stdout.fileno()
+    deadline = time.monotonic() + timeout_s
+    line = b""
+    while not line.endswith(b"\n"):
+        readable, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        assert readable, f"the child printed no whole line within {timeout_s} s (so far {line!r})"
+        byte = os.read(fd, 1)  # one byte at a time: nothing is buffered past the line
+        assert byte, f"the child closed its output (so far {line!r})"
+        line += byte
+    return line.decode()
+
+
 def _wait_for_exit(pid: int, timeout_s: float) -> bool:
     """Whether process ``pid`` (not our child) exits within ``timeout_s``: waits on a pidfd, no polling."""
     try:
@@ -97,7 +116,7 @@ def _wait_for_exit(pid: int, timeout_s: float) -> bool:
 @pytest.mark.parametrize("shm_dir", [False, True], ids=["memfd", "shm-dir"])
 @pytest.mark.parametrize("moment", ["constructed", "mid-copy", "mid-persist"])
 def test_a_killed_training_process_leaves_no_files_and_no_writer(tmp_path, moment, shm_dir):
-    env = dict(os.environ, **{BLOCK_FIFO_ENV: str(tmp_path / "fifo"), ONLY_NAME_ENV: "step-000000007"})
+    env = dict(os.environ, **{BLOCK_FIFO_ENV: str(tmp_path / "fifo"), ONLY_NAME_ENV: "step-000000006"})
     shm = tmp_path / "shm"
     shm.mkdir()
     if shm_dir:
@@ -107,11 +126,11 @@ def test_a_killed_training_process_leaves_no_files_and_no_writer(tmp_path, momen
     root = tmp_path / "ckpts"
     child = subprocess.Popen(
         [sys.executable, os.path.join(os.path.dirname(__file__), "fault_script.py"), moment, str(root)],
-        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
     )
     try:
-        writer_pid = int(child.stdout.readline().split()[1])
-        assert child.stdout.readline().strip() == f"at {moment}"
+        writer_pid = int(_readline(child, 120).split()[1])
+        assert _readline(child, 120).strip() == f"at {moment}"
         os.kill(child.pid, signal.SIGKILL)
         assert child.wait(timeout=30) == -signal.SIGKILL
     finally:
@@ -121,7 +140,7 @@ def test_a_killed_training_process_leaves_no_files_and_no_writer(tmp_path, momen
     assert {f for f in os.listdir("/dev/shm") if f.startswith("overlapckpt-")} == before
     assert os.listdir(shm) == []
     listed = list_checkpoints(str(root)) if root.exists() else []
-    assert [i.step for i in listed] == ([4] if moment == "mid-persist" else [])
+    assert [i.step for i in listed] == ([3] if moment == "mid-persist" else [])
     for info in listed:  # every listed checkpoint loads
         fresh, fresh_opt, _, _ = make_run(seed=3, width=512)
         load(info.path, fresh, fresh_opt)

@@ -13,6 +13,7 @@ import pytest
 
 from helpers import assert_state_equal, make_run, train_step, twin_states
 from overlapckpt import Checkpointer, list_checkpoints, load
+from test_faults import _readline
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "preempt_script.py")
 
@@ -20,18 +21,17 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "preempt_script.py")
 @pytest.mark.parametrize("how", ["outside", "inside-hook"])
 def test_sigterm_in_a_replay_window_commits_the_current_step_and_exits_with_the_signal(tmp_path, how):
     twin = twin_states(8)
-    child = subprocess.Popen([sys.executable, SCRIPT, str(tmp_path), how], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, SCRIPT, str(tmp_path), how], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         if how == "outside":
-            assert child.stdout.readline().strip() == "step 1"
+            assert _readline(child, 120).strip() == "step 1"
             for expected in range(2, 5):
-                assert child.stdout.readline().strip() == f"step {expected}"
+                assert _readline(child, 120).strip() == f"step {expected}"
             # At step 4 the window opened at 3 is half copied; the loop waits for our answer.
             signalled = time.monotonic()
             child.send_signal(signal.SIGTERM)
             child.send_signal(signal.SIGTERM)  # twice: the second is ignored while saving
-            child.stdin.write("\n")
+            child.stdin.write(b"\n")
             child.stdin.flush()
         else:
             signalled = time.monotonic()
