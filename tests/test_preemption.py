@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from helpers import assert_state_equal, make_run, train_step, twin_states
 from overlapckpt import Checkpointer, list_checkpoints, load
@@ -18,9 +19,20 @@ from test_faults import _readline
 SCRIPT = os.path.join(os.path.dirname(__file__), "preempt_script.py")
 
 
+def _twin_on_one_thread(steps: int) -> dict:
+    # The child trains on 1 thread; an earlier test may have changed this process's count,
+    # and CPU kernels are bit-identical only at the same thread count.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return twin_states(steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("how", ["outside", "inside-hook"])
 def test_sigterm_in_a_replay_window_commits_the_current_step_and_exits_with_the_signal(tmp_path, how):
-    twin = twin_states(8)
+    twin = _twin_on_one_thread(8)
     child = subprocess.Popen([sys.executable, SCRIPT, str(tmp_path), how], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         if how == "outside":
