@@ -336,17 +336,7 @@ def mismatched_requests(out: str, request_at: dict[int, int], name: str) -> dict
                 break
     except Exception as e:  # what we are here to see
         error = e
-    elapsed = time.monotonic() - started
-    try:
-        ckpt.close(timeout_s=10)
-    except Exception:
-        pass
-    return {
-        "error_type": None if error is None else type(error).__name__,
-        "error": None if error is None else str(error)[:2000],
-        "elapsed_s": elapsed,
-        "listed": [i.step for i in list_checkpoints(path)],
-    }
+    return _outcome(ckpt, path, error, time.monotonic() - started)
 
 
 def writer_killed(out: str) -> dict[str, Any]:
@@ -389,15 +379,19 @@ def writer_killed(out: str) -> dict[str, Any]:
         ckpt.wait(timeout_s=90)
     except Exception as e:
         error = e
-    elapsed = time.monotonic() - (started or time.monotonic())
+    return _outcome(ckpt, path, error, time.monotonic() - (started or time.monotonic()))
+
+
+def _outcome(ckpt: Checkpointer, path: str, error: BaseException | None, elapsed_s: float) -> dict[str, Any]:
+    """What a failure scenario observed: the error, how long it took, what was listed after."""
     try:
         ckpt.close(timeout_s=10)
     except Exception:
-        pass
+        pass  # the error under test was already recorded
     return {
         "error_type": None if error is None else type(error).__name__,
-        "error": None if error is None else str(error)[:500],
-        "elapsed_s": elapsed,
+        "error": None if error is None else str(error)[:2000],
+        "elapsed_s": elapsed_s,
         "listed": [i.step for i in list_checkpoints(path)],
     }
 
