@@ -306,9 +306,13 @@ class Checkpointer:
                 return []  # the death was raised already; nothing is left to finish
             return self._engine.wait(timeout_s)
         finally:
-            self._engine.remove_hooks()
-            self._engine.writer.close()
-            self._engine.release()
+            self._tear_down(writer_timeout_s=30.0)
+
+    def _tear_down(self, writer_timeout_s: float) -> None:
+        """Remove the hooks, stop the writer, release host buffers (after the copies into them)."""
+        self._engine.remove_hooks()
+        self._engine.writer.close(timeout_s=writer_timeout_s)
+        self._engine.release()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -333,9 +337,7 @@ class Checkpointer:
         except Exception as e:  # never mask the exception that is unwinding
             warnings.warn(f"overlapckpt: closing after an error failed: {e}", stacklevel=3)
         finally:
-            self._engine.remove_hooks()
-            self._engine.writer.close(timeout_s=min(30.0, self.exit_timeout_s))
-            self._engine.release()
+            self._tear_down(writer_timeout_s=min(30.0, self.exit_timeout_s))
 
     # ---- inspection and restore ------------------------------------------------------
 

@@ -89,10 +89,6 @@ class StagingArea:
                     "consistency='replay' (no device memory), or free device memory"
                 )
 
-    @property
-    def in_use(self) -> bool:
-        return bool(self._drains)
-
     def stage(
         self, copier: Copier, plan: CopyPlan, layout: StateLayout, host_views: list[torch.Tensor]
     ) -> list[torch.Tensor | None]:
