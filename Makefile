@@ -30,7 +30,7 @@ demo-dist: install
 	OMP_NUM_THREADS=1 $(PY) -m overlapckpt.demo_dist restore
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 tests
 
 bench: install
 	$(PY) -m pip install --quiet -e '.[test,bench]'

@@ -18,6 +18,7 @@ from .gradlog import REPLAYABLE_OPTIMIZERS
 from .loading import load
 from .manifest import CheckpointInfo
 from .state import check_optimizer_matches_model
+from .step_hooks import unwrap_optimizer
 from .distributed import DistributedRun, is_distributed, set_up_distributed
 from .state import CheckpointScope
 from .storage import CheckpointStore
@@ -74,7 +75,9 @@ class Checkpointer:
 
     Args:
         model: the module whose parameters the optimizer updates.
-        optimizer: a ``torch.optim.Optimizer`` over ``model``'s parameters.
+        optimizer: a ``torch.optim.Optimizer`` over ``model``'s parameters, or a wrapper that steps one
+            (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``, anything exposing
+            it as ``.optimizer`` / ``._optimizer``): the torch optimizer inside is hooked and replayed.
         path: a local directory or fsspec URL (``s3://bucket/prefix``); created if missing.
         window: optimizer steps to spread the device-to-host copy over (1 = exact at the requested step),
             or ``"auto"``: per checkpoint, the smallest window whose copies fit inside the measured step
@@ -127,7 +130,7 @@ class Checkpointer:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: Any,
         path: str | os.PathLike[str],
         window: int | str = 1,
         every: int | None = None,
@@ -165,8 +168,8 @@ class Checkpointer:
             raise ConfigError(f"stage_budget_bytes={stage_budget_bytes!r} is invalid; pass a byte count >= 0 or None")
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model is a {type(model).__name__}; pass a torch.nn.Module")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(f"optimizer is a {type(optimizer).__name__}; pass a torch.optim.Optimizer")
+        # Accelerate's and Lightning's wrappers step the torch optimizer they hold: hook and replay that one.
+        optimizer = unwrap_optimizer(optimizer)
         check_optimizer_matches_model(model, optimizer)
         _check_optimizer_for_mode(optimizer, window, consistency)
         stateful = dict(stateful or {})
@@ -272,6 +275,16 @@ class Checkpointer:
         """Checkpoint the state as of the last completed optimizer step (deferred while no slot is free)."""
         self._check_open()
         self._engine.request()
+
+    def before_update(self) -> None:
+        """Fence the copies in flight now, right before the optimizer's update (idempotent).
+
+        The step hooks already fence right before the update, after the closure if
+        ``step`` takes one (``step_hooks.py``). This is for frameworks with their own
+        "right before the update" callback; calling it is never needed for exactness.
+        """
+        self._check_open()
+        self._engine.fence_copies()
 
     def step(self) -> None:
         """Mark the end of a training iteration: the boundary for stateful objects and RNG states."""

@@ -42,7 +42,17 @@ from .snapshot_copies import SnapshotCopies
 from .staging import StagingArea
 from .state import CheckpointScope, StateLayout
 from .transfer import Copier
-from .warnings_text import BOUNDARY_WARNING, GRAD_SCALER_WARNING, LATE_HOOK_WARNING, NEW_STATE_WARNING, WRITER_RESTART_WARNING
+from .step_hooks import StepPoint
+from .replay_guard import ReplayMutationGuard
+from .warnings_text import (
+    BOUNDARY_WARNING,
+    CLOSURE_IGNORED_WARNING,
+    GRAD_SCALER_WARNING,
+    LATE_HOOK_WARNING,
+    NEW_STATE_WARNING,
+    REPLAY_MUTATION_WARNING,
+    WRITER_RESTART_WARNING,
+)
 from .window_policy import WindowPolicy
 from .writer import WriterProcess
 from .writer_restarts import DEFAULT_MAX_WRITER_RESTARTS, WriterRestartBudget
@@ -112,34 +122,55 @@ class SnapshotEngine:
         self.snapshots_dropped = 0  # incomplete snapshots lost with a dead writer
         # Called at each iteration boundary (save on a preemption signal); see preemption.py.
         self.at_boundary: Callable[[], None] | None = None
-        self._hooks: list[Any] = []
+        self.step_point = StepPoint(optimizer, self._on_step_start, self._before_update, self._on_step_end)
+        self._replay_guard = ReplayMutationGuard(self.step_point)
         self.install_hooks()
         if optimizer.state:  # the state exists (a warm start): allocate now, before any step
             self._prepare()
 
     def install_hooks(self) -> None:
-        if not self._hooks:
-            self._hooks = [
-                self.optimizer.register_step_pre_hook(self._pre_hook),
-                self.optimizer.register_step_post_hook(self._post_hook),
-            ]
+        self.step_point.install()
 
     def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        self.step_point.remove()
 
-    # ---- hooks -------------------------------------------------------------------
+    # ---- hooks (the order inside optimizer.step(): step_hooks.py) ----------------
 
-    def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _on_step_start(self, others_follow: bool) -> None:
+        """Our pre-hook, first of all pre-hooks: fence here only if another pre-hook may mutate state next."""
         if self.dead is not None:
-            return  # reported once; training goes on without checkpoints until close()
+            return
+        self._note_grad_scaler()
+        if not others_follow:
+            return
+        started = time.perf_counter()
+        # Another pre-hook runs before the update point and may write parameters or
+        # optimizer state in place: the copies reading them are fenced before it runs.
+        self.fence_copies()
+        self._replay_guard.record(self._snapshots)
+        self._charge(started)
+
+    def fence_copies(self) -> None:
+        """Fence 2, now, for every copy enqueued by an earlier hook (idempotent)."""
+        if self.dead is not None:
+            return
+        self._hook_serial += 1
+        for snap in self._snapshots:
+            self.copies.fence_earlier_copies(snap, self._hook_serial)
+
+    def _before_update(self) -> None:
+        """Right before the update (after the closure, clipping and every pre-hook): fence, log gradients."""
+        if self.dead is not None:
+            return
         if self.gap_timer is not None:
             # Before any fence below: forward+backward ends here, our waits are not part of it.
             self.gap_timer.mark(FWD_BWD_END)
         started = time.perf_counter()
         self._hook_serial += 1
         self._note_grad_scaler()
+        mutated_by = self._replay_guard.mutated()
+        if mutated_by:
+            self._replay_cannot_follow(mutated_by)
         for snap in list(self._snapshots):
             self.copies.fence_earlier_copies(snap, self._hook_serial)
             if snap.state == SnapshotState.AT_BOUNDARY:
@@ -152,7 +183,7 @@ class SnapshotEngine:
             self.gap_timer.mark(OPT_START)
         self._raise_pending()
 
-    def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _on_step_end(self, update_point_ran: bool) -> None:
         if self.dead is not None:
             self.step_count += 1
             if self.at_boundary is not None and not self._user_marks_boundary:
@@ -162,12 +193,14 @@ class SnapshotEngine:
             # Before the fence below: the optimizer step ends here, the wait on the gradient copy is ours.
             self.gap_timer.mark(OPT_END)
         started = time.perf_counter()
+        if not update_point_ran:
+            self._update_point_skipped()
         self._hook_serial += 1
         self.step_count += 1
         self._note_grad_scaler()
         self._restart_if_state_grew()
         for snap in self._snapshots:
-            self.copies.fence_earlier_copies(snap, self._hook_serial)  # the gradient copies logged by this step's pre-hook
+            self.copies.fence_earlier_copies(snap, self._hook_serial)  # the gradient copies logged before this update
             if not snap.all_enqueued:
                 self.copies.advance(snap, self.step_count, self._hook_serial)
         if self.every is not None and self.step_count % self.every == 0:
@@ -183,6 +216,21 @@ class SnapshotEngine:
         self._raise_pending()
         if self.at_boundary is not None and not self._user_marks_boundary:
             self.at_boundary()  # the loop marks no boundary of its own: the step's end is one
+
+    def _update_point_skipped(self) -> None:
+        """The step took our closure and never called it: its update ran without our fences."""
+        self._warn_once("closure", CLOSURE_IGNORED_WARNING.format(optimizer=type(self.optimizer).__qualname__))
+        for snap in list(self._snapshots):
+            if snap.unfenced or (snap.mode == SnapshotMode.REPLAY and snap.version is None):
+                self._restart(snap, start_step=self.step_count + 1)
+
+    def _replay_cannot_follow(self, mutated_by: list[str]) -> None:
+        """A pre-hook (or the closure) wrote copied state in place: replay cannot repeat that write."""
+        self.windows.replay_unfollowable = True
+        self._warn_once("replay-mutation", REPLAY_MUTATION_WARNING.format(hooks=", ".join(mutated_by) or "the closure"))
+        for snap in list(self._snapshots):
+            if snap.mode == SnapshotMode.REPLAY and snap.version is None:
+                self._restart(snap, start_step=self.step_count)
 
     def mark_iteration_end(self) -> None:
         """``ckpt.step()``: the boundary where stateful objects are captured."""
@@ -387,7 +435,7 @@ class SnapshotEngine:
         """Post-step hooks that run after ours may write tensors our copies are reading."""
         from torch.optim.optimizer import _global_optimizer_post_hooks
 
-        ours = self._hooks[1].id if self._hooks else None
+        ours = self.step_point.post_hook_id
         keys = list(self.optimizer._optimizer_step_post_hooks.keys())
         later = len(keys) - 1 - keys.index(ours) if ours in keys else 0
         if later or _global_optimizer_post_hooks:

@@ -71,22 +71,28 @@ class StateLayout:
     # Non-tensor leaves of optimizer.state, as (fqn, key) pairs read at capture time.
     small_optim_keys: list[tuple[str, str]] = field(default_factory=list)
     fingerprint: int = 0
-    shape_signature: tuple[int, int] = (0, 0)  # optimizer_shape_signature() when built
+    shape_signature: tuple[int, int, int] = (0, 0, 0)  # optimizer_shape_signature() when built
 
     @property
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
 
 
-def optimizer_shape_signature(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
-    """(parameters with state, parameters optimized): O(param groups), cheap enough for every step.
+def optimizer_shape_signature(optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
+    """(parameters with state, state entries, parameters optimized): one dict length per parameter.
 
     It moves when the optimizer creates state for a parameter (one unfrozen, or stepped
-    for the first time) or gains a param group: what a layout built earlier lacks.
+    for the first time), when a hook adds a state entry lazily, or when it gains a param
+    group: what a layout built earlier lacks.
     """
     # optimizer.state is a defaultdict: reading state[p] anywhere adds an empty entry, which
     # is not state; counting it would restart a window for nothing, at every step.
-    return sum(1 for st in optimizer.state.values() if st), sum(len(g["params"]) for g in optimizer.param_groups)
+    with_state = entries = 0
+    for st in optimizer.state.values():
+        if st:
+            with_state += 1
+            entries += len(st)
+    return with_state, entries, sum(len(g["params"]) for g in optimizer.param_groups)
 
 
 def live_fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:

@@ -35,3 +35,17 @@ WRITER_RESTART_WARNING = (
     "Checkpoints complete in host memory are persisted by it; one still being copied was dropped (see "
     "ckpt.snapshots_dropped). At most {limit} restarts an hour are made; the next death is raised."
 )
+
+CLOSURE_IGNORED_WARNING = (
+    "overlapckpt: {optimizer}.step() takes a closure but did not call the one overlapckpt passed it, so its "
+    "update ran before overlapckpt's fences. The checkpoints in flight were restarted at the next step, and "
+    "the fences now run in the step pre-hook (exact; with a closure, the copy no longer overlaps forward "
+    "and backward)."
+)
+
+REPLAY_MUTATION_WARNING = (
+    "overlapckpt: parameters or optimizer state that a replay window had copied were written in place before "
+    "the optimizer's update, by a step pre-hook or the closure ({hooks}). Replay repeats only the optimizer's "
+    "update rule, so checkpoints that would replay use window=1 from now on (exact at the requested step), "
+    "and the open window restarts. Use consistency='stage' to spread the copy over a window."
+)

@@ -36,6 +36,7 @@ class WindowPolicy:
         self.gradients_fenced = gradients_fenced
         self.widest_window = max_window if window == AUTO_WINDOW else int(window)
         self.grad_scaler_seen = False  # GradScaler's fused path: replay cannot follow it
+        self.replay_unfollowable = False  # a pre-hook writes copied state in place (replay_guard.py)
         # Distributed: every rank must use the same window, so "auto" uses the window the
         # writers agreed on after the previous commit, never this rank's own figures.
         self.distributed = distributed
@@ -46,7 +47,7 @@ class WindowPolicy:
 
     @property
     def replay_blocked(self) -> bool:
-        return self.consistency == SnapshotMode.REPLAY and self.grad_scaler_seen
+        return self.consistency == SnapshotMode.REPLAY and (self.grad_scaler_seen or self.replay_unfollowable)
 
     def choose(self, layout: StateLayout, plans: PlanCache, staging: StagingArea) -> tuple[int, WindowChoice | None]:
         """The window of a snapshot starting now, and the tuner's choice record (None for a fixed window)."""

@@ -107,3 +107,32 @@ def assert_state_equal(model_sd: dict, opt_sd: dict, model, opt) -> None:
 
 def states_differ(model_sd: dict, model) -> bool:
     return any(not torch.equal(v, model.state_dict()[k]) for k, v in model_sd.items())
+
+
+def closure_train_step(model, opt, sched, sampler, clip: float | None = 1.0) -> float:
+    """One iteration as Lightning drives it: zero_grad, forward, backward and clipping inside step(closure)."""
+    x, y = sampler.next_batch()
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        return loss
+
+    loss = opt.step(closure)
+    sched.step()
+    return float(loss.detach())
+
+
+def tensors_that_differ(expected: tuple[dict, dict], model, opt) -> list[str]:
+    """Names of the tensors of a (model, optimizer) state dict pair that differ, bit for bit, from live objects."""
+    model_sd, opt_sd = expected
+    live_m, live_o = model.state_dict(), opt.state_dict()["state"]
+    out = [k for k, v in model_sd.items() if not torch.equal(v, live_m[k])]
+    for pid, st in opt_sd["state"].items():
+        for k, v in st.items():
+            if torch.is_tensor(v) and (k not in live_o.get(pid, {}) or not torch.equal(v, live_o[pid][k])):
+                out.append(f"optimizer.{pid}.{k}")
+    return out

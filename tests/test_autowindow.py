@@ -140,12 +140,13 @@ def _run_auto(tmp_path, consistency: str) -> tuple[list[dict], dict[int, tuple[d
     x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(1))
     clock = SimulatedClock()
     states: dict[int, tuple[dict, dict]] = {}
+    # The step's own time: a post-hook registered before the Checkpointer's runs before its
+    # post-hook, inside the span from the update point to the step's end.
+    opt.register_step_post_hook(lambda *args: clock.advance(OPT_S))
     ckpt = Checkpointer(
         model, opt, tmp_path, window="auto", consistency=consistency, max_window=8,
         copier=SimulatedBandwidthCopier(clock, COPY_BYTES_PER_S), phase_timer=HostGapTimer(clock),
     )
-    # Registered after the Checkpointer's hooks, so it runs after its pre-hook: the step's own time.
-    opt.register_step_pre_hook(lambda *args: clock.advance(OPT_S))
     try:
         for it in range(1, 27):
             loss = model(x).square().mean()
@@ -234,12 +235,12 @@ def test_a_wider_window_reuses_the_preallocated_gradient_buffer_and_both_checkpo
     x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(1))
     clock, opt_s = SimulatedClock(), [OPT_S]
     states: dict[int, tuple[dict, dict]] = {}
+    opt.register_step_post_hook(lambda *args: clock.advance(opt_s[0]))  # the step's own time (see _run_auto)
     ckpt = Checkpointer(
         model, opt, tmp_path, window="auto", consistency="replay", max_window=8,
         copier=SimulatedBandwidthCopier(clock, COPY_BYTES_PER_S), phase_timer=HostGapTimer(clock),
     )
     ckpt._engine.windows.tuner.observe_copies(nbytes=6_000_000, seconds=1.0)  # as if measured on an earlier checkpoint
-    opt.register_step_pre_hook(lambda *args: clock.advance(opt_s[0]))
     try:
         for it in range(1, 37):
             if it == 13:
