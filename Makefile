@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # would pull a multi-GB CUDA build where a CPU wheel is wanted.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv install demo demo-dist test bench bench-dist clean
+.PHONY: venv install demo demo-dist check test bench bench-dist clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,14 +22,20 @@ $(VENV)/.installed: $(PY) pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	$(PY) -m overlapckpt.demo
+	$(PY) examples/demo.py
 
 # 2 ranks of FSDP2 on CPU under torchrun (--standalone picks a free port), then a restore in one process.
 demo-dist: install
-	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=2 -m overlapckpt.demo_dist train
-	OMP_NUM_THREADS=1 $(PY) -m overlapckpt.demo_dist restore
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=2 examples/demo_dist.py train
+	OMP_NUM_THREADS=1 $(PY) examples/demo_dist.py restore
 
-test: install
+# The checkers first (seconds), then the tests on both cores.
+check: install
+	$(VENV)/bin/ruff check overlapckpt tests benchmarks examples
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
+
+test: check
 	$(PY) -m pytest -q -n 2 tests
 
 bench: install

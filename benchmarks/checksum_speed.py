@@ -71,9 +71,9 @@ def persist_overhead(mib: int, repeats: int, directory: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from overlapckpt.checksum import ALGORITHM_ENV, CRC32, CRC32C, updater
     from overlapckpt.errors import ConfigError
-    from overlapckpt.storage import CheckpointStore
+    from overlapckpt.format.checksum import ALGORITHM_ENV, CRC32, CRC32C, updater
+    from overlapckpt.format.storage import CheckpointStore
 
     state = _state(mib)
     nbytes = sum(t.numel() * t.element_size() for t in state["model"].values())
@@ -100,7 +100,7 @@ def persist_overhead(mib: int, repeats: int, directory: str) -> None:
             os.environ[ALGORITHM_ENV] = algorithm
             seconds = _best_s(lambda: save(lambda n: store.make_writer(n, before_commit=lambda sums: None)), repeats)
             print(f"  {'checksummed, ' + algorithm:26s} {seconds * 1000:7.1f} ms  (+{(seconds - plain_s) * 1000:.1f} ms)")
-        from overlapckpt.manifest import tensor_crc32
+        from overlapckpt.format.manifest import tensor_crc32
 
         # The writer also takes a CRC-32 of each host tensor for the end-to-end check after a load.
         tensors_s = _best_s(lambda: [tensor_crc32(t) for t in state["model"].values()], repeats)

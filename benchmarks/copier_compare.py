@@ -25,10 +25,11 @@ sys.path[:0] = [os.path.join(os.path.dirname(_HERE), "tests"), os.path.dirname(_
 
 import torch  # noqa: E402
 
-from helpers import make_run, train_step  # noqa: E402
 from overlapckpt import Checkpointer  # noqa: E402
-from overlapckpt.cpu_stream import CpuStreamCopier  # noqa: E402
-from overlapckpt.transfer import CpuCopier  # noqa: E402
+from overlapckpt.train.cpu_stream import CpuStreamCopier  # noqa: E402
+from overlapckpt.train.transfer import CpuCopier  # noqa: E402
+
+from helpers import make_run, train_step  # noqa: E402
 
 
 def run(copier_cls: type, width: int, steps: int, every: int) -> dict[str, float]:

@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from workload import Workload
 
 from overlapckpt import Checkpointer
-
-from workload import Workload
 
 
 @dataclass

@@ -28,7 +28,7 @@ sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 from measure import machine_description  # noqa: E402
 
 from overlapckpt.hostbuf import SharedHostBuffer  # noqa: E402
-from overlapckpt.transfer import CudaStreamCopier  # noqa: E402
+from overlapckpt.train.transfer import CudaStreamCopier  # noqa: E402
 
 PROBE_NBYTES = 2 << 30
 COPY_REPEATS = 3

@@ -169,7 +169,7 @@ def markdown_table(result: dict[str, Any]) -> str:
         "| method | median step ms | stall / ckpt ms | max step inflation ms | blocking / ckpt ms | hook ms, first / later | request→commit s | D2H GB/s (of peak) | extra RSS MiB | child RSS MiB | extra device MiB | throughput vs baseline |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, run in result["methods"].items():
+    for _name, run in result["methods"].items():
         x = run["metrics"]
         bw = "–"
         if x["d2h_bytes_per_s"]:

@@ -12,9 +12,9 @@ from .errors import (
     UnsupportedOptimizerError,
     WriterDiedError,
 )
+from .format.manifest import CheckpointInfo
+from .format.storage import CheckpointStore
 from .loading import list_checkpoints, load
-from .manifest import CheckpointInfo
-from .storage import CheckpointStore
 
 __all__ = [
     "CheckpointInfo",

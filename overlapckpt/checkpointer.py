@@ -10,22 +10,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from .autowindow import AUTO_WINDOW, DEFAULT_MAX_WINDOW, PhaseTimer, make_gap_timer
-from .engine import SnapshotEngine
 from .errors import ConfigError, UnsupportedOptimizerError
-from .extra_state import encode
-from .gradlog import REPLAYABLE_OPTIMIZERS
+from .format.extra_state import encode
+from .format.manifest import CheckpointInfo
+from .format.storage import CheckpointStore
 from .loading import load
-from .manifest import CheckpointInfo
-from .state import check_optimizer_matches_model
-from .step_hooks import unwrap_optimizer
-from .distributed import DistributedRun, is_distributed, set_up_distributed
-from .state import CheckpointScope
-from .storage import CheckpointStore
-from .transfer import Copier, make_copier
-from .writer import WriterProcess
-from .preemption import PreemptionGuard
-from .writer_restarts import DEFAULT_MAX_WRITER_RESTARTS
+from .train.autowindow import AUTO_WINDOW, DEFAULT_MAX_WINDOW, PhaseTimer, make_gap_timer
+from .train.distributed import DistributedRun, is_distributed, set_up_distributed
+from .train.engine import SnapshotEngine
+from .train.gradlog import REPLAYABLE_OPTIMIZERS
+from .train.layout import CheckpointScope, check_optimizer_matches_model
+from .train.preemption import PreemptionGuard
+from .train.step_hooks import unwrap_optimizer
+from .train.transfer import Copier, make_copier
+from .train.writer_handle import WriterProcess
+from .train.writer_restarts import DEFAULT_MAX_WRITER_RESTARTS
 
 CONSISTENCY_MODES = ("replay", "stage")
 
@@ -312,8 +311,9 @@ class Checkpointer:
         if self._closed:
             return []
         self._closed = True
-        if getattr(self, "_preemption", None) is not None:
-            self._preemption.uninstall()
+        preemption: PreemptionGuard | None = getattr(self, "_preemption", None)
+        if preemption is not None:
+            preemption.uninstall()
         try:
             if self._engine.dead is not None:
                 return []  # the death was raised already; nothing is left to finish

@@ -21,9 +21,9 @@ import sys
 from typing import Any
 
 from .errors import CheckpointReadError, CorruptCheckpointError, OverlapCkptError
+from .format.storage import CheckpointStore
+from .format.verify import verify_checkpoint
 from .loading import list_checkpoints, read_manifest, resolve_checkpoint
-from .storage import CheckpointStore
-from .verify import verify_checkpoint
 
 
 def _storage_options(pairs: list[str]) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -18,11 +18,11 @@ from .errors import (
     OverlapCkptError,
     RankDisagreementError,
 )
-from .extra_state import decode
-from .manifest import CheckpointInfo, checkpoint_name, step_of_name, tensor_crc32
-from .state import check_shapes, flatten_tensors
-from .storage import CheckpointStore, dcp_root_cause, is_storage_error, translate_read_errors
-from .verify import describe_problems, read_manifest, verify_checkpoint
+from .format.entries import check_shapes, flatten_tensors
+from .format.extra_state import decode
+from .format.manifest import CheckpointInfo, checkpoint_name, step_of_name, tensor_crc32
+from .format.storage import CheckpointStore, dcp_root_cause, is_storage_error, translate_read_errors
+from .format.verify import describe_problems, read_manifest, verify_checkpoint
 
 
 def _listable(store: CheckpointStore, names: Iterable[str]) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -128,6 +128,7 @@ def _empty_like_on_cpu(value: Any) -> Any:
             from torch.distributed.tensor import DTensor
 
             local = to_local()
+            value = cast(DTensor, value)
             return DTensor.from_local(
                 torch.empty(local.shape, dtype=local.dtype, device="cpu"),
                 value.device_mesh,
@@ -260,6 +261,8 @@ def load(
     where = store.checkpoint_url(name)  # type: ignore[arg-type]
 
     host = _empty_like_on_cpu(target)
+    if name is None:  # every rank agreed above that nothing failed, so the name was resolved
+        raise CheckpointNotFoundError(f"no checkpoint under {path!r} to load")
     read_into(store, name, host, group)
     if verify:
         _check_tensor_crcs(manifest, host, where)

@@ -9,8 +9,46 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .manifest import CheckpointInfo
-from .state import TensorEntry
+from .format.entries import TensorEntry
+from .format.manifest import CheckpointInfo
+
+
+@dataclass(frozen=True)
+class WriterGroupSpec:
+    """How a writer joins the writers' group (sent in its InitRequest)."""
+
+    store_host: str
+    store_port: int
+    rank: int
+    world_size: int
+    timeout_s: float  # every collective of the writers' group, and joining it
+    agreement_timeout_s: float  # how far apart in time ranks may reach the same checkpoint
+    mesh_shape: tuple[int, ...]
+
+
+@dataclass
+class GradientStep:
+    """What one optimizer step inside the window consumed."""
+
+    step: int
+    groups: list[int]  # copy groups whose gradients were logged
+    hyperparameters: list[dict[str, Any]]  # per param_group, without "params"
+    grad_none: list[str]  # FQNs of logged parameters that had no gradient (the optimizer skipped them)
+
+
+@dataclass
+class ReplayLog:
+    """Everything the writer needs to roll each group forward to the target version."""
+
+    optimizer_class: tuple[str, str]
+    grad_buffer_id: int
+    grad_offsets: dict[tuple[int, str], int]  # (window step index i, fqn) -> offset in the grad buffer
+    param_group_of: dict[str, int]  # fqn -> index of its param_group
+    copy_group_of: dict[str, int]  # fqn -> index of the copy group that holds it
+    base_step: int  # the step s at which the snapshot was requested
+    group_versions: list[int | None] = field(default_factory=list)
+    steps: list[GradientStep] = field(default_factory=list)
+    target_version: int | None = None
 
 
 @dataclass
@@ -19,7 +57,7 @@ class InitRequest:
     root: str
     storage_options: dict[str, Any]
     store_class: tuple[str, str]  # (module, qualified name) of a CheckpointStore subclass
-    group: Any = None  # a WriterGroupSpec in a distributed run: the writers' group to join
+    group: WriterGroupSpec | None = None  # in a distributed run: the writers' group to join
 
 
 @dataclass
@@ -59,7 +97,7 @@ class PersistRequest:
     ledger: dict[str, Any]
     stats: dict[str, Any]
     keep: int | None
-    replay: Any = None  # the replay log of a replay-mode snapshot (see replay.py)
+    replay: ReplayLog | None = None  # a replay-mode snapshot: what the writer rolls its groups forward with
     proposed_next_window: int | None = None  # window="auto": this rank's choice for the next checkpoint
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from overlapckpt.storage import CheckpointStore
+from overlapckpt.format.storage import CheckpointStore
 
 FAIL_AT_ENV = "OVERLAPCKPT_TEST_FAIL_AT_WRITE"  # N: the N-th write of a checkpoint raises OSError
 ONLY_NAME_ENV = "OVERLAPCKPT_TEST_ONLY_NAME"  # only writes of this checkpoint count

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from overlapckpt import Checkpointer, load, transfer
-from overlapckpt.transfer import CudaStreamCopier
+from overlapckpt import Checkpointer, load
+from overlapckpt.train import transfer
+from overlapckpt.train.transfer import CudaStreamCopier
 
 CUDA = torch.device("cuda")
 

@@ -18,8 +18,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from helpers import make_run, train_step  # noqa: E402
 from overlapckpt import Checkpointer  # noqa: E402
+
+from helpers import make_run, train_step  # noqa: E402
 
 
 def main() -> None:

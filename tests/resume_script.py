@@ -7,8 +7,9 @@ import sys
 
 import torch
 
-from helpers import make_run, train_step
 from overlapckpt import Checkpointer
+
+from helpers import make_run, train_step
 
 
 def main() -> None:

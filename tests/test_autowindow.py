@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from overlapckpt import Checkpointer, UnsupportedOptimizerError, load
-from overlapckpt.autowindow import AUTO_FILL_FRACTION, HostGapTimer, WindowTuner
-from overlapckpt.gradlog import GradientLogger
-from overlapckpt.plan import make_plan
-from overlapckpt.state import build_layout
-from overlapckpt.transfer import CopyTicket, CpuCopier
+from overlapckpt.train.autowindow import AUTO_FILL_FRACTION, HostGapTimer, WindowTuner
+from overlapckpt.train.gradlog import GradientLogger
+from overlapckpt.train.layout import build_layout
+from overlapckpt.train.plan import make_plan
+from overlapckpt.train.transfer import CopyTicket, CpuCopier
 
 LAYERS = 24
 WIDTH = 64

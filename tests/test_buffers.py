@@ -32,7 +32,7 @@ def test_twenty_checkpoints_reuse_the_same_host_buffers(tmp_path):
     x = torch.randn(16, 512)
     with Checkpointer(model, opt, tmp_path, keep=1) as ckpt:
         segments, rss = [], []
-        for i in range(20):
+        for _i in range(20):
             model(x).square().mean().backward()
             opt.step()
             opt.zero_grad()

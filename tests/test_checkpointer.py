@@ -10,8 +10,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from helpers import assert_state_equal, make_run, snapshot, states_differ, train_step
 from overlapckpt import Checkpointer, list_checkpoints, load
+
+from helpers import assert_state_equal, make_run, snapshot, states_differ, train_step
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])

@@ -8,11 +8,11 @@ import shutil
 import subprocess
 import sys
 
-
-from helpers import make_run, train_step
 from overlapckpt import Checkpointer
 from overlapckpt.cli import main
-from overlapckpt.extra_state import tensor_bytes
+from overlapckpt.format.extra_state import tensor_bytes
+
+from helpers import make_run, train_step
 
 
 def _train(tmp_path, steps: int, request_at: tuple[int, ...], window: int = 1, consistency: str = "replay") -> bytes:

@@ -1,4 +1,4 @@
-"""``python -m overlapckpt.demo_dist`` end to end: 2 FSDP2 ranks under torchrun, then a one-process restore.
+"""``examples/demo_dist.py`` end to end: 2 FSDP2 ranks under torchrun, then a one-process restore.
 
 One launch, in a temporary directory, with fewer steps than ``make demo-dist``: the
 demo itself compares the restored state with the 2-rank run's full state, and exits
@@ -13,13 +13,14 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO_DIST = os.path.join(REPO, "examples", "demo_dist.py")
 DEMO_TIMEOUT_S = 300  # a guard against a hang, not a speed claim: it takes ~30 s on 2 cores
 
 
 def test_demo_dist_restores_the_two_rank_fsdp2_state_in_one_process_bit_for_bit(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
     # requests after steps 5 and 10, window 3 replay: versions 7 and 12
-    command = [sys.executable, "-m", "overlapckpt.demo_dist", "--nproc", "2", "--steps", "12", "--every", "5", "--window", "3"]
+    command = [sys.executable, str(DEMO_DIST), "--nproc", "2", "--steps", "12", "--every", "5", "--window", "3"]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=DEMO_TIMEOUT_S)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-6000:]

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from overlapckpt import CheckpointMismatchError, Checkpointer, list_checkpoints, load
+from overlapckpt import Checkpointer, CheckpointMismatchError, list_checkpoints, load
 
 WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 LAUNCH_TIMEOUT_S = 420
@@ -155,7 +155,7 @@ def test_auto_window_is_the_same_on_every_rank(ddp_results):
 def test_parts_that_do_not_tile_a_tensor_are_refused_before_the_commit():
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
 
-    from overlapckpt.shards import CoverageError, check_coverage
+    from overlapckpt.format.shards import CoverageError, check_coverage
 
     def md(*chunks):
         return TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([10, 4]),
@@ -243,7 +243,7 @@ def test_cli_shows_the_ranks_and_verify_checks_every_ranks_shards(fsdp_results, 
     assert main(["inspect", str(run)]) == 0
     out = capsys.readouterr().out
     assert "ranks        2 (mesh 2); each wrote its share:" in out, out
-    for rank, r in enumerate(results):
+    for rank, _r in enumerate(results):
         assert f"  rank {rank}: " in out and "groups at versions [3, 4, 5]" in out, out
     assert main(["verify", str(run)]) == 0
     capsys.readouterr()

@@ -7,14 +7,15 @@ import threading
 import pytest
 import torch
 
-from helpers import assert_state_equal, make_run, snapshot, train_step
 from overlapckpt import Checkpointer, load
-from overlapckpt import slots as slots_module
-from overlapckpt.boundary import capture_boundary, resolve_values
-from overlapckpt.cpu_stream import CpuStreamCopier
 from overlapckpt.hostbuf import SharedHostBuffer
-from overlapckpt.state import build_layout
-from overlapckpt.transfer import SMALL_COPY_BYTES, plan_packed_copy
+from overlapckpt.train import slots as slots_module
+from overlapckpt.train.boundary import capture_boundary, resolve_values
+from overlapckpt.train.cpu_stream import CpuStreamCopier
+from overlapckpt.train.layout import build_layout
+from overlapckpt.train.transfer import SMALL_COPY_BYTES, plan_packed_copy
+
+from helpers import assert_state_equal, make_run, snapshot, train_step
 
 
 class ThreadRecordingBuffer(SharedHostBuffer):

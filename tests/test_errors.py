@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import TinyNet, make_run, train_step
 from overlapckpt import (
     Checkpointer,
     CheckpointMismatchError,
@@ -16,7 +15,9 @@ from overlapckpt import (
     UnsupportedOptimizerError,
     load,
 )
-from overlapckpt.extra_state import tensor_bytes
+from overlapckpt.format.extra_state import tensor_bytes
+
+from helpers import TinyNet, make_run, train_step
 
 
 @pytest.mark.parametrize(

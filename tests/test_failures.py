@@ -9,10 +9,11 @@ import time
 
 import pytest
 
+from overlapckpt import Checkpointer, CheckpointWriteError, WriterDiedError, list_checkpoints, load
+from overlapckpt.train.transfer import CpuCopier
+
 from fakes import BLOCK_FIFO_ENV, FAIL_AT_ENV, ONLY_NAME_ENV, BlockingStore, FailingStore
 from helpers import assert_state_equal, make_run, snapshot, train_step
-from overlapckpt import Checkpointer, CheckpointWriteError, WriterDiedError, list_checkpoints, load
-from overlapckpt.transfer import CpuCopier
 
 LIVENESS_BOUND_S = 10.0
 

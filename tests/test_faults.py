@@ -10,12 +10,13 @@ import sys
 import time
 
 import pytest
+from test_failures import _read_fifo
+
+from overlapckpt import Checkpointer, WriterDiedError, list_checkpoints, load
+from overlapckpt.train.transfer import CpuCopier
 
 from fakes import BLOCK_FIFO_ENV, BLOCK_ONCE_MARKER_ENV, ONLY_NAME_ENV, BlockingOnceStore
 from helpers import assert_state_equal, make_run, train_step, twin_states
-from overlapckpt import Checkpointer, WriterDiedError, list_checkpoints, load
-from overlapckpt.transfer import CpuCopier
-from test_failures import _read_fifo
 
 STEPS = 9
 

@@ -17,10 +17,11 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import make_run
 from overlapckpt import Checkpointer, load
-from overlapckpt.cpu_stream import CpuStreamCopier
-from overlapckpt.transfer import CopyTicket, FenceResult
+from overlapckpt.train.cpu_stream import CpuStreamCopier
+from overlapckpt.train.transfer import CopyTicket, FenceResult
+
+from helpers import make_run
 
 
 class HeldCopier(CpuStreamCopier):

@@ -19,10 +19,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from overlapckpt import Checkpointer, load
+
 from gpu_support import (
     CUDA,
-    DelayedCopier,
     REPLAY_ULPS_PER_STEP,
+    DelayedCopier,
     ModelSpec,
     UnfencedCopier,
     checkpointed_run,
@@ -34,7 +36,6 @@ from gpu_support import (
     restored_state,
     twin_states,
 )
-from overlapckpt import Checkpointer, load
 
 pytestmark = pytest.mark.gpu
 

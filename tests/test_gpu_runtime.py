@@ -14,6 +14,10 @@ import time
 import pytest
 import torch
 
+from overlapckpt import Checkpointer
+from overlapckpt.hostbuf import SharedHostBuffer
+from overlapckpt.train.transfer import CudaStreamCopier
+
 from gpu_support import (
     CUDA,
     OPTIMIZERS,
@@ -24,9 +28,6 @@ from gpu_support import (
     sync_errors,
     train_step,
 )
-from overlapckpt import Checkpointer
-from overlapckpt.hostbuf import SharedHostBuffer
-from overlapckpt.transfer import CudaStreamCopier
 
 pytestmark = pytest.mark.gpu
 

@@ -22,25 +22,26 @@ from typing import Any, BinaryIO, Iterator
 import pytest
 import torch
 
-from helpers import assert_state_equal, make_run, snapshot, train_step
 from overlapckpt import (
+    Checkpointer,
     CheckpointNotFoundError,
     CheckpointReadError,
-    Checkpointer,
     ConfigError,
     CorruptCheckpointError,
     list_checkpoints,
     load,
 )
-from overlapckpt import verify as verify_module
-from overlapckpt.blobsums import ChecksummingStream, FileSegments, attach_checksums
-from overlapckpt.checksum import ALGORITHM_ENV, CRC32, CRC32C
 from overlapckpt.cli import main
 from overlapckpt.errors import CheckpointWriteError
-from overlapckpt.extra_state import tensor_bytes
-from overlapckpt.manifest import MANIFEST_NAME, parse_manifest
-from overlapckpt.storage import CheckpointStore
-from overlapckpt.verify import read_manifest, verify_checkpoint
+from overlapckpt.format import verify as verify_module
+from overlapckpt.format.blobsums import ChecksummingStream, FileSegments, attach_checksums
+from overlapckpt.format.checksum import ALGORITHM_ENV, CRC32, CRC32C
+from overlapckpt.format.extra_state import tensor_bytes
+from overlapckpt.format.manifest import MANIFEST_NAME, parse_manifest
+from overlapckpt.format.storage import CheckpointStore
+from overlapckpt.format.verify import read_manifest, verify_checkpoint
+
+from helpers import assert_state_equal, make_run, snapshot, train_step
 
 SHARD = "__0_0.distcp"
 STEP1, STEP3 = "step-000000001", "step-000000003"
@@ -176,7 +177,7 @@ def test_single_bit_flips_anywhere_in_the_shard_are_refused(run, capsys):
     shard = root / STEP3 / SHARD
     positions = _shard_positions(root, refs)
     assert len(positions) >= 20
-    for what, (pos, mask) in positions.items():
+    for _what, (pos, mask) in positions.items():
         key = _key_at(root, pos)
         with _flipped(shard, pos, mask):
             _assert_refused(root, capsys, f"checksum mismatch for {key!r}", f"{STEP3}/{SHARD}")
@@ -449,8 +450,8 @@ def test_bytes_outside_every_item_are_refused_at_write(tmp_path):
 
 _TWO_RANK_SAVE = r"""
 import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
-from overlapckpt.storage import CheckpointStore
-from overlapckpt.manifest import dump_manifest
+from overlapckpt.format.storage import CheckpointStore
+from overlapckpt.format.manifest import dump_manifest
 rank = int(os.environ["RANK"])
 dist.init_process_group("gloo")
 store = CheckpointStore(sys.argv[1])

@@ -14,10 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import closure_train_step, make_run, snapshot, tensors_that_differ, train_step
 from overlapckpt import Checkpointer, ConfigError, load
-from overlapckpt.cpu_stream import CpuStreamCopier
-from overlapckpt.transfer import CopyTicket, FenceResult
+from overlapckpt.train.cpu_stream import CpuStreamCopier
+from overlapckpt.train.transfer import CopyTicket, FenceResult
+
+from helpers import closure_train_step, make_run, snapshot, tensors_that_differ, train_step
 
 REQUEST_AT = 3
 

@@ -11,10 +11,11 @@ import time
 
 import pytest
 import torch
+from test_faults import _readline
+
+from overlapckpt import Checkpointer, list_checkpoints, load
 
 from helpers import assert_state_equal, make_run, train_step, twin_states
-from overlapckpt import Checkpointer, list_checkpoints, load
-from test_faults import _readline
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "preempt_script.py")
 

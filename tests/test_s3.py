@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import s3fs
 
-from helpers import assert_state_equal, make_run, snapshot, train_step
 from overlapckpt import Checkpointer, list_checkpoints, load
+
+from helpers import assert_state_equal, make_run, snapshot, train_step
 
 
 def test_s3_save_list_load_retention(s3_options):

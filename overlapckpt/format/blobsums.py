@@ -1,0 +1,289 @@
+"""Checksums of the bytes DCP stores, computed as they are written: no re-read, no extra copy.
+
+DCP's ``_write_item`` brackets every item with ``stream.tell()``
+(``offset = tell(); write the item; length = tell() - offset``) and reports
+``(file, offset, length)`` in ``WriteResult.storage_data``. The stream handed to
+DCP here is a :class:`ChecksummingStream`: it checksums the bytes on their way to
+storage and closes a segment at each ``tell()``, so each item's checksum is the
+segment that matches its ``(offset, length)``. Every byte of a shard lies in some
+item (checked: the items must tile the file), so every stored byte is covered,
+torch.save framing included.
+
+The pipeline, per checkpoint:
+
+1. every rank's ``write_data`` streams its items through ``ChecksummingStream``
+   and returns WriteResults whose ``storage_data`` is a :class:`ChecksummedStorage`
+   (DCP's own storage info plus the checksum);
+2. DCP gathers all ranks' WriteResults on the coordinator (pickled, with the
+   checksums inside), which calls ``finish(metadata, results)``;
+3. ``finish`` collects the checksums into :class:`StoredChecksums` and hands DCP
+   back its plain storage infos, so ``.metadata`` is exactly what stock DCP writes
+   and stock readers need no overlapckpt class to unpickle it;
+4. DCP writes ``.metadata.tmp`` through the same checksumming stream, then renames
+   it to ``.metadata`` (the commit). The rename is intercepted: the manifest, with
+   the checksum of ``.metadata``'s exact bytes, is written first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import posixpath
+import re
+import threading
+from collections.abc import Callable, Generator, Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CheckpointWriteError
+from .checksum import hex32, updater
+
+METADATA_FILE_RE = re.compile(r"^(__\d+)?\.metadata$")  # DCP's global or per-rank commit marker
+
+
+def blob_key(index: Any) -> str:
+    """The manifest's name for one stored item: DCP's FQN, with the chunk offset when it is not the origin."""
+    offset = getattr(index, "offset", None)
+    if offset is None or not any(offset):
+        return str(index.fqn)
+    return f"{index.fqn}@{','.join(str(int(o)) for o in offset)}"
+
+
+@dataclass(frozen=True)
+class ChecksummedStorage:
+    """``WriteResult.storage_data`` on its way from a rank to the coordinator: DCP's info plus the checksum."""
+
+    info: Any  # DCP's _StorageInfo (relative_path, offset, length, ...), handed back to DCP in finish()
+    checksum: int
+    algorithm: str
+
+
+@dataclass
+class FileSegments:
+    """What one ChecksummingStream saw: the checksum of each span between two ``tell()`` calls."""
+
+    nbytes: int = 0
+    spans: dict[tuple[int, int], int] = field(default_factory=dict)  # (start, end) -> checksum
+
+
+class ChecksummingStream:
+    """A write stream that checksums its bytes, one segment per span between ``tell()`` calls.
+
+    The position is counted here (the stream is opened for writing from byte 0), so
+    ``tell()`` costs nothing on object stores.
+    """
+
+    def __init__(self, raw: Any, algorithm: str) -> None:
+        self._raw = raw
+        self._update = updater(algorithm)
+        self._position = 0
+        self._span_start = 0
+        self._running = 0
+        self.segments = FileSegments()
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        written = self._raw.write(view)
+        if written is None:  # a raw stream that does not report: it wrote everything or raised
+            written = view.nbytes
+        # The bytes handed to storage, read in place: no copy of the tensor.
+        self._running = self._update(view[:written], self._running)
+        self._position += written
+        return written
+
+    def _close_span(self) -> None:
+        if self._position != self._span_start:
+            self.segments.spans[(self._span_start, self._position)] = self._running
+            self._span_start = self._position
+            self._running = 0
+        self.segments.nbytes = self._position
+
+    def tell(self) -> int:
+        self._close_span()
+        return self._position
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def fileno(self) -> int:
+        return int(self._raw.fileno())
+
+    def writable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self._close_span()
+        self._raw.close()
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._raw.closed)
+
+    def __enter__(self) -> ChecksummingStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _basename(path: str | os.PathLike[str]) -> str:
+    return posixpath.basename(os.fspath(path).replace(os.sep, "/"))
+
+
+class ChecksummingFileSystem:
+    """DCP's FileSystem with every written file checksummed, and a hook before ``.metadata`` appears.
+
+    It wraps whatever FileSystem the DCP writer holds (local, fsspec, or a test's
+    failing one) and delegates everything else to it.
+    """
+
+    def __init__(self, inner: Any, algorithm: str, before_rename_to_metadata: Callable[[str, FileSegments], None]) -> None:
+        self._inner = inner
+        self._algorithm = algorithm
+        self._before_commit = before_rename_to_metadata
+        self._lock = threading.Lock()  # DCP may write several files from several threads
+        self.files: dict[str, FileSegments] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[Any, None, None]:
+        if not any(ch in mode for ch in "wa+"):
+            with self._inner.create_stream(path, mode) as raw:
+                yield raw
+            return
+        name = _basename(path)
+        if METADATA_FILE_RE.match(name):
+            # This torch writes the commit marker in place instead of tmp + rename, so the
+            # manifest could not be written between its bytes and its appearance.
+            raise CheckpointWriteError(
+                f"this torch's DCP writer writes {name} in place, not through a temporary file and a "
+                "rename; overlapckpt needs the rename to write its manifest first: use torch >= 2.6"
+            )
+        with self._inner.create_stream(path, mode) as raw:
+            stream = ChecksummingStream(raw, self._algorithm)
+            yield stream
+            stream.tell()  # closes the last span
+        with self._lock:
+            self.files[name] = stream.segments
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        new_name = _basename(new_path)
+        if METADATA_FILE_RE.match(new_name):
+            written = self.files.get(_basename(path))
+            if written is None:
+                raise CheckpointWriteError(f"{os.fspath(path)} was not written through the checksumming stream")
+            self._before_commit(new_name, written)
+        self._inner.rename(path, new_path)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._inner, attr)
+
+
+def attach_checksums(results: Iterable[Any], files: dict[str, FileSegments], algorithm: str) -> list[Any]:
+    """This rank's WriteResults with each item's checksum inside ``storage_data``.
+
+    Raises CheckpointWriteError when an item's span was not seen, or when a file has
+    bytes outside every item: a checkpoint is never written with unchecked bytes.
+    """
+    out = []
+    ends: dict[str, list[tuple[int, int]]] = {}
+    for result in results:
+        info = result.storage_data
+        path, offset, length = str(info.relative_path), int(info.offset), int(info.length)
+        segments = files.get(path)
+        span = (offset, offset + length)
+        checksum = segments.spans.get(span) if segments is not None else None
+        if checksum is None and length == 0:
+            checksum = 0
+        if checksum is None:
+            raise CheckpointWriteError(
+                f"item {blob_key(result.index)!r} of {path} (bytes {offset}..{offset + length}) was not written "
+                "between two tell() calls of the stream; this DCP serialization format is not supported "
+                "(use the default torch_save format)"
+            )
+        ends.setdefault(path, []).append(span)
+        out.append(dataclasses.replace(result, storage_data=ChecksummedStorage(info, checksum, algorithm)))
+    for path, spans in ends.items():
+        _check_tiling(path, spans, files[path].nbytes)
+    return out
+
+
+def _check_tiling(path: str, spans: list[tuple[int, int]], nbytes: int) -> None:
+    position = 0
+    for start, end in sorted(spans):
+        if start != position:
+            raise CheckpointWriteError(f"bytes {position}..{start} of {path} belong to no item; they would go unchecked")
+        position = end
+    if position != nbytes:
+        raise CheckpointWriteError(f"bytes {position}..{nbytes} of {path} belong to no item; they would go unchecked")
+
+
+@dataclass(frozen=True)
+class StoredBlob:
+    key: str
+    offset: int
+    length: int
+    checksum: int
+
+
+@dataclass(frozen=True)
+class StoredChecksums:
+    """Every rank's blob checksums, and ``.metadata``'s: the manifest's ``checksums`` section."""
+
+    algorithm: str
+    files: dict[str, list[StoredBlob]]  # shard file -> its blobs, by offset
+    metadata_name: str = ".metadata"
+    metadata_nbytes: int = 0
+    metadata_checksum: int = 0
+
+    @classmethod
+    def from_results(cls, results: list[list[Any]], algorithm: str) -> StoredChecksums:
+        """Collect the checksums that travelled inside all ranks' WriteResults (the coordinator's view)."""
+        files: dict[str, list[StoredBlob]] = {}
+        for rank, rank_results in enumerate(results):
+            for result in rank_results:
+                data = result.storage_data
+                if not isinstance(data, ChecksummedStorage):
+                    raise CheckpointWriteError(
+                        f"rank {rank}'s result for {blob_key(result.index)!r} carries no checksum; every rank must "
+                        "write through overlapckpt's CheckpointStore.make_writer"
+                    )
+                if data.algorithm != algorithm:
+                    raise CheckpointWriteError(
+                        f"rank {rank} checksummed with {data.algorithm!r}, the coordinator with {algorithm!r}; set "
+                        "the same OVERLAPCKPT_CHECKSUM (and install the same packages) on every rank"
+                    )
+                info = data.info
+                blob = StoredBlob(blob_key(result.index), int(info.offset), int(info.length), data.checksum)
+                files.setdefault(str(info.relative_path), []).append(blob)
+        for blobs in files.values():
+            blobs.sort(key=lambda b: b.offset)
+        return cls(algorithm=algorithm, files=files)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "algorithm": self.algorithm,
+            "files": {
+                name: {
+                    "nbytes": blobs[-1].offset + blobs[-1].length if blobs else 0,
+                    "blobs": [
+                        {"key": b.key, "offset": b.offset, "length": b.length, "checksum": hex32(b.checksum)} for b in blobs
+                    ],
+                }
+                for name, blobs in sorted(self.files.items())
+            },
+            "metadata": {"name": self.metadata_name, "nbytes": self.metadata_nbytes, "checksum": hex32(self.metadata_checksum)},
+        }
+
+
+def plain_results(results: list[list[Any]]) -> list[list[Any]]:
+    """The WriteResults with DCP's own storage infos back in place, for ``.metadata``."""
+    return [
+        [
+            dataclasses.replace(r, storage_data=r.storage_data.info) if isinstance(r.storage_data, ChecksummedStorage) else r
+            for r in rank_results
+        ]
+        for rank_results in results
+    ]

@@ -1,0 +1,85 @@
+"""The checkpoint's tensor entries and the nested DCP state dict they make, shared by every process.
+
+The names are those of ``torch.distributed.checkpoint.state_dict.get_state_dict``:
+``{"model": {fqn: tensor}, "optimizer": {"state": {fqn: {key: tensor}},
+"param_groups": [...]}}``. A checkpoint written from these entries is therefore
+an ordinary DCP checkpoint that the stock recipe (``get_state_dict``, ``dcp.load``,
+``set_state_dict``) reads and reshards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointMismatchError
+
+ROLE_PARAM = "param"
+ROLE_BUFFER = "buffer"
+ROLE_OPTIM = "optim"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of the checkpoint: where it lives in the DCP state dict and what it is."""
+
+    key: str  # DCP's flattened key, e.g. "optimizer.state.fc.weight.exp_avg"
+    path: tuple[str, ...]  # the same key as a path into the nested state dict
+    role: str  # ROLE_PARAM, ROLE_BUFFER or ROLE_OPTIM
+    param_fqn: str | None  # the parameter a param or optim entry belongs to
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # of the local part this rank holds
+    nbytes: int
+    global_shape: tuple[int, ...] = ()  # of the whole tensor across ranks (= shape in one process)
+    global_offset: tuple[int, ...] = ()  # of the local part inside the whole tensor
+
+    @property
+    def is_whole(self) -> bool:
+        """The local part is the whole tensor (written as a plain tensor)."""
+        return self.global_shape == self.shape
+
+
+def build_state_dict(
+    entries: list[TensorEntry], tensors: list[torch.Tensor], small_state: dict[str, Any]
+) -> dict[str, Any]:
+    """Nest flat entries back into ``{"model": ..., "optimizer": ...}`` (what DCP saves)."""
+    sd: dict[str, Any] = {"model": {}, "optimizer": {"state": {}, "param_groups": small_state["param_groups"]}}
+    for entry, t in zip(entries, tensors):
+        node = sd
+        for part in entry.path[:-1]:
+            node = node.setdefault(part, {})
+        node[entry.path[-1]] = t
+    for joined, value in small_state.get("small_optim", {}).items():
+        fqn, k = joined.split("\x00", 1)
+        sd["optimizer"]["state"].setdefault(fqn, {})[k] = value
+    return sd
+
+
+def flatten_tensors(state_dict: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
+    """DCP's flattened key of every tensor leaf reached through nested dicts."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state_dict.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, torch.Tensor):
+            out[key] = v
+        elif isinstance(v, dict):
+            out.update(flatten_tensors(v, key + "."))
+    return out
+
+
+def check_shapes(expected: dict[str, tuple[int, ...]], target: dict[str, torch.Tensor]) -> None:
+    """Raise CheckpointMismatchError naming the first tensor whose shape differs."""
+    for key, t in target.items():
+        shape = expected.get(key)
+        if shape is None:
+            raise CheckpointMismatchError(
+                f"tensor {key!r} of the objects being loaded is not in the checkpoint; load into the "
+                "same model/optimizer architecture that was saved"
+            )
+        if tuple(shape) != tuple(t.shape):
+            raise CheckpointMismatchError(
+                f"tensor {key!r} has shape {tuple(shape)} in the checkpoint but {tuple(t.shape)} in the "
+                "object being loaded; build the model with the configuration that was saved"
+            )

@@ -1,0 +1,123 @@
+"""DCP write items for the parts of tensors one writer holds, and the check that the parts tile the whole.
+
+A writer process holds host copies of its rank's share: whole tensors (a DDP
+rank's share of the replicated state) and local shards at a global offset (FSDP2,
+HSDP). ``LocalShard`` describes a shard to DCP's planner the way a DTensor does
+(``__create_write_items__``), without a device mesh in the writer process, so DCP
+records the shard's offsets and the global shape in ``.metadata`` and any world
+size can load it.
+
+``CoveringSavePlanner`` runs DCP's global planning on the coordinating writer and
+then checks that the parts of every tensor, across all ranks, cover it exactly
+once, and that every tensor of the checkpoint was written by some rank. A missing
+or doubled part raises there, so nothing is committed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from ..errors import OverlapCkptError
+
+
+class CoverageError(OverlapCkptError):
+    """The ranks' parts do not cover the checkpoint's tensors exactly once; nothing was committed."""
+
+
+@dataclass
+class LocalShard:
+    """The part of a tensor at ``global_offset`` inside a tensor of ``global_shape``."""
+
+    tensor: torch.Tensor
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+
+    def _chunk(self) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=torch.Size(self.global_offset), sizes=self.tensor.size())
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(self.global_offset)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=self._chunk(),
+                    properties=TensorProperties.create_from_tensor(self.tensor),
+                    size=torch.Size(self.global_shape),
+                ),
+            )
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [self._chunk()]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return self.tensor
+
+
+def _planner_kwargs() -> dict[str, Any]:
+    # DCP caches the global plan across saves of the same layout where this torch has it.
+    if "enable_plan_caching" in inspect.signature(DefaultSavePlanner.__init__).parameters:
+        return {"enable_plan_caching": True}
+    return {}
+
+
+def _overlaps(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
+    return all(
+        ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes)
+    )
+
+
+def check_coverage(state_dict_metadata: dict[str, Any], global_shapes: dict[str, tuple[int, ...]]) -> None:
+    """Raise CoverageError unless every expected tensor is covered exactly once by the chunks written."""
+    missing = sorted(k for k in global_shapes if k not in state_dict_metadata)
+    if missing:
+        raise CoverageError(
+            f"no rank wrote {len(missing)} tensor(s) of the checkpoint, e.g. {missing[:3]}; the ranks' layouts "
+            "differ (same model and optimizer on every rank?)"
+        )
+    for key, shape in global_shapes.items():
+        md = state_dict_metadata[key]
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        if tuple(md.size) != tuple(shape):
+            raise CoverageError(f"tensor {key!r} was written with global shape {tuple(md.size)}, expected {tuple(shape)}")
+        volume = sum(math.prod(c.sizes) for c in md.chunks)
+        chunks = sorted(md.chunks, key=lambda c: tuple(c.offsets))
+        doubled = any(_overlaps(a, b) for i, a in enumerate(chunks) for b in chunks[i + 1 : i + 2])
+        if volume != math.prod(shape) or doubled:
+            raise CoverageError(
+                f"tensor {key!r} of global shape {tuple(shape)} is covered by {len(md.chunks)} part(s) of "
+                f"{volume} elements in all ({'overlapping' if doubled else 'not overlapping'}), not exactly once"
+            )
+
+
+class CoveringSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, with local shards resolved and the coverage of the whole checked."""
+
+    def __init__(self, global_shapes: dict[str, tuple[int, ...]]) -> None:
+        super().__init__(**_planner_kwargs())
+        self.global_shapes = global_shapes
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        # DCP finds a shard by offset only inside tensors; a LocalShard is found by its key.
+        obj = self.state_dict.get(index.fqn)
+        return obj.tensor if isinstance(obj, LocalShard) else super().lookup_object(index)
+
+    def create_global_plan(self, all_plans: list[Any]) -> tuple[list[Any], Any]:
+        global_plan, metadata = super().create_global_plan(all_plans)
+        check_coverage(metadata.state_dict_metadata, self.global_shapes)
+        return global_plan, metadata

@@ -1,0 +1,308 @@
+"""The storage layout under a root URL, and the commit rule.
+
+::
+
+    <root>/
+      step-000001000/        one checkpoint, DCP format
+        __0_0.distcp ...     shards, written first
+        overlapckpt.json     manifest, written next, with the checksums of every stored byte
+        .metadata            written last by DCP: its presence is the commit
+      latest                 name of the newest committed checkpoint, updated after the commit
+
+A directory counts as a checkpoint only once ``.metadata`` exists. DCP writes
+``.metadata.tmp`` and renames it: atomic on a local filesystem, and on S3 the
+rename is a server-side copy that makes the object appear whole, so a reader never
+sees a half-written checkpoint as committed. The manifest is written between the
+two (it holds the checksum of ``.metadata.tmp``'s bytes), so it exists before the commit. ``latest`` is written atomically too
+(rename locally, a single PUT on S3). Retention removes ``.metadata`` first, so a
+checkpoint being deleted stops counting before any shard disappears.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import posixpath
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, BinaryIO
+
+from fsspec.core import url_to_fs
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+from torch.futures import Future
+
+from ..errors import CheckpointReadError, CheckpointWriteError, ConfigError, OverlapCkptError
+from .blobsums import ChecksummingFileSystem, FileSegments, StoredChecksums, attach_checksums, plain_results
+from .checksum import default_algorithm
+from .manifest import LATEST_NAME, MANIFEST_NAME, METADATA_NAME, step_of_name
+
+
+def is_storage_error(e: BaseException) -> bool:
+    """Whether ``e`` means "storage could not be reached or read", as opposed to "the bytes are wrong".
+
+    botocore's connection errors are not OSErrors (s3fs translates most other S3
+    errors into OSErrors). botocore is not imported for this: if it is not loaded,
+    none of its errors can have been raised.
+    """
+    if isinstance(e, OSError):
+        return True
+    botocore_exceptions = sys.modules.get("botocore.exceptions")
+    return botocore_exceptions is not None and isinstance(e, botocore_exceptions.BotoCoreError)
+
+
+@contextmanager
+def translate_read_errors(where: str) -> Iterator[None]:
+    """Raise storage failures inside the block as CheckpointReadError naming ``where``, the cause chained.
+
+    Corruption (CorruptCheckpointError) and the other errors of overlapckpt pass through.
+    """
+    try:
+        yield
+    except OverlapCkptError:
+        raise
+    except Exception as e:
+        if not is_storage_error(e):
+            raise
+        raise CheckpointReadError(
+            f"reading {where} failed: {type(e).__name__}: {e}; the storage could not be read (this is not "
+            "corruption): check the connection, credentials and files, then retry"
+        ) from e
+
+
+def dcp_root_cause(e: BaseException) -> BaseException:
+    """DCP wraps each rank's failure in CheckpointException (a BaseException): the first rank's original error."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+            return dcp_root_cause(inner[0])
+    return e
+
+
+def _fsspec_dcp_classes() -> tuple[type, type]:
+    # FsspecWriter/Reader moved between torch releases; look them up where this torch has them.
+    try:
+        from torch.distributed.checkpoint import FsspecReader, FsspecWriter  # type: ignore[attr-defined]
+    except ImportError:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+    return FsspecWriter, FsspecReader
+
+
+# Called with the checksums of every stored blob and of .metadata, before .metadata appears.
+BeforeCommit = Callable[[StoredChecksums], None]
+
+
+def _manifest_before_commit(base: type) -> type:
+    """A DCP storage writer that checksums what it stores and calls ``before_commit`` right before ``.metadata``.
+
+    See :mod:`overlapckpt.blobsums` for how the checksums are computed and how they
+    travel from every rank to the coordinator's ``finish()``.
+    """
+
+    class ManifestFirstWriter(base):
+        def __init__(self, *args: Any, before_commit: BeforeCommit, **kwargs: Any) -> None:
+            # Set before DCP's __init__, which assigns self.fs (wrapped by the property below).
+            self._algorithm = default_algorithm()
+            self._before_commit = before_commit
+            self._pending: StoredChecksums | None = None
+            self._committed = False
+            super().__init__(*args, **kwargs)
+
+        # Whatever FileSystem DCP (or a subclass, or a test) assigns is wrapped, so
+        # every file it writes is checksummed on the way out.
+        @property
+        def fs(self) -> ChecksummingFileSystem:
+            return self._checksumming_fs
+
+        @fs.setter
+        def fs(self, inner: Any) -> None:
+            self._checksumming_fs = ChecksummingFileSystem(inner, self._algorithm, self._commit_manifest)
+
+        def reset(self, checkpoint_id: Any = None) -> None:
+            super().reset(checkpoint_id)
+            self._checksumming_fs.files.clear()  # a reused writer never reports an older save's spans
+
+        def write_data(self, plan: Any, planner: Any) -> Future:
+            written = super().write_data(plan, planner)
+            written.wait()
+            results = attach_checksums(written.value(), self._checksumming_fs.files, self._algorithm)
+            out: Future = Future()
+            out.set_result(results)
+            return out
+
+        def finish(self, metadata: Any, results: Any) -> None:
+            # Only the coordinator gets here, with every rank's results.
+            self._pending = StoredChecksums.from_results(results, self._algorithm)
+            self._committed = False
+            super().finish(metadata, plain_results(results))
+            if not self._committed:
+                raise CheckpointWriteError(
+                    "DCP finished without renaming its metadata into place, so no manifest was written; "
+                    "this torch's DCP writer is not supported (use torch >= 2.6)"
+                )
+
+        def _commit_manifest(self, metadata_name: str, written: FileSegments) -> None:
+            # DCP has written .metadata.tmp and is about to rename it to .metadata (the
+            # commit): the manifest must exist before, so every committed checkpoint is verifiable.
+            if self._pending is None:
+                raise CheckpointWriteError(f"{metadata_name} is being committed before finish() collected the checksums")
+            spans = list(written.spans.values())
+            if len(spans) > 1:
+                raise CheckpointWriteError(f"{metadata_name} was written in {len(spans)} spans; expected one")
+            checksums = dataclasses.replace(
+                self._pending,
+                metadata_name=metadata_name,
+                metadata_nbytes=written.nbytes,
+                metadata_checksum=spans[0] if spans else 0,
+            )
+            self._before_commit(checksums)
+            self._committed = True
+
+    ManifestFirstWriter.__name__ = f"ManifestFirst{base.__name__}"
+    return ManifestFirstWriter
+
+
+class CheckpointStore:
+    """Checkpoints under one root: local directory or fsspec URL (``s3://bucket/prefix``).
+
+    Subclass to change how bytes reach storage; the writer process builds the store
+    from its import path, so a subclass works there too.
+    """
+
+    def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:
+        if not isinstance(root, (str, os.PathLike)) or not str(root):
+            raise ConfigError(f"checkpoint path {root!r} is invalid; pass a directory path or a URL such as s3://bucket/prefix")
+        self.root = os.fspath(root)
+        self.storage_options = dict(storage_options or {})
+        try:
+            self.fs, self.root_path = url_to_fs(self.root, **self.storage_options)
+        except (ValueError, ImportError) as e:
+            raise ConfigError(
+                f"cannot open checkpoint path {self.root!r}: {e}; for s3:// install overlapckpt[s3] and pass "
+                "storage_options (endpoint_url, key, secret, ...)"
+            ) from e
+        protocol = self.fs.protocol
+        self.is_local = "file" in (protocol if isinstance(protocol, (tuple, list)) else (protocol,))
+        if self.is_local:
+            self.root_path = os.path.abspath(self.root_path)
+
+    # ---- paths -----------------------------------------------------------------
+
+    def _join(self, *parts: str) -> str:
+        if self.is_local:
+            return os.path.join(self.root_path, *parts)
+        return posixpath.join(self.root_path, *parts)
+
+    def checkpoint_url(self, name: str) -> str:
+        """The path or URL that DCP and users open for checkpoint ``name``."""
+        if self.is_local:
+            return self._join(name)
+        return f"{self.root.rstrip('/')}/{name}"
+
+    # ---- checks and listing ----------------------------------------------------
+
+    def prepare_root(self) -> None:
+        """Create the root; raise ConfigError if it is a file."""
+        if self.fs.exists(self.root_path) and not self.fs.isdir(self.root_path):
+            raise ConfigError(
+                f"checkpoint path {self.root!r} is an existing file; pass a directory (it is created if missing)"
+            )
+        self.fs.makedirs(self.root_path, exist_ok=True)
+
+    def exists_as_file(self) -> bool:
+        return bool(self.fs.exists(self.root_path) and not self.fs.isdir(self.root_path))
+
+    def is_committed(self, name: str) -> bool:
+        return bool(self.fs.exists(self._join(name, METADATA_NAME)))
+
+    def committed_names(self) -> list[str]:
+        """Committed checkpoints, oldest (lowest version) first."""
+        self.fs.invalidate_cache()
+        try:
+            listing = self.fs.ls(self.root_path, detail=True)
+        except FileNotFoundError:
+            return []
+        names = []
+        for item in listing:
+            name = posixpath.basename(str(item["name"]).rstrip("/"))
+            if item.get("type") == "directory" and step_of_name(name) is not None and self.is_committed(name):
+                names.append(name)
+        return sorted(names, key=lambda n: step_of_name(n) or 0)
+
+    # ---- reads and writes ------------------------------------------------------
+
+    def read_bytes(self, name: str, filename: str) -> bytes:
+        with self.fs.open(self._join(name, filename), "rb") as f:
+            return f.read()
+
+    @contextmanager
+    def open_read(self, name: str, filename: str) -> Iterator[BinaryIO]:
+        """A file of checkpoint ``name`` opened for sequential reads (verify streams shards through it)."""
+        with self.fs.open(self._join(name, filename), "rb") as f:
+            yield f
+
+    def file_size(self, name: str, filename: str) -> int:
+        """The stored size of one file of checkpoint ``name``, in bytes."""
+        return int(self.fs.size(self._join(name, filename)))
+
+    def write_bytes(self, name: str, filename: str, data: bytes) -> None:
+        """Write one small file whole: readers see the old content or the new, never a part."""
+        path = self._join(name, filename) if name else self._join(filename)
+        if self.is_local:
+            tmp = f"{path}.tmp-{os.getpid()}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        else:
+            self.fs.pipe_file(path, data)  # one PUT: atomic on object stores
+
+    def read_latest(self) -> str | None:
+        try:
+            with self.fs.open(self._join(LATEST_NAME), "rb") as f:
+                return f.read().decode("utf-8").strip() or None
+        except FileNotFoundError:
+            return None
+
+    def write_latest(self, name: str) -> None:
+        self.write_bytes("", LATEST_NAME, name.encode("utf-8"))
+
+    def write_manifest(self, name: str, data: bytes) -> None:
+        self.write_bytes(name, MANIFEST_NAME, data)
+
+    def clear_uncommitted(self, name: str) -> None:
+        """Remove what a failed or killed attempt left of an uncommitted checkpoint."""
+        path = self._join(name)
+        if self.fs.exists(path) and not self.is_committed(name):
+            self.fs.rm(path, recursive=True)
+
+    def remove_checkpoint(self, name: str) -> None:
+        """Delete a committed checkpoint: first its commit marker, then the rest."""
+        marker = self._join(name, METADATA_NAME)
+        if self.fs.exists(marker):
+            self.fs.rm_file(marker)
+        path = self._join(name)
+        if self.fs.exists(path):
+            self.fs.rm(path, recursive=True)
+
+    # ---- DCP storage plugins ---------------------------------------------------
+
+    def make_writer(self, name: str, before_commit: BeforeCommit) -> StorageWriter:
+        """A DCP storage writer for checkpoint ``name``: it checksums every blob it stores and calls
+        ``before_commit`` with those checksums (and ``.metadata``'s) right before ``.metadata`` appears."""
+        if self.is_local:
+            os.makedirs(self._join(name), exist_ok=True)
+            return _manifest_before_commit(FileSystemWriter)(self._join(name), before_commit=before_commit)
+        writer_cls, _ = _fsspec_dcp_classes()
+        return _manifest_before_commit(writer_cls)(
+            self.checkpoint_url(name), before_commit=before_commit, **self.storage_options
+        )
+
+    def make_reader(self, name: str) -> StorageReader:
+        if self.is_local:
+            return FileSystemReader(self._join(name))
+        _, reader_cls = _fsspec_dcp_classes()
+        return reader_cls(self.checkpoint_url(name), **self.storage_options)

@@ -1,0 +1,159 @@
+"""Check a committed checkpoint's stored bytes against its manifest, streaming, without the model.
+
+What is checked, in order:
+
+1. the manifest against its own CRC-32 (:func:`read_manifest`);
+2. ``.metadata``'s size and checksum, before anything unpickles it;
+3. each shard: its size, then every blob in offset order (the blobs tile the file,
+   so this is every byte of it), each read in chunks of at most
+   ``VERIFY_CHUNK_BYTES`` that never cross a blob boundary.
+
+Memory stays at one chunk whatever the checkpoint's size, so a checkpoint larger
+than RAM verifies. A blob that differs is reported by file and key; reading goes on,
+so one run names every damaged blob.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CorruptCheckpointError
+from .checksum import hex32, updater
+from .manifest import LEGACY_FORMAT_VERSION, MANIFEST_NAME, parse_manifest
+from .storage import CheckpointStore, translate_read_errors
+
+# One read's size at most: bounds verify's memory, and is large enough that a read
+# costs far more in transfer than in per-call overhead (S3 ranged GETs included).
+VERIFY_CHUNK_BYTES = 16 << 20
+
+
+@dataclass
+class VerifyReport:
+    """The outcome of verifying one checkpoint: what was read, and each problem found."""
+
+    path: str
+    step: int
+    algorithm: str = ""
+    files: int = 0  # shard files checked
+    blobs: int = 0  # blobs checked
+    nbytes: int = 0  # bytes read and checksummed, .metadata included
+    problems: list[str] = field(default_factory=list)  # each names the file, and the blob where one applies
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def read_manifest(store: CheckpointStore, name: str) -> dict[str, Any]:
+    """The manifest of committed checkpoint ``name``, checked against its own checksum.
+
+    CorruptCheckpointError if it is missing, damaged or unparsable; CheckpointReadError
+    if storage could not be read.
+    """
+    where = store.checkpoint_url(name)
+    with translate_read_errors(where):
+        try:
+            raw = store.read_bytes(name, MANIFEST_NAME)
+        except FileNotFoundError as e:
+            raise CorruptCheckpointError(
+                f"{where} is committed but has no {MANIFEST_NAME}; it was not written by overlapckpt"
+            ) from e
+    return parse_manifest(raw, f"{where}/{MANIFEST_NAME}")
+
+
+def verify_checkpoint(store: CheckpointStore, name: str, manifest: dict[str, Any] | None = None) -> VerifyReport:
+    """Verify every stored byte of checkpoint ``name`` against its manifest, blob by blob.
+
+    Raises CorruptCheckpointError when the manifest itself is damaged or cannot be
+    verified, CheckpointReadError when storage cannot be read, and ConfigError when the
+    checksum algorithm's package is missing here. Damaged files and blobs are listed
+    in the report's ``problems``.
+    """
+    where = store.checkpoint_url(name)
+    if manifest is None:
+        manifest = read_manifest(store, name)
+    report = VerifyReport(path=where, step=int(manifest["step"]))
+    if int(manifest["format_version"]) == LEGACY_FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            f"{where} was written by overlapckpt format {LEGACY_FORMAT_VERSION}, whose manifest has no checksums of "
+            "the stored bytes, so it cannot be verified; load it with verify=False"
+        )
+    try:
+        sums = manifest["checksums"]
+        report.algorithm = str(sums["algorithm"])
+        metadata = sums["metadata"]
+        files = {str(f): (int(e["nbytes"]), list(e["blobs"])) for f, e in sums["files"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CorruptCheckpointError(f"the checksums section of {where}/{MANIFEST_NAME} is malformed: {e!r}") from e
+    update = updater(report.algorithm)
+    with translate_read_errors(where):
+        _verify_metadata(store, name, metadata, update, report)
+        for filename, (nbytes, blobs) in sorted(files.items()):
+            _verify_file(store, name, filename, nbytes, blobs, update, report)
+    return report
+
+
+def _verify_metadata(
+    store: CheckpointStore, name: str, expected: dict[str, Any], update: Callable[[Any, int], int], report: VerifyReport
+) -> None:
+    filename = str(expected["name"])
+    raw = store.read_bytes(name, filename)
+    report.nbytes += len(raw)
+    if len(raw) != int(expected["nbytes"]):
+        report.problems.append(f"{report.path}/{filename} is {len(raw)} bytes, the manifest says {expected['nbytes']}")
+    elif hex32(update(raw, 0)) != expected["checksum"]:
+        report.problems.append(f"checksum mismatch for {report.path}/{filename} (DCP's metadata)")
+
+
+def _verify_file(
+    store: CheckpointStore,
+    name: str,
+    filename: str,
+    nbytes: int,
+    blobs: list[dict[str, Any]],
+    update: Callable[[Any, int], int],
+    report: VerifyReport,
+) -> None:
+    report.files += 1
+    stored_nbytes = store.file_size(name, filename)
+    if stored_nbytes != nbytes:
+        report.problems.append(
+            f"{report.path}/{filename} is {stored_nbytes} bytes, the manifest says {nbytes} (truncated or extended)"
+        )
+    position = 0
+    with store.open_read(name, filename) as f:
+        for blob in sorted(blobs, key=lambda b: int(b["offset"])):
+            key, offset, length = str(blob["key"]), int(blob["offset"]), int(blob["length"])
+            if offset != position:  # the writer checked that blobs tile the file; the manifest says otherwise
+                raise CorruptCheckpointError(
+                    f"the manifest of {report.path} lists {filename}'s blobs with a gap at byte {position}; it is damaged"
+                )
+            checksum, read = 0, 0
+            while read < length:
+                chunk = f.read(min(length - read, VERIFY_CHUNK_BYTES))
+                if not chunk:
+                    break
+                checksum = update(chunk, checksum)
+                read += len(chunk)
+            report.blobs += 1
+            report.nbytes += read
+            position = offset + length
+            if read < length:
+                report.problems.append(
+                    f"{key!r} in {report.path}/{filename} (bytes {offset}..{offset + length}) is cut short at byte "
+                    f"{offset + read}: the file is truncated"
+                )
+                return
+            if hex32(checksum) != blob["checksum"]:
+                report.problems.append(
+                    f"checksum mismatch for {key!r} in {report.path}/{filename} (bytes {offset}..{offset + length})"
+                )
+
+
+def describe_problems(report: VerifyReport, limit: int = 3) -> str:
+    """The first few problems of a report, in one line."""
+    shown = "; ".join(report.problems[:limit])
+    more = len(report.problems) - limit
+    return shown + (f"; and {more} more" if more > 0 else "")

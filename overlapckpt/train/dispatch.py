@@ -1,0 +1,172 @@
+"""Hand landed snapshots to the writer process and take its answers.
+
+The dispatcher owns the training side of the writer link once a snapshot's bytes
+are on the host: it builds the persist request (resolving the boundary values that
+arrived with the copies), builds the snapshot's stats once, tracks what was sent,
+completes the stats when the writer commits, frees the snapshot's host slot when
+the writer answers, and keeps the first writer failure until the engine raises it.
+It never blocks, except in ``wait_one``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .. import protocol as p
+from ..errors import OverlapCkptError, WriterDiedError
+from ..format.manifest import CheckpointInfo, checkpoint_name
+from .boundary import resolve_boundary, resolve_values
+from .slots import SlotPool
+from .snapshot import Snapshot, SnapshotState, SnapshotStats
+from .writer_handle import WriterProcess, writer_error
+
+
+@dataclass
+class _Sent:
+    snapshot: Snapshot
+    stats: SnapshotStats
+    request: p.PersistRequest  # kept: a new writer persists it again if this one dies
+
+
+class PersistDispatcher:
+    """Sent snapshots, committed stats, and the first writer error."""
+
+    def __init__(self, writer: WriterProcess, slots: SlotPool, keep: int | None, unsolicited_errors: bool = False) -> None:
+        self.writer = writer
+        # Distributed: the writer may report, unasked, that other ranks claimed a checkpoint
+        # this rank did not; the pipe is then read at every hook (~13 us), not only when due.
+        self.unsolicited_errors = unsolicited_errors
+        self.slots = slots
+        self.keep = keep
+        self.stats: list[SnapshotStats] = []  # committed checkpoints, in commit order
+        self._sent: dict[int, _Sent] = {}
+        self._unreturned: list[CheckpointInfo] = []
+        self.error: OverlapCkptError | None = None
+        self.agreed_window: int | None = None  # window="auto" in a distributed run: what the writers agreed
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._sent)
+
+    def send(self, snap: Snapshot, proposed_next_window: int | None = None) -> SnapshotStats:
+        """Queue the persist request of a snapshot whose copies have all landed."""
+        for g in snap.ledger.groups:
+            landed = [t.landed_at_s or 0.0 for t in snap.tickets if t.group_index == g.index]
+            if landed:
+                g.landed_s = max(landed) - snap.ledger.requested_at
+        snap.ledger.mark_complete()
+        snap.state = SnapshotState.SENT
+        stats = snap.stats()
+        if snap.boundary is None:
+            raise RuntimeError("a snapshot was sent before its boundary state was captured")
+        small_state, extra_state = resolve_boundary(snap.boundary)
+        replay = snap.replay_log
+        if replay is not None:
+            for step in replay.steps:
+                step.hyperparameters = resolve_values(step.hyperparameters)
+        request = p.PersistRequest(
+            request_id=snap.request_id,
+            buffer_id=snap.slot.buffer_id,
+            plan_id=snap.plan_id,
+            name=checkpoint_name(snap.version),  # type: ignore[arg-type]
+            step=snap.version,  # type: ignore[arg-type]
+            requested_step=snap.requested_step,
+            mode=snap.mode.value,
+            window=snap.window,
+            small_state=small_state,
+            extra_state=extra_state,
+            ledger=snap.ledger.to_json(),
+            stats=_stats_json(stats),
+            keep=self.keep,
+            replay=replay,
+            proposed_next_window=proposed_next_window,
+        )
+        self._sent[snap.request_id] = _Sent(snap, stats, request)
+        self.writer.send(request)
+        return stats
+
+    def poll(self) -> None:
+        """Handle every answer that has arrived; never blocks."""
+        if not self._sent and not self.writer.awaiting_responses and not self.unsolicited_errors:
+            # Nothing is due: a liveness check (one waitpid) instead of reading the pipe.
+            try:
+                self.writer.check_alive()
+            except OverlapCkptError as e:
+                self.fail(e)
+            return
+        try:
+            responses = self.writer.poll()
+        except OverlapCkptError as e:
+            self.fail(e)
+            return
+        for response in responses:
+            self._handle(response)
+
+    def wait_one(self, timeout_s: float | None) -> None:
+        """Block for the writer's next answer (up to ``timeout_s``) and handle it."""
+        try:
+            response = self.writer.wait_response(timeout_s)
+        except WriterDiedError as e:
+            self.fail(e)
+            return
+        self._handle(response)
+
+    def sent_versions(self) -> list[int | None]:
+        return [sent.snapshot.version for sent in self._sent.values()]
+
+    def take_committed(self) -> list[CheckpointInfo]:
+        out, self._unreturned = self._unreturned, []
+        return out
+
+    def rebind(self, writer: WriterProcess) -> int:
+        """A new writer replaced a dead one: persist again what the dead one held (complete in host memory)."""
+        self.writer = writer
+        self.error = None
+        for sent in self._sent.values():
+            snap = sent.snapshot
+            writer.send(p.SetPlanRequest(snap.plan_id, snap.layout.entries, snap.plan.offsets, snap.layout.global_shapes))
+            writer.send(sent.request)
+        return len(self._sent)
+
+    def drop_all(self) -> None:
+        """The writer died: what was sent is lost with it."""
+        self._sent.clear()
+
+    def _handle(self, response: object) -> None:
+        if isinstance(response, p.MappedResponse):
+            return  # counted by the writer link; the buffer is shared from now on
+        if isinstance(response, p.CommittedResponse):
+            sent = self._sent.pop(response.request_id, None)
+            if sent is None:
+                return
+            sent.snapshot.slot.busy = False
+            stats = sent.stats
+            stats.time_to_commit_s = response.committed_at - sent.snapshot.requested_wall_s
+            stats.committed_at_unix_s = response.committed_at
+            stats.persist_s = response.persist_s
+            stats.ledger = sent.snapshot.ledger.to_json()
+            stats.path = response.info.path
+            if response.agreed_next_window is not None:
+                self.agreed_window = response.agreed_next_window
+            self.stats.append(stats)
+            self._unreturned.append(response.info)
+        elif isinstance(response, p.ErrorResponse):
+            sent = self._sent.pop(response.request_id, None) if response.request_id is not None else None
+            if sent is not None:
+                sent.snapshot.slot.busy = False
+            what = (
+                f"the writer failed to persist the checkpoint of step {sent.snapshot.version}"
+                if sent is not None
+                else "the writer failed"
+            )
+            self.fail(writer_error(response, what))
+
+    def fail(self, error: OverlapCkptError) -> None:
+        """Keep the first error until the engine raises it (or replaces a dead writer)."""
+        if self.error is None:
+            self.error = error
+
+
+def _stats_json(stats: SnapshotStats) -> dict[str, object]:
+    return {k: v for k, v in asdict(stats).items() if v is not None and k != "ledger"}
+

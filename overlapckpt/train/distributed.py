@@ -1,0 +1,127 @@
+"""The training side of a distributed run: the checkpointing group, agreed settings, the writers' rendezvous.
+
+Everything here runs once, in the Checkpointer's constructor, on every rank of the
+group (like ``dcp.save``, it is called by every rank); it may use collectives of
+the training process group. The hooks never do.
+
+* The settings must be the same on every rank: they are gathered and compared, and
+  a mismatch raises ``ConfigError`` on every rank, naming the setting and each
+  rank's value.
+* Training rank 0 hosts a TCPStore for the writers; its port is broadcast, and each
+  rank's writer joins the writers' gloo group through it (``writer_group.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ConfigError
+from ..writer.group import WriterGroupSpec
+from .layout import CheckpointScope
+
+
+@dataclass
+class DistributedRun:
+    """This rank's place in the checkpointing group, and what its writer needs to join the others."""
+
+    scope: CheckpointScope
+    group: Any  # the training ProcessGroup
+    writer_spec: WriterGroupSpec
+    store: Any  # the writers' TCPStore, hosted (and kept alive) by rank 0; None elsewhere
+
+
+def is_distributed(process_group: Any) -> bool:
+    """Whether this Checkpointer checkpoints together with other ranks."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if process_group is not None:
+            raise ConfigError(
+                "process_group was passed but torch.distributed is not initialized; call "
+                "torch.distributed.init_process_group() first, or drop process_group"
+            )
+        return False
+    return dist.get_world_size(process_group) > 1
+
+
+def mesh_shape_of(model: nn.Module, world_size: int) -> tuple[int, ...]:
+    """The device mesh the model's DTensors live on (FSDP2, HSDP), or one dimension of the world."""
+    for p in model.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None:
+            return tuple(int(s) for s in mesh.shape)
+    return (world_size,)
+
+
+def agree_on_settings(settings: dict[str, Any], group: Any) -> None:
+    """Raise ConfigError on every rank unless every rank passed the same settings."""
+    world = dist.get_world_size(group)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, settings, group=group)
+    differing = []
+    for key in settings:
+        values = [g.get(key) for g in gathered]
+        if any(v != values[0] for v in values):
+            per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            differing.append(f"{key} ({per_rank})")
+    if differing:
+        raise ConfigError(
+            f"the Checkpointer settings differ across ranks: {'; '.join(differing)}; construct the Checkpointer "
+            "with the same settings on every rank"
+        )
+
+
+def set_up_distributed(
+    model: nn.Module,
+    process_group: Any,
+    settings: dict[str, Any],
+    collective_timeout_s: float,
+    agreement_timeout_s: float,
+) -> DistributedRun:
+    """Agree on settings and set up the writers' rendezvous (collective: every rank calls it)."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    agree_on_settings(settings, group)
+    store, port, host = None, 0, ""
+    if rank == 0:
+        host = _reachable_address()
+        from datetime import timedelta
+
+        store = dist.TCPStore(
+            host, 0, world_size=None, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=collective_timeout_s)
+        )
+        port = int(store.port)
+    box: list[Any] = [(host, port)]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(cast(dist.ProcessGroup, group), 0), group=group)
+    spec = WriterGroupSpec(
+        store_host=str(box[0][0]),
+        store_port=int(box[0][1]),
+        rank=rank,
+        world_size=world,
+        timeout_s=collective_timeout_s,
+        agreement_timeout_s=agreement_timeout_s,
+        mesh_shape=mesh_shape_of(model, world),
+    )
+    return DistributedRun(scope=CheckpointScope(rank=rank, world_size=world), group=group, writer_spec=spec, store=store)
+
+
+def _reachable_address() -> str:
+    """An address of this host (rank 0, which hosts the writers' store) that the other ranks can reach.
+
+    The interface this host would use to reach the rendezvous address (torchrun's
+    MASTER_ADDR) faces the other ranks; a UDP socket's connect picks it without
+    sending anything. Without MASTER_ADDR (one-node runs), the loopback address.
+    """
+    target = os.environ.get("MASTER_ADDR")
+    if not target or target in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((target, int(os.environ.get("MASTER_PORT", "29500"))))
+            return str(s.getsockname()[0])
+    except OSError:
+        return target

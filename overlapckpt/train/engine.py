@@ -1,0 +1,613 @@
+"""The snapshot engine: the order of events in the optimizer's step hooks.
+
+Per hook (host work only: enqueue copies, insert fences, poll events):
+
+* post-hook of step t: fence the gradient copies of this step's pre-hook; advance
+  every snapshot (copy the group due at t, or drain a staged group); start a
+  requested snapshot at version t; capture the provisional boundary state.
+* ``ckpt.step()`` (end of the iteration): capture the boundary state again for
+  snapshots whose version was just reached.
+* pre-hook of step t+1: fence the copies enqueued after step t (the compute stream
+  waits on their events before the optimizer mutates the state), log the
+  gradients and hyperparameters replay needs, close boundaries the user did not
+  mark, and hand landed snapshots to the writer.
+
+The mechanisms live in their own units: ``StagingArea`` (stage mode's device
+memory), ``GradientLogger`` (replay's gradients), ``PersistDispatcher`` (the
+writer link), ``PlanCache`` (layouts and plans), ``SlotPool`` (host memory), and
+the copier (``transfer.py``). Snapshot states are described in ``snapshot.py``.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError, OverlapCkptError, WriterDiedError
+from ..format.manifest import CheckpointInfo
+from .autowindow import FWD_BWD_END, FWD_BWD_START, OPT_END, OPT_START, PhaseTimer, WindowChoice
+from .dispatch import PersistDispatcher
+from .gradlog import GradientLogger
+from .layout import CheckpointScope, StateLayout
+from .ledger import CheckpointLedger, GroupRecord
+from .plan import CopyPlan
+from .plan_cache import PlanCache
+from .replay_guard import ReplayMutationGuard
+from .slots import HostSlot, SlotPool
+from .snapshot import Snapshot, SnapshotMode, SnapshotState
+from .snapshot_copies import SnapshotCopies
+from .staging import StagingArea
+from .step_hooks import StepPoint
+from .transfer import Copier
+from .warnings_text import (
+    BOUNDARY_WARNING,
+    CLOSURE_IGNORED_WARNING,
+    GRAD_SCALER_WARNING,
+    LATE_HOOK_WARNING,
+    NEW_STATE_WARNING,
+    REPLAY_MUTATION_WARNING,
+    WRITER_RESTART_WARNING,
+)
+from .window_policy import WindowPolicy
+from .writer_handle import WriterProcess
+from .writer_restarts import DEFAULT_MAX_WRITER_RESTARTS, WriterRestartBudget
+
+
+class SnapshotEngine:
+    """Drives snapshots from the optimizer's step hooks."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        window: int | str,
+        consistency: str,
+        every: int | None,
+        keep: int | None,
+        stateful: dict[str, Any],
+        writer: WriterProcess,
+        max_inflight: int,
+        stage_budget_bytes: int | None,
+        keep_staging: bool,
+        max_window: int,
+        copier: Copier,
+        gap_timer: PhaseTimer | None,
+        device: torch.device,
+        scope: CheckpointScope,
+        writer_factory: Callable[[], WriterProcess] | None = None,
+        max_writer_restarts: int = DEFAULT_MAX_WRITER_RESTARTS,
+    ) -> None:
+        self.optimizer = optimizer
+        self.consistency = SnapshotMode(consistency)
+        self.every = every
+        self.stateful = stateful
+        self.writer = writer
+        self.copier = copier
+        self.gap_timer = gap_timer
+        # Distributed: every rank must start each snapshot at the same step, so a request
+        # that finds no free slot waits for one instead of starting later on some ranks.
+        self.distributed = scope.world_size > 1
+        self.windows = WindowPolicy(
+            window, self.consistency, max_window, gap_timer, gradients_fenced=not copier.clone_is_cheap, distributed=self.distributed
+        )
+        self.slots = SlotPool(writer, pin=copier.pins_host_memory, max_inflight=max_inflight)
+        self.plans = PlanCache(model, optimizer, writer, scope)
+        self.staging = StagingArea(device, stage_budget_bytes, keep=keep_staging)
+        self.gradients = GradientLogger(optimizer, copier)
+        self.copies = SnapshotCopies(optimizer, stateful, copier, self.staging, self.gradients)
+        self.dispatcher = PersistDispatcher(writer, self.slots, keep, unsolicited_errors=scope.world_size > 1)
+        self.step_count = 0
+        self._hook_serial = 0
+        self._next_request_id = 0
+        self._snapshots: list[Snapshot] = []  # started and not yet sent, in start order
+        self._pending_request_steps: list[int] = []  # requests not yet started, by the step they came after
+        self._waiting_for_slot = False
+        self._last_started_step: int | None = None
+        self._restarted_from: int | None = None
+        self._slot_wait_s = 0.0  # distributed: hook time the next snapshot waited for a free slot
+        self._prepared_fingerprint: int | None = None
+        self.deferrals = 0
+        self._user_marks_boundary = False
+        self._warned: set[str] = set()
+        self.dead: WriterDiedError | None = None  # set once a writer death has been raised
+        # A dead writer is replaced (one process: the writers of a distributed run share a group).
+        self._writer_factory = None if self.distributed else writer_factory
+        self.writer_restarts = WriterRestartBudget(max_writer_restarts)
+        self.snapshots_dropped = 0  # incomplete snapshots lost with a dead writer
+        # Called at each iteration boundary (save on a preemption signal); see preemption.py.
+        self.at_boundary: Callable[[], None] | None = None
+        self.step_point = StepPoint(optimizer, self._on_step_start, self._before_update, self._on_step_end)
+        self._replay_guard = ReplayMutationGuard(self.step_point)
+        self.install_hooks()
+        if optimizer.state:  # the state exists (a warm start): allocate now, before any step
+            self._prepare()
+
+    def install_hooks(self) -> None:
+        self.step_point.install()
+
+    def remove_hooks(self) -> None:
+        self.step_point.remove()
+
+    # ---- hooks (the order inside optimizer.step(): step_hooks.py) ----------------
+
+    def _on_step_start(self, others_follow: bool) -> None:
+        """Our pre-hook, first of all pre-hooks: fence here only if another pre-hook may mutate state next."""
+        if self.dead is not None:
+            return
+        self._note_grad_scaler()
+        if not others_follow:
+            return
+        started = time.perf_counter()
+        # Another pre-hook runs before the update point and may write parameters or
+        # optimizer state in place: the copies reading them are fenced before it runs.
+        self.fence_copies()
+        self._replay_guard.record(self._snapshots)
+        self._charge(started)
+
+    def fence_copies(self) -> None:
+        """Fence 2, now, for every copy enqueued by an earlier hook (idempotent)."""
+        if self.dead is not None:
+            return
+        self._hook_serial += 1
+        for snap in self._snapshots:
+            self.copies.fence_earlier_copies(snap, self._hook_serial)
+
+    def _before_update(self) -> None:
+        """Right before the update (after the closure, clipping and every pre-hook): fence, log gradients."""
+        if self.dead is not None:
+            return
+        if self.gap_timer is not None:
+            # Before any fence below: forward+backward ends here, our waits are not part of it.
+            self.gap_timer.mark(FWD_BWD_END)
+        started = time.perf_counter()
+        self._hook_serial += 1
+        self._note_grad_scaler()
+        mutated_by = self._replay_guard.mutated()
+        if mutated_by:
+            self._replay_cannot_follow(mutated_by)
+        for snap in list(self._snapshots):
+            self.copies.fence_earlier_copies(snap, self._hook_serial)
+            if snap.state == SnapshotState.AT_BOUNDARY:
+                self._close_boundary(snap, provisional=True)
+            if snap.mode == SnapshotMode.REPLAY and snap.version is None:
+                self.copies.log_gradients(snap, self.step_count + 1, self._hook_serial)
+        self._charge(started)  # before sending: a snapshot sent below carries this hook's time
+        self._progress()
+        if self.gap_timer is not None:
+            self.gap_timer.mark(OPT_START)
+        self._raise_pending()
+
+    def _on_step_end(self, update_point_ran: bool) -> None:
+        if self.dead is not None:
+            self.step_count += 1
+            if self.at_boundary is not None and not self._user_marks_boundary:
+                self.at_boundary()  # a preemption signal must still end the process
+            return
+        if self.gap_timer is not None:
+            # Before the fence below: the optimizer step ends here, the wait on the gradient copy is ours.
+            self.gap_timer.mark(OPT_END)
+        started = time.perf_counter()
+        if not update_point_ran:
+            self._update_point_skipped()
+        self._hook_serial += 1
+        self.step_count += 1
+        self._note_grad_scaler()
+        self._restart_if_state_grew()
+        for snap in self._snapshots:
+            self.copies.fence_earlier_copies(snap, self._hook_serial)  # the gradient copies logged before this update
+            if not snap.all_enqueued:
+                self.copies.advance(snap, self.step_count, self._hook_serial)
+        if self.every is not None and self.step_count % self.every == 0:
+            self._pending_request_steps.append(self.step_count)
+        if self._prepared_fingerprint is None:
+            self._prepare()  # the first step created the optimizer state: its size is known now
+        self._start_pending()
+        self._charge(started)
+        self._progress()
+        if self.gap_timer is not None:
+            # Last, after our own copies and clones: what follows is the next iteration.
+            self.gap_timer.mark(FWD_BWD_START)
+        self._raise_pending()
+        if self.at_boundary is not None and not self._user_marks_boundary:
+            self.at_boundary()  # the loop marks no boundary of its own: the step's end is one
+
+    def _update_point_skipped(self) -> None:
+        """The step took our closure and never called it: its update ran without our fences."""
+        self._warn_once("closure", CLOSURE_IGNORED_WARNING.format(optimizer=type(self.optimizer).__qualname__))
+        for snap in list(self._snapshots):
+            if snap.unfenced or (snap.mode == SnapshotMode.REPLAY and snap.version is None):
+                self._restart(snap, start_step=self.step_count + 1)
+
+    def _replay_cannot_follow(self, mutated_by: list[str]) -> None:
+        """A pre-hook (or the closure) wrote copied state in place: replay cannot repeat that write."""
+        self.windows.replay_unfollowable = True
+        self._warn_once("replay-mutation", REPLAY_MUTATION_WARNING.format(hooks=", ".join(mutated_by) or "the closure"))
+        for snap in list(self._snapshots):
+            if snap.mode == SnapshotMode.REPLAY and snap.version is None:
+                self._restart(snap, start_step=self.step_count)
+
+    def mark_iteration_end(self) -> None:
+        """``ckpt.step()``: the boundary where stateful objects are captured."""
+        if self.dead is not None:
+            if self.at_boundary is not None:
+                self.at_boundary()  # a preemption signal must still end the process
+            return
+        self._user_marks_boundary = True
+        started = time.perf_counter()
+        for snap in self._snapshots:
+            if snap.state == SnapshotState.AT_BOUNDARY:
+                self.copies.capture_boundary(snap)
+                snap.state = SnapshotState.LANDING
+                snap.ledger.boundary = "step()"
+        self._charge(started)
+        self._progress()
+        self._raise_pending()
+        if self.at_boundary is not None:
+            self.at_boundary()
+
+    def request(self) -> None:
+        """Checkpoint the state of the last completed optimizer step, now or as soon as a slot frees."""
+        if self.dead is not None:
+            raise self.dead
+        self._raise_pending()
+        started = time.perf_counter()
+        self._pending_request_steps.append(self.step_count)
+        self._start_pending()
+        self._charge(started)  # the copies a request starts are host time the loop waits for
+        self._progress()
+        self._raise_pending()
+
+    # ---- preparing and starting snapshots -------------------------------------------
+
+    def _prepare(self) -> None:
+        """Size and allocate the host slots for the widest window, off the critical path."""
+        layout = self.plans.layout()
+        widest = self.windows.widest_window
+        plan = self.plans.plan(layout, widest)
+        replay_possible = self.consistency == SnapshotMode.REPLAY and widest > 1
+        grad_nbytes = GradientLogger.buffer_nbytes(plan, layout) if replay_possible else 0
+        if self.consistency == SnapshotMode.STAGE and self.windows.tuner is None and widest > 1:
+            # A fixed window: an over-budget or unallocatable staging area is known now.
+            self.staging.check(self.staging.needed_bytes(plan, layout), widest, layout.nbytes)
+        self.slots.preallocate(plan.slot_nbytes, grad_nbytes)
+        self._prepared_fingerprint = layout.fingerprint
+
+    def _start_pending(self) -> None:
+        try:
+            self._start_pending_now()
+        except WriterDiedError as e:
+            # The writer died while being told of a buffer or plan: replaced (or raised) by
+            # _raise_pending; the request stays pending and starts at the next chance.
+            self.dispatcher.fail(e)
+
+    def _start_pending_now(self) -> None:
+        if not self._pending_request_steps:
+            return
+        if self.step_count == 0 and not self.optimizer.state:
+            self._pending_request_steps = []
+            raise ConfigError(
+                "a checkpoint was requested before the first optimizer.step(): the optimizer has no "
+                "state yet, and creating it would change training. Request it after the first step"
+            )
+        if self._last_started_step == self.step_count:
+            # A snapshot started at this very step is already under way: it answers this request too.
+            self._pending_request_steps = []
+            return
+        if self.distributed:
+            self._wait_until_startable()
+        slot = None
+        if self.slots.may_have_free_slot():  # before any layout work: a fingerprint walks every tensor
+            layout = self.plans.layout()
+            window, choice = self.windows.choose(layout, self.plans, self.staging)
+            plan, plan_id = self.plans.registered(layout, window)
+            grad_nbytes = GradientLogger.buffer_nbytes(plan, layout) if self.windows.mode_for(window) == SnapshotMode.REPLAY else 0
+            slot = self.slots.free_slot(plan.slot_nbytes, grad_nbytes)
+        if slot is None:
+            if not self._waiting_for_slot:
+                # Counted once per request that has to wait, however many hooks it waits.
+                self.deferrals += 1
+                self._waiting_for_slot = True
+            return
+        deferred, self._waiting_for_slot = self._waiting_for_slot, False
+        requested_step = self._pending_request_steps[0]
+        self._pending_request_steps = []
+        self._last_started_step = self.step_count
+        self._start_snapshot(slot, requested_step, deferred, layout, plan, plan_id, choice)
+
+    def _wait_until_startable(self) -> None:
+        """Distributed: block this hook until a slot is free (and, for "auto", the agreed window is known).
+
+        Ranks receive their writers' answers at different steps, so starting a request
+        "as soon as a slot frees" would start it at different versions on different
+        ranks. Every rank instead closes what is open at this same step and waits: a
+        stall, but the same snapshot everywhere. Size ``every`` (or ``max_inflight``) so
+        the previous checkpoint has committed by then, and it never waits.
+        """
+        must_drain = self.windows.tuner is not None and (self._snapshots or self.dispatcher.in_flight)
+        if not must_drain and (len(self.slots.slots) < self.slots.max_inflight or any(not s.busy for s in self.slots.slots)):
+            return
+        started = time.perf_counter()
+        self._drain(timeout_s=None, start_pending=False)
+        self._slot_wait_s += time.perf_counter() - started  # in the next snapshot's stats
+
+    def _start_snapshot(
+        self,
+        slot: HostSlot,
+        requested_step: int,
+        deferred: bool,
+        layout: StateLayout,
+        plan: CopyPlan,
+        plan_id: int,
+        choice: WindowChoice | None,
+    ) -> None:
+        window, s = plan.window_steps, self.step_count
+        mode = self.windows.mode_for(window)
+        self._next_request_id += 1
+        self._warn_about_late_hooks()
+        ledger = CheckpointLedger(
+            requested_step=requested_step,
+            started_step=s,
+            target_version=s if mode != SnapshotMode.REPLAY else s + window - 1,
+            window=window,
+            mode=mode.value,
+            groups=[GroupRecord(index=g.index, nbytes=g.nbytes) for g in plan.groups],
+            window_choice=None if choice is None else choice.to_json(),
+            restarted_from=self._restarted_from,
+        )
+        self._restarted_from = None
+        snap = Snapshot(
+            request_id=self._next_request_id,
+            requested_step=requested_step,
+            started_step=s,
+            window=window,
+            mode=mode,
+            slot=slot,
+            plan=plan,
+            plan_id=plan_id,
+            layout=layout,
+            ledger=ledger,
+            deferred=deferred,
+        )
+        snap.waited_for_slot_s, self._slot_wait_s = self._slot_wait_s, 0.0
+        views = slot.entry_views(plan, layout)
+        if mode == SnapshotMode.STAGE:
+            for other in self._snapshots:  # the region is overwritten below: drain what still reads it
+                if other.mode == SnapshotMode.STAGE:
+                    self.copies.enqueue_remaining(other, self.step_count, self._hook_serial)
+            # First, so that an over-budget staging area raises before the snapshot is registered.
+            snap.staged_views = self.staging.stage(self.copier, plan, layout, views)
+        if mode == SnapshotMode.REPLAY:
+            snap.replay_log = self.gradients.open(slot, plan, layout, base_step=s)
+        slot.busy = True
+        self._snapshots.append(snap)
+        self.copies.enqueue_group(snap, 0, self.step_count, self._hook_serial)
+        if mode != SnapshotMode.REPLAY or snap.all_enqueued:
+            # Window 1 and stage mode hold version s: every later group was staged above.
+            self.copies.reach_version(snap, s)
+
+    # ---- boundaries, GradScaler, layout changes ---------------------------------------
+
+    def _close_boundary(self, snap: Snapshot, provisional: bool) -> None:
+        """Keep the boundary captured in the post-hook: ckpt.step() did not come."""
+        snap.state = SnapshotState.LANDING
+        snap.ledger.boundary = "post-hook"
+        if provisional and not self._user_marks_boundary and self.stateful:
+            self._warn_once("boundary", BOUNDARY_WARNING)
+
+    def _note_grad_scaler(self) -> None:
+        if self.windows.grad_scaler_seen or not hasattr(self.optimizer, "found_inf"):
+            return
+        self.windows.grad_scaler_seen = True
+        if self.consistency == SnapshotMode.REPLAY and self.windows.widest_window != 1:
+            warnings.warn(GRAD_SCALER_WARNING, stacklevel=4)
+            for snap in list(self._snapshots):
+                if snap.mode == SnapshotMode.REPLAY and snap.version is None:
+                    # Its logged gradients came from steps GradScaler's fused kernel
+                    # unscales and may skip: restart it, now at window 1.
+                    self._restart(snap, start_step=self.step_count)
+
+    def _restart_if_state_grew(self) -> None:
+        """Post-hook: a replay window whose layout lacks state this step created cannot reach its version."""
+        for snap in list(self._snapshots):
+            if snap.mode == SnapshotMode.REPLAY and snap.version is None and self.gradients.state_grew(snap.layout):
+                warnings.warn(NEW_STATE_WARNING.format(old=snap.requested_step, new=self.step_count), stacklevel=4)
+                self._restart(snap, start_step=self.step_count)
+
+    def _restart(self, snap: Snapshot, start_step: int) -> None:
+        """Replace a replay snapshot that cannot reach its version by one started at the next chance."""
+        for ticket in snap.tickets:
+            # The slot may be released or regrown for a new layout: its host memory must
+            # not be unmapped under copies still writing it. Rare, so the host waits here.
+            self.copier.wait(ticket)
+        self._snapshots.remove(snap)
+        snap.slot.busy = False
+        self._restarted_from = snap.started_step
+        self._pending_request_steps.insert(0, snap.requested_step)
+        self._last_started_step = None
+
+    def _warn_about_late_hooks(self) -> None:
+        """Post-step hooks that run after ours may write tensors our copies are reading."""
+        from torch.optim.optimizer import _global_optimizer_post_hooks
+
+        ours = self.step_point.post_hook_id
+        keys = list(self.optimizer._optimizer_step_post_hooks.keys())
+        later = len(keys) - 1 - keys.index(ours) if ours in keys else 0
+        if later or _global_optimizer_post_hooks:
+            self._warn_once("late-hook", LATE_HOOK_WARNING.format(count=later + len(_global_optimizer_post_hooks)))
+
+    def _warn_once(self, key: str, text: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(text, stacklevel=5)
+
+    # ---- completion ----------------------------------------------------------------
+
+    def _progress(self) -> None:
+        """Hand landed snapshots to the writer and read its answers. Never blocks."""
+        try:
+            self._send_landed()
+        except WriterDiedError as e:
+            self.dispatcher.fail(e)  # what was sent is persisted again by a new writer
+        self.dispatcher.poll()
+        if self.dispatcher.agreed_window is not None:
+            self.windows.agreed_window = self.dispatcher.agreed_window
+
+    def _send_landed(self) -> None:
+        if self.slots.preallocation_done():
+            self.slots.finish_preallocation()  # announce the buffers a background thread allocated
+        for snap in list(self._snapshots):
+            if snap.state == SnapshotState.LANDING and snap.all_enqueued and all(self.copier.poll(t) for t in snap.tickets):
+                self._snapshots.remove(snap)
+                proposal = self.windows.propose(snap.layout, self.plans, self.staging)
+                stats = self.dispatcher.send(snap, proposed_next_window=proposal)
+                stats.writer_restarts = self.writer_restarts.count
+                if snap.mode == SnapshotMode.STAGE:
+                    self.staging.release_if_idle(self.copier)
+                self.windows.observe_copies(stats.copied_nbytes, stats.copy_s)
+
+    def _raise_pending(self) -> None:
+        error, self.dispatcher.error = self.dispatcher.error, None
+        if error is None:
+            return
+        if isinstance(error, WriterDiedError):
+            if self._replace_dead_writer(error):
+                # A request the death interrupted starts now, at this same step.
+                self._start_pending()
+                self._progress()
+                self._raise_pending()
+                return
+            # In-flight snapshots are gone with the writer; their slots are unusable.
+            self.dead = error
+            self._snapshots.clear()
+            self.dispatcher.drop_all()
+        raise error
+
+    def _replace_dead_writer(self, error: WriterDiedError) -> bool:
+        """Start a new writer and hand it the host buffers, plans and complete snapshots; False if none may start."""
+        if self._writer_factory is None or not self.writer_restarts.allow():
+            return False
+        self.writer.close(timeout_s=5.0)  # reap the dead one
+        writer = self._writer_factory()
+        self.writer = writer
+        self.slots.rebind(writer)
+        self.plans.rebind(writer)
+        # Snapshots still being copied are dropped: their request may be made again. The
+        # ones sent were complete in host memory and are persisted by the new writer.
+        for snap in self._snapshots:
+            snap.slot.busy = False
+        self.snapshots_dropped += len(self._snapshots)
+        self._snapshots.clear()
+        self.dispatcher.rebind(writer)
+        self._warn_once("writer-restart", WRITER_RESTART_WARNING.format(error=error, limit=self.writer_restarts.max_restarts))
+        return True
+
+    def _charge(self, started: float) -> None:
+        """Add the host time since ``started`` to every snapshot in flight (``hook_host_s``)."""
+        spent = time.perf_counter() - started
+        for snap in self._snapshots:
+            snap.hook_host_s += spent
+
+    # ---- blocking calls (never from a hook) ------------------------------------------
+
+    def wait(self, timeout_s: float | None) -> list[CheckpointInfo]:
+        """Finish every requested snapshot now and block until the writer committed each."""
+        if self.dead is not None:
+            raise self.dead
+        self._raise_pending()
+        self._drain(timeout_s, start_pending=True)
+        return self.dispatcher.take_committed()
+
+    def _drain(self, timeout_s: float | None, start_pending: bool) -> None:
+        """Close every open window now, land its copies and block until the writer committed each."""
+        from ..errors import CheckpointTimeoutError
+
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            if start_pending:
+                # A deferred request starts as soon as a slot is free, at the current step.
+                self._start_pending()
+            for snap in list(self._snapshots):
+                self.copies.close_window(snap, self.step_count, self._hook_serial)
+                if snap.state == SnapshotState.AT_BOUNDARY:
+                    self._close_boundary(snap, provisional=False)
+                for t in snap.tickets:
+                    self.copier.wait(t)
+            self._progress()
+            self._raise_pending()
+            if not self._snapshots and not self.dispatcher.in_flight and not (start_pending and self._pending_request_steps):
+                break
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise CheckpointTimeoutError(
+                    f"checkpoints of steps {self.unfinished_versions()} were not committed within "
+                    f"timeout_s={timeout_s}; pass a larger timeout_s or None"
+                )
+            if self.dispatcher.in_flight or self.writer.awaiting_responses:
+                try:
+                    self.dispatcher.wait_one(remaining)
+                except TimeoutError:
+                    continue  # the deadline check above raises the named error
+            self._raise_pending()
+
+    def abandon(self, timeout_s: float) -> list[CheckpointInfo]:
+        """Leaving on an error: commit what is complete in host memory within ``timeout_s``, drop the rest.
+
+        Open windows are abandoned (never closed early: the state may be mid-update when
+        an exception unwinds). A snapshot whose groups are all enqueued and whose
+        boundary was captured lands and is sent; the writer's answers are awaited up to
+        the deadline. Nothing here raises: the caller's exception must come through.
+        """
+        deadline = time.monotonic() + timeout_s
+        self._pending_request_steps = []
+        for snap in list(self._snapshots):
+            if snap.all_enqueued and snap.version is not None:
+                if snap.state == SnapshotState.AT_BOUNDARY:
+                    self._close_boundary(snap, provisional=False)
+                for t in snap.tickets:
+                    self.copier.wait(t)
+            else:
+                snap.slot.busy = False
+                self._snapshots.remove(snap)
+                self.snapshots_dropped += 1
+        try:
+            self._progress()
+            while self.dispatcher.in_flight and self.dispatcher.error is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    self.dispatcher.wait_one(remaining)
+                except TimeoutError:
+                    break
+        except OverlapCkptError as e:
+            warnings.warn(f"overlapckpt: while leaving on an error, the pending checkpoints could not commit: {e}", stacklevel=3)
+        if self.dispatcher.error is not None:
+            warnings.warn(f"overlapckpt: while leaving on an error: {self.dispatcher.error}", stacklevel=3)
+            self.dispatcher.error = None
+        return self.dispatcher.take_committed()
+
+    def covers_current_step(self) -> bool:
+        """Whether a snapshot in flight ends at the current step once its window closes now."""
+        for snap in self._snapshots:
+            if snap.version == self.step_count or (snap.mode == SnapshotMode.REPLAY and snap.version is None):
+                return True
+        return self.step_count in self.dispatcher.sent_versions() or any(
+            s.step == self.step_count for s in self.dispatcher.stats
+        )
+
+    def unfinished_versions(self) -> list[int | None]:
+        return [s.version for s in self._snapshots] + self.dispatcher.sent_versions()
+
+    def release(self) -> None:
+        # Teardown may come with copies still queued (the writer died, wait() raised):
+        # the copy engine must be done writing host memory before it is unpinned and unmapped.
+        self.copier.close()
+        self.staging.release()
+        self.gradients.release()
+        self.slots.release_all()

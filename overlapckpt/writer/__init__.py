@@ -1,0 +1,1 @@
+"""The writer process: blocking I/O, replay, the writers' group. It never imports the training side."""

@@ -1,0 +1,180 @@
+"""Persist one snapshot from the shared host slot: replay, checksums, manifest, DCP save, commit.
+
+Runs in the writer process. In a distributed run (a ``WriterGroup``), every rank's
+writer runs it for the same checkpoint: the ranks agree on the checkpoint first,
+each writes its share through DCP with the writers' group, and the coordinator
+(rank 0) writes the one manifest (a section per rank) right before ``.metadata``,
+then ``latest`` and retention.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from .. import protocol as p
+from ..errors import OverlapCkptError
+from ..format.blobsums import StoredChecksums
+from ..format.entries import TensorEntry, build_state_dict
+from ..format.extra_state import encode
+from ..format.manifest import FORMAT_VERSION, CheckpointInfo, dump_manifest, tensor_crc32
+from ..format.shards import CoveringSavePlanner, LocalShard
+from ..format.storage import CheckpointStore
+from ..hostbuf import view_bytes
+from .group import WriterGroup
+
+
+class CheckpointExistsError(OverlapCkptError):
+    """A committed checkpoint of the same version already exists; it is never overwritten."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def persist_snapshot(
+    store: CheckpointStore,
+    group: WriterGroup | None,
+    entries: list[TensorEntry],
+    offsets: tuple[int, ...],
+    global_shapes: dict[str, tuple[int, ...]],
+    buffers: dict[int, torch.Tensor],
+    req: p.PersistRequest,
+) -> p.CommittedResponse:
+    started = time.perf_counter()
+    if group is not None:
+        # Before any work: a rank that disagrees must not leave the others in a collective.
+        group.agree({"name": req.name, "version": req.step, "requested": req.requested_step})
+    slot = buffers[req.buffer_id]
+    tensors = [view_bytes(slot, off, e.dtype, e.shape) for e, off in zip(entries, offsets)]
+    if req.replay is not None:
+        from .replay import replay_to_version
+
+        replay_to_version(entries, tensors, req.replay, buffers[req.replay.grad_buffer_id])
+    # Per local part: the CRC-32 of the host snapshot, checked against what DCP decodes at load.
+    parts = {
+        e.key: {
+            "crc32": tensor_crc32(t),
+            "dtype": _dtype_name(e.dtype),
+            "shape": list(e.shape),
+            "offset": list(e.global_offset or (0,) * len(e.shape)),
+        }
+        for e, t in zip(entries, tensors)
+    }
+    section = {
+        "rank": 0 if group is None else group.rank,
+        "nbytes": sum(e.nbytes for e in entries),
+        "items": parts,
+        "extra_state": encode(req.extra_state, "extra_state"),
+        "ledger": req.ledger,
+        "stats": req.stats,
+    }
+    if store.is_committed(req.name):
+        raise CheckpointExistsError(
+            f"checkpoint {store.checkpoint_url(req.name)} is already committed; overlapckpt never "
+            "overwrites a committed checkpoint: use a new path, or delete it first"
+        )
+    if group is None or group.is_coordinator:
+        store.clear_uncommitted(req.name)
+    sections = [section] if group is None else group.gather_sections(section)
+    manifest = _manifest(req, entries, global_shapes, sections, group)
+
+    def write_manifest(checksums: StoredChecksums) -> None:
+        # Called by DCP's finish() on the coordinator with the checksums every rank computed
+        # of the blobs it stored, and of .metadata's bytes, right before .metadata appears.
+        manifest["checksums"] = checksums.to_json()
+        manifest["created_at"] = time.time()
+        store.write_manifest(req.name, dump_manifest(manifest))
+
+    state_dict = build_state_dict(entries, [_part(e, t) for e, t in zip(entries, tensors)], req.small_state)
+    _save(store, req.name, state_dict, write_manifest, global_shapes, group)
+    removed: list[str] = []
+    if group is None or group.is_coordinator:
+        store.write_latest(req.name)
+        if req.keep is not None:
+            committed = store.committed_names()
+            for old in committed[: max(0, len(committed) - req.keep)]:
+                store.remove_checkpoint(old)
+                removed.append(old)
+    agreed_window = group.agree_window(req.proposed_next_window) if group is not None else req.proposed_next_window
+    return p.CommittedResponse(
+        request_id=req.request_id,
+        info=CheckpointInfo.from_manifest(manifest, store.checkpoint_url(req.name)),
+        committed_at=time.time(),
+        persist_s=time.perf_counter() - started,
+        removed=removed,
+        agreed_next_window=agreed_window,
+    )
+
+
+def _part(entry: TensorEntry, tensor: torch.Tensor) -> Any:
+    # A whole tensor is written as itself; a shard as a part of the global tensor.
+    if entry.is_whole:
+        return tensor
+    return LocalShard(tensor, entry.global_shape, entry.global_offset)
+
+
+def _manifest(
+    req: p.PersistRequest,
+    entries: list[TensorEntry],
+    global_shapes: dict[str, tuple[int, ...]],
+    sections: list[dict[str, Any]] | None,
+    group: WriterGroup | None,
+) -> dict[str, Any]:
+    world_size = 1 if group is None else group.world_size
+    manifest: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "step": req.step,
+        "requested_step": req.requested_step,
+        "mode": req.mode,
+        "window": req.window,
+        "torch_version": torch.__version__,
+        "created_at": time.time(),
+        "world_size": world_size,
+        "mesh_shape": [1] if group is None else list(group.spec.mesh_shape),
+        "ledger": req.ledger,
+        "stats": req.stats,
+    }
+    if sections is None:  # not the coordinator: only what CheckpointInfo needs
+        manifest["nbytes"] = sum(e.nbytes for e in entries)
+        return manifest
+    manifest["nbytes"] = sum(int(s["nbytes"]) for s in sections)
+    if world_size == 1:
+        (only,) = sections
+        manifest["items"] = {
+            e.key: {"crc32": only["items"][e.key]["crc32"], "dtype": _dtype_name(e.dtype), "shape": list(e.shape)}
+            for e in entries
+        }
+        manifest["extra_state"] = only["extra_state"]
+        manifest["extra_state_index"] = sorted(req.extra_state.keys())
+        return manifest
+    # The tensors of the whole checkpoint, by global shape; each rank's parts and their CRC-32s in its section.
+    dtype_of = {key: part["dtype"] for s in sections for key, part in s["items"].items()}
+    manifest["items"] = {key: {"dtype": dtype_of.get(key, ""), "shape": list(shape)} for key, shape in global_shapes.items()}
+    manifest["ranks"] = sections
+    manifest["extra_state_index"] = sorted(req.extra_state.keys())
+    return manifest
+
+
+def _save(
+    store: CheckpointStore,
+    name: str,
+    state_dict: dict[str, Any],
+    write_manifest: Any,
+    global_shapes: dict[str, tuple[int, ...]],
+    group: WriterGroup | None,
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    writer = store.make_writer(name, before_commit=write_manifest)
+    planner = CoveringSavePlanner(global_shapes)
+    if group is None:
+        with warnings.catch_warnings():
+            # no_dist=True is deliberate: a single writer saves its own process's snapshot.
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+            dcp.save(state_dict, storage_writer=writer, planner=planner, no_dist=True)
+    else:
+        dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=group.group)

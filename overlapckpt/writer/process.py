@@ -1,0 +1,194 @@
+"""The writer process: maps the shared host slots and persists snapshots in DCP format.
+
+It is started by :class:`overlapckpt.writer.WriterProcess` with
+``python -m overlapckpt.writer.process FD`` and serves requests until it gets
+``ShutdownRequest`` or the pipe closes (the training process exited). Every
+failure is sent back as an ``ErrorResponse`` carrying the original exception; the
+process keeps serving, so one failed write does not lose the next checkpoint.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import pickle
+import signal
+import socket
+import sys
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from .. import protocol as p
+from ..format.storage import CheckpointStore, dcp_root_cause
+from ..hostbuf import fd_path, map_shared_file
+from .group import WriterGroup
+from .persist import persist_snapshot
+
+# How often an idle writer of a distributed run looks for checkpoints other ranks claimed.
+_IDLE_CHECK_S = 0.5
+
+
+class _WriterState:
+    def __init__(self, store: CheckpointStore, group: WriterGroup | None) -> None:
+        self.store = store
+        self.group = group
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.plans: dict[int, p.SetPlanRequest] = {}
+
+    def persist(self, req: p.PersistRequest) -> p.CommittedResponse:
+        plan = self.plans[req.plan_id]
+        return persist_snapshot(self.store, self.group, plan.entries, plan.offsets, plan.global_shapes, self.buffers, req)
+
+
+def _error_response(request_id: int | None, e: BaseException) -> p.ErrorResponse:
+    e = dcp_root_cause(e)
+    exc: BaseException | None = e
+    try:
+        pickle.loads(pickle.dumps(e))
+    except Exception:  # an exception type that does not pickle travels as text only
+        exc = None
+    return p.ErrorResponse(
+        request_id=request_id,
+        exception=exc,
+        type_name=f"{type(e).__module__}.{type(e).__qualname__}",
+        message=str(e),
+        traceback_text="".join(traceback.format_exception(e)),
+    )
+
+
+def _load_store(init: p.InitRequest) -> CheckpointStore:
+    module_name, qualname = init.store_class
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj(init.root, init.storage_options)
+
+
+def _send(conn: Connection, response: object) -> None:
+    conn.send_bytes(pickle.dumps(response, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn: Connection) -> object:
+    return pickle.loads(conn.recv_bytes())
+
+
+def serve(conn: Connection, fd_sock: socket.socket) -> None:
+    init = _recv(conn)
+    try:
+        if not isinstance(init, p.InitRequest):
+            raise TypeError(f"the first request must be InitRequest, got {type(init).__name__}")
+        sys.path[:] = init.sys_path
+        # Joining the writers' group blocks until every rank's writer has joined (or times out).
+        group = WriterGroup(init.group) if init.group is not None else None
+        state = _WriterState(_load_store(init), group)
+    except BaseException as e:
+        _send(conn, _error_response(None, e))
+        return
+    _send(conn, p.ReadyResponse(pid=os.getpid()))
+    try:
+        _serve_requests(conn, fd_sock, state)
+    finally:
+        if state.group is not None:
+            state.group.close()
+
+
+def _serve_requests(conn: Connection, fd_sock: socket.socket, state: _WriterState) -> None:
+    while True:
+        try:
+            if state.group is not None and not conn.poll(_IDLE_CHECK_S):
+                # Idle in a distributed run: has another rank claimed a checkpoint this one has not?
+                mismatch = state.group.missing_claim()
+                if mismatch is not None:
+                    _send(conn, _error_response(None, mismatch))
+                continue
+            req = _recv(conn)
+        except (EOFError, ConnectionResetError):  # the training process is gone: nothing left to serve
+            return
+        request_id = getattr(req, "request_id", None)
+        try:
+            if isinstance(req, p.ShutdownRequest):
+                return
+            if isinstance(req, p.MapBufferRequest):
+                _, fds, _, _ = socket.recv_fds(fd_sock, 1, 1)
+                try:
+                    state.buffers[req.buffer_id] = map_shared_file(fd_path(fds[0]), req.nbytes)
+                finally:
+                    for fd in fds:
+                        os.close(fd)  # the mapping keeps the memory
+                _send(conn, p.MappedResponse(buffer_id=req.buffer_id))
+            elif isinstance(req, p.ReleaseBufferRequest):
+                state.buffers.pop(req.buffer_id, None)
+            elif isinstance(req, p.SetPlanRequest):
+                state.plans[req.plan_id] = req
+            elif isinstance(req, p.PersistRequest):
+                _send(conn, state.persist(req))
+            else:
+                raise TypeError(f"unknown request {type(req).__name__}")
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # DCP's CheckpointException derives from BaseException
+            _send(conn, _error_response(request_id, e))
+
+
+# The writer is background work: a lower priority lets the training process's
+# threads take a core back the moment they need it. Without it, on a 2-core machine,
+# the writer's checksums and serialization stalled training steps by 0.4-0.9 s
+# (benchmarks/, tiny size); the commit takes longer instead, which costs nothing.
+WRITER_NICE_INCREMENT = 10
+# Replay and checksums use at most a quarter of the cores this process may run on
+# (1 to 4 threads), leaving the rest to training and its data loaders.
+WRITER_MAX_THREADS = 4
+
+
+def writer_thread_count() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(WRITER_MAX_THREADS, cores // 4))
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Have the kernel kill this process when the training process dies (Linux).
+
+    An idle writer notices a dead parent by EOF on its pipe, but one blocked inside a
+    storage write (a hung NFS or S3 call) never reads the pipe again; without this it
+    would outlive the job.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return  # not Linux: EOF on the pipe still ends an idle writer
+    if os.getppid() != parent_pid:
+        os._exit(1)  # the parent died before the line above took effect
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def main(argv: list[str]) -> None:
+    fd = int(argv[1])
+    if len(argv) > 2:
+        _die_with_parent(int(argv[2]))
+    try:
+        os.nice(WRITER_NICE_INCREMENT)
+    except OSError:
+        pass  # not permitted here: run at the training process's priority
+    torch.set_num_threads(writer_thread_count())
+    # The host buffers' descriptors arrive as ancillary data on the same socket.
+    fd_sock = socket.socket(fileno=os.dup(fd))
+    conn = Connection(fd)
+    try:
+        serve(conn, fd_sock)
+    finally:
+        conn.close()
+        fd_sock.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv)

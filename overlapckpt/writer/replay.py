@@ -1,0 +1,95 @@
+"""Writer side of replay mode: roll each copy group forward to the snapshot's version on the CPU.
+
+Group j was copied at version v_j and the window logged, for every later step t,
+the gradients the optimizer consumed and that step's hyperparameters. For each
+group, an optimizer of the training's own class is built over the group's host
+tensors (parameters and state, in place in the shared slot) with the training's
+own flags (foreach, fused, single-tensor), and stepped once per logged step t > v_j.
+Steps the loop skipped (GradScaler on inf) never ran a hook, so they are not in
+the log and are not replayed. On CPU training this reproduces the state bit for bit.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from ..format.entries import ROLE_OPTIM, ROLE_PARAM, TensorEntry
+from ..hostbuf import view_bytes
+from ..protocol import ReplayLog
+
+
+def _import(spec: tuple[str, str]) -> Any:
+    obj: Any = importlib.import_module(spec[0])
+    for part in spec[1].split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _replay_hyperparameters(h: dict[str, Any]) -> dict[str, Any]:
+    out = dict(h)
+    # The replay runs on CPU tensors; capturable only changes where the step count
+    # lives (a device tensor for CUDA graphs), not the arithmetic.
+    if out.get("capturable"):
+        out["capturable"] = False
+    return out
+
+
+def replay_to_version(
+    entries: list[TensorEntry], tensors: list[torch.Tensor], log: ReplayLog, grad_buffer: torch.Tensor
+) -> None:
+    """Apply the logged steps to each group's tensors in place."""
+    optimizer_cls = _import(log.optimizer_class)
+    params: dict[str, torch.Tensor] = {}
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for e, t in zip(entries, tensors):
+        if e.role == ROLE_PARAM and e.param_fqn is not None:
+            params[e.param_fqn] = t
+        elif e.role == ROLE_OPTIM and e.param_fqn is not None:
+            state.setdefault(e.param_fqn, {})[e.path[-1]] = t
+    for group_index, version in enumerate(log.group_versions):
+        if version is None:
+            continue
+        steps = [s for s in log.steps if s.step > version and group_index in s.groups]
+        fqns = [fqn for fqn, j in log.copy_group_of.items() if j == group_index]
+        if steps and fqns:
+            _replay_group(optimizer_cls, log, fqns, params, state, steps, grad_buffer)
+
+
+def _replay_group(
+    optimizer_cls: type,
+    log: ReplayLog,
+    fqns: list[str],
+    params: dict[str, torch.Tensor],
+    state: dict[str, dict[str, torch.Tensor]],
+    steps: list[Any],
+    grad_buffer: torch.Tensor,
+) -> None:
+    groups_fqns: dict[int, list[str]] = {}
+    for fqn in fqns:
+        groups_fqns.setdefault(log.param_group_of[fqn], []).append(fqn)
+    first = steps[0]
+    param_groups = [
+        {**_replay_hyperparameters(first.hyperparameters[g]), "params": [params[f] for f in names]}
+        for g, names in sorted(groups_fqns.items())
+    ]
+    optimizer = optimizer_cls(param_groups)
+    for fqn in fqns:
+        if fqn in state:
+            optimizer.state[params[fqn]] = dict(state[fqn])
+    for record in steps:
+        i = record.step - log.base_step
+        for pg, (g, names) in zip(optimizer.param_groups, sorted(groups_fqns.items())):
+            for k, v in _replay_hyperparameters(record.hyperparameters[g]).items():
+                pg[k] = v
+            for f in names:
+                p = params[f]
+                if f in record.grad_none:
+                    p.grad = None
+                else:
+                    p.grad = view_bytes(grad_buffer, log.grad_offsets[(i, f)], p.dtype, tuple(p.shape))
+        optimizer.step()
+    for p in params.values():
+        p.grad = None
