@@ -2,13 +2,22 @@
 
 from .checkpointer import Checkpointer
 from .errors import (
+    CheckpointExistsError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CheckpointReadError,
+    CheckpointTimeoutError,
     CheckpointWriteError,
     ConfigError,
+    CopyStreamStuckError,
     CorruptCheckpointError,
+    CoverageError,
+    InternalError,
     OverlapCkptError,
+    RankDisagreementError,
+    RootLeaseError,
+    SignatureError,
+    UnsafeCheckpointError,
     UnsupportedOptimizerError,
     WriterDiedError,
 )
@@ -17,16 +26,25 @@ from .format.storage import CheckpointStore
 from .loading import list_checkpoints, load
 
 __all__ = [
+    "CheckpointExistsError",
     "CheckpointInfo",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointReadError",
     "CheckpointStore",
+    "CheckpointTimeoutError",
     "CheckpointWriteError",
     "Checkpointer",
     "ConfigError",
+    "CopyStreamStuckError",
     "CorruptCheckpointError",
+    "CoverageError",
+    "InternalError",
     "OverlapCkptError",
+    "RankDisagreementError",
+    "RootLeaseError",
+    "SignatureError",
+    "UnsafeCheckpointError",
     "UnsupportedOptimizerError",
     "WriterDiedError",
     "list_checkpoints",

@@ -24,7 +24,7 @@ from .train.preemption import PreemptionGuard
 from .train.step_hooks import unwrap_optimizer
 from .train.transfer import Copier, make_copier
 from .train.writer_handle import WriterProcess
-from .train.writer_restarts import DEFAULT_MAX_WRITER_RESTARTS
+from .train.writer_link import DEFAULT_MAX_WRITER_RESTARTS, WriterLink
 
 CONSISTENCY_MODES = ("replay", "stage")
 
@@ -220,13 +220,24 @@ class Checkpointer:
                 group=None if self._distributed is None else self._distributed.writer_spec,
             )
 
-        self._writer = start_writer()
+        if save_on_signal and self._distributed is not None:
+            raise ConfigError(
+                f"save_on_signal={save_on_signal!r} is for one process: ranks would each save at the step they "
+                "happen to be in when the signal arrives, and disagree. In a distributed run, checkpoint with "
+                "every= often enough for the grace period"
+            )
+        writer = start_writer()
         if self._distributed is not None:
             try:
-                self._writer.wait_ready()  # every rank's writer has joined the writers' group
+                writer.wait_ready()  # every rank's writer has joined the writers' group
             except BaseException:
-                self._writer.close()
+                writer.close()
                 raise
+        # A dead writer is replaced in one process; the writers of a distributed run share a group.
+        link = WriterLink(writer, None if self._distributed is not None else start_writer, max_writer_restarts)
+        self._preemption: PreemptionGuard | None = None
+        if save_on_signal:
+            self._preemption = PreemptionGuard(tuple(save_on_signal), float(signal_grace_s), self._save_now)
         first = next(iter(model.parameters()), None)
         device = first.device if first is not None else torch.device("cpu")
         if window == AUTO_WINDOW and phase_timer is None:
@@ -240,7 +251,7 @@ class Checkpointer:
                 every=every,
                 keep=keep,
                 stateful=stateful,
-                writer=self._writer,
+                link=link,
                 max_inflight=max_inflight,
                 stage_budget_bytes=stage_budget_bytes,
                 keep_staging=(device.type != "cuda") if keep_staging is None else bool(keep_staging),
@@ -249,24 +260,13 @@ class Checkpointer:
                 gap_timer=phase_timer if window == AUTO_WINDOW else None,
                 device=device,
                 scope=CheckpointScope() if self._distributed is None else self._distributed.scope,
-                writer_factory=start_writer,
-                max_writer_restarts=max_writer_restarts,
+                at_boundary=None if self._preemption is None else self._preemption.at_boundary,
             )
         except BaseException:
-            self._writer.close()  # nothing may outlive a constructor that raised
+            link.close(timeout_s=30.0)  # nothing may outlive a constructor that raised
+            if self._preemption is not None:
+                self._preemption.uninstall()
             raise
-
-        self._preemption: PreemptionGuard | None = None
-        if save_on_signal:
-            if self._distributed is not None:
-                self.close()
-                raise ConfigError(
-                    f"save_on_signal={save_on_signal!r} is for one process: ranks would each save at the step they "
-                    "happen to be in when the signal arrives, and disagree. In a distributed run, checkpoint with "
-                    "every= often enough for the grace period"
-                )
-            self._preemption = PreemptionGuard(tuple(save_on_signal), float(signal_grace_s), self._save_now)
-            self._engine.at_boundary = self._preemption.at_boundary
 
     # ---- training loop ---------------------------------------------------------------
 
@@ -323,9 +323,7 @@ class Checkpointer:
 
     def _tear_down(self, writer_timeout_s: float) -> None:
         """Remove the hooks, stop the writer, release host buffers (after the copies into them)."""
-        self._engine.remove_hooks()
-        self._engine.writer.close(timeout_s=writer_timeout_s)
-        self._engine.release()
+        self._engine.shut_down(writer_timeout_s)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -357,12 +355,12 @@ class Checkpointer:
     @property
     def stats(self) -> list[dict[str, Any]]:
         """Per committed checkpoint: step, bytes, copy time, device-side waits, time to commit, ledger."""
-        return [asdict(s) for s in self._engine.dispatcher.stats]
+        return [asdict(s) for s in self._engine.stats]
 
     @property
     def deferrals(self) -> int:
         """Requests that had to wait for a free host slot."""
-        return self._engine.deferrals
+        return self._engine.requests.deferrals
 
     @property
     def step_count(self) -> int:
@@ -371,12 +369,12 @@ class Checkpointer:
 
     @property
     def writer_pid(self) -> int:
-        return self._engine.writer.pid
+        return self._engine.link.writer.pid
 
     @property
     def writer_restarts(self) -> int:
         """Times a dead writer process was replaced by a new one."""
-        return self._engine.writer_restarts.count
+        return self._engine.link.restarts.count
 
     @property
     def snapshots_dropped(self) -> int:
@@ -402,7 +400,7 @@ class Checkpointer:
             )
         finally:
             self._engine.install_hooks()
-        self._engine.step_count = info.step
+        self._engine.continue_from(info.step)
         return info
 
     def _check_open(self) -> None:

@@ -50,3 +50,31 @@ class CheckpointTimeoutError(OverlapCkptError, TimeoutError):
 
 class RankDisagreementError(OverlapCkptError):
     """The ranks of a distributed run did not request the same checkpoint; nothing was committed."""
+
+
+class CheckpointExistsError(OverlapCkptError, FileExistsError):
+    """A committed checkpoint of the same version already exists; it is never overwritten."""
+
+
+class CoverageError(OverlapCkptError):
+    """The ranks' parts do not cover the checkpoint's tensors exactly once; nothing was committed."""
+
+
+class CopyStreamStuckError(OverlapCkptError, RuntimeError):
+    """The copy stream (or its CPU model's worker thread) did not finish a copy in time."""
+
+
+class InternalError(OverlapCkptError, RuntimeError):
+    """An invariant of overlapckpt itself broke: a bug to report, with the message."""
+
+
+class UnsafeCheckpointError(CorruptCheckpointError):
+    """A checkpoint file would run code when read (a crafted pickle): refused, naming the file and the global."""
+
+
+class SignatureError(CorruptCheckpointError):
+    """A signing key is set and the checkpoint's manifest is unsigned, or its signature does not match."""
+
+
+class RootLeaseError(ConfigError):
+    """Another job holds the lease on this checkpoint root."""

@@ -21,7 +21,7 @@ from .errors import (
 from .format.entries import check_shapes, flatten_tensors
 from .format.extra_state import decode
 from .format.manifest import CheckpointInfo, checkpoint_name, step_of_name, tensor_crc32
-from .format.storage import CheckpointStore, dcp_root_cause, is_storage_error, translate_read_errors
+from .format.storage import CheckpointStore, dcp_root_cause, is_storage_error, read_error, translate_read_errors
 from .format.verify import describe_problems, read_manifest, verify_checkpoint
 
 
@@ -113,10 +113,7 @@ def read_into(store: CheckpointStore, name: str, host: dict[str, Any], process_g
     except BaseException as e:  # DCP's CheckpointException derives from BaseException
         cause = dcp_root_cause(e)
         if is_storage_error(cause):
-            raise CheckpointReadError(
-                f"reading the checkpoint {where} failed: {type(cause).__name__}: {cause}; the storage could not be "
-                "read (this is not corruption): check the connection, credentials and files, then retry"
-            ) from cause
+            raise read_error(f"the checkpoint {where}", cause) from cause
         raise CorruptCheckpointError(f"reading the checkpoint {where} failed: {type(cause).__name__}: {cause}") from cause
 
 

@@ -155,7 +155,8 @@ def test_auto_window_is_the_same_on_every_rank(ddp_results):
 def test_parts_that_do_not_tile_a_tensor_are_refused_before_the_commit():
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
 
-    from overlapckpt.format.shards import CoverageError, check_coverage
+    from overlapckpt import CoverageError
+    from overlapckpt.format.shards import check_coverage
 
     def md(*chunks):
         return TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([10, 4]),

@@ -142,3 +142,26 @@ def test_missing_checkpoint(tmp_path):
     _saved(tmp_path)
     with pytest.raises(CheckpointNotFoundError, match=r"no committed checkpoint of step 7 .* committed steps are \[1\]"):
         load(str(tmp_path), model, opt, step=7)
+
+
+def test_every_error_is_exported_and_derives_from_the_base():
+    import inspect
+
+    import overlapckpt
+    from overlapckpt import errors
+
+    defined = {name for name, obj in inspect.getmembers(errors, inspect.isclass) if obj.__module__ == errors.__name__}
+    assert defined <= set(overlapckpt.__all__), defined - set(overlapckpt.__all__)
+    assert all(issubclass(getattr(errors, name), overlapckpt.OverlapCkptError) for name in defined)
+    # Errors are defined only in errors.py: no other module of the package defines an exception class.
+    import pkgutil
+
+    for info in pkgutil.walk_packages(overlapckpt.__path__, "overlapckpt."):
+        if info.name.endswith((".__main__", ".writer.process")):
+            continue
+        module = __import__(info.name, fromlist=["_"])
+        strays = [
+            n for n, c in inspect.getmembers(module, inspect.isclass)
+            if issubclass(c, BaseException) and c.__module__ == module.__name__ and module is not errors
+        ]
+        assert not strays, f"{info.name} defines {strays}; define errors in overlapckpt/errors.py"

@@ -24,7 +24,7 @@ STEPS = 9
 def _kill_writer(ckpt: Checkpointer) -> int:
     pid = ckpt.writer_pid
     os.kill(pid, signal.SIGKILL)
-    ckpt._engine.writer._proc.wait(timeout=30)  # dead and reaped before training goes on
+    ckpt._engine.link.writer._proc.wait(timeout=30)  # dead and reaped before training goes on
     return pid
 
 

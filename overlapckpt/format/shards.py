@@ -30,11 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ..errors import OverlapCkptError
-
-
-class CoverageError(OverlapCkptError):
-    """The ranks' parts do not cover the checkpoint's tensors exactly once; nothing was committed."""
+from ..errors import CoverageError
 
 
 @dataclass

@@ -65,10 +65,15 @@ def translate_read_errors(where: str) -> Iterator[None]:
     except Exception as e:
         if not is_storage_error(e):
             raise
-        raise CheckpointReadError(
-            f"reading {where} failed: {type(e).__name__}: {e}; the storage could not be read (this is not "
-            "corruption): check the connection, credentials and files, then retry"
-        ) from e
+        raise read_error(where, e) from e
+
+
+def read_error(where: str, cause: BaseException) -> CheckpointReadError:
+    """The one wording of a storage read failure (not corruption): what failed, the cause, the fix."""
+    return CheckpointReadError(
+        f"reading {where} failed: {type(cause).__name__}: {cause}; the storage could not be read (this is not "
+        "corruption): check the connection, credentials and files, then retry"
+    )
 
 
 def dcp_root_cause(e: BaseException) -> BaseException:
@@ -210,9 +215,6 @@ class CheckpointStore:
                 f"checkpoint path {self.root!r} is an existing file; pass a directory (it is created if missing)"
             )
         self.fs.makedirs(self.root_path, exist_ok=True)
-
-    def exists_as_file(self) -> bool:
-        return bool(self.fs.exists(self.root_path) and not self.fs.isdir(self.root_path))
 
     def is_committed(self, name: str) -> bool:
         return bool(self.fs.exists(self._join(name, METADATA_NAME)))

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import CopyStreamStuckError
 from .transfer import (
     CopyTicket,
     FenceResult,
@@ -41,10 +42,6 @@ class _CopyTask:
     destinations: list[torch.Tensor]
     ticket: CopyTicket
     release: threading.Event
-
-
-class CopyStreamStuckError(RuntimeError):
-    """The copy worker did not finish a copy in time."""
 
 
 class CpuStreamCopier:

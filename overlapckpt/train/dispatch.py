@@ -10,15 +10,17 @@ It never blocks, except in ``wait_one``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, field
 
 from .. import protocol as p
-from ..errors import OverlapCkptError, WriterDiedError
+from ..errors import InternalError, OverlapCkptError, WriterDiedError
 from ..format.manifest import CheckpointInfo, checkpoint_name
 from .boundary import resolve_boundary, resolve_values
 from .slots import SlotPool
 from .snapshot import Snapshot, SnapshotState, SnapshotStats
 from .writer_handle import WriterProcess, writer_error
+from .writer_link import WriterLink
 
 
 @dataclass
@@ -26,13 +28,15 @@ class _Sent:
     snapshot: Snapshot
     stats: SnapshotStats
     request: p.PersistRequest  # kept: a new writer persists it again if this one dies
+    sent_at_s: float = field(default_factory=time.monotonic)
 
 
 class PersistDispatcher:
     """Sent snapshots, committed stats, and the first writer error."""
 
-    def __init__(self, writer: WriterProcess, slots: SlotPool, keep: int | None, unsolicited_errors: bool = False) -> None:
-        self.writer = writer
+    def __init__(self, link: WriterLink, slots: SlotPool, keep: int | None, unsolicited_errors: bool = False) -> None:
+        self.link = link
+        link.on_replaced(self._hand_to)
         # Distributed: the writer may report, unasked, that other ranks claimed a checkpoint
         # this rank did not; the pipe is then read at every hook (~13 us), not only when due.
         self.unsolicited_errors = unsolicited_errors
@@ -54,11 +58,11 @@ class PersistDispatcher:
             landed = [t.landed_at_s or 0.0 for t in snap.tickets if t.group_index == g.index]
             if landed:
                 g.landed_s = max(landed) - snap.ledger.requested_at
+        if snap.boundary is None:  # checked before anything is marked sent
+            raise InternalError(f"the snapshot of step {snap.version} was sent before its boundary state was captured")
         snap.ledger.mark_complete()
         snap.state = SnapshotState.SENT
         stats = snap.stats()
-        if snap.boundary is None:
-            raise RuntimeError("a snapshot was sent before its boundary state was captured")
         small_state, extra_state = resolve_boundary(snap.boundary)
         replay = snap.replay_log
         if replay is not None:
@@ -82,20 +86,20 @@ class PersistDispatcher:
             proposed_next_window=proposed_next_window,
         )
         self._sent[snap.request_id] = _Sent(snap, stats, request)
-        self.writer.send(request)
+        self.link.writer.send(request)
         return stats
 
     def poll(self) -> None:
         """Handle every answer that has arrived; never blocks."""
-        if not self._sent and not self.writer.awaiting_responses and not self.unsolicited_errors:
+        if not self._sent and not self.link.writer.awaiting_responses and not self.unsolicited_errors:
             # Nothing is due: a liveness check (one waitpid) instead of reading the pipe.
             try:
-                self.writer.check_alive()
+                self.link.writer.check_alive()
             except OverlapCkptError as e:
                 self.fail(e)
             return
         try:
-            responses = self.writer.poll()
+            responses = self.link.writer.poll()
         except OverlapCkptError as e:
             self.fail(e)
             return
@@ -105,11 +109,22 @@ class PersistDispatcher:
     def wait_one(self, timeout_s: float | None) -> None:
         """Block for the writer's next answer (up to ``timeout_s``) and handle it."""
         try:
-            response = self.writer.wait_response(timeout_s)
+            response = self.link.writer.wait_response(timeout_s)
         except WriterDiedError as e:
             self.fail(e)
             return
         self._handle(response)
+
+    def busy_reason(self) -> str:
+        """Why no host slot is free, for the deferral warning: the oldest checkpoint still persisting."""
+        if not self._sent:
+            return "no host slot was free"
+        oldest = min(self._sent.values(), key=lambda s: s.sent_at_s)
+        return (
+            f"the checkpoint of step {oldest.snapshot.version} was still persisting (sent "
+            f"{time.monotonic() - oldest.sent_at_s:.2f} s earlier); pass a larger max_inflight (one host copy of "
+            "the state each) or checkpoint less often"
+        )
 
     def sent_versions(self) -> list[int | None]:
         return [sent.snapshot.version for sent in self._sent.values()]
@@ -118,15 +133,13 @@ class PersistDispatcher:
         out, self._unreturned = self._unreturned, []
         return out
 
-    def rebind(self, writer: WriterProcess) -> int:
+    def _hand_to(self, writer: WriterProcess) -> None:
         """A new writer replaced a dead one: persist again what the dead one held (complete in host memory)."""
-        self.writer = writer
         self.error = None
         for sent in self._sent.values():
             snap = sent.snapshot
             writer.send(p.SetPlanRequest(snap.plan_id, snap.layout.entries, snap.plan.offsets, snap.layout.global_shapes))
             writer.send(sent.request)
-        return len(self._sent)
 
     def drop_all(self) -> None:
         """The writer died: what was sent is lost with it."""

@@ -1,21 +1,26 @@
-"""The snapshot engine: the order of events in the optimizer's step hooks.
+"""The snapshot engine: the order of events in the optimizer's step and the loop's calls.
 
-Per hook (host work only: enqueue copies, insert fences, poll events):
+Per event (host work only: enqueue copies, insert fences, poll events):
 
-* post-hook of step t: fence the gradient copies of this step's pre-hook; advance
-  every snapshot (copy the group due at t, or drain a staged group); start a
-  requested snapshot at version t; capture the provisional boundary state.
+* our pre-hook of step t+1 (first of all pre-hooks): if another pre-hook follows,
+  fence the copies now, before it may write the state (``step_hooks.py``).
+* the update point of step t+1 (right before the update, after the closure):
+  fence the copies enqueued after step t (the compute stream waits on their
+  events before the optimizer mutates the state), log the gradients and
+  hyperparameters replay needs, close boundaries the user did not mark, and hand
+  landed snapshots to the writer.
+* post-hook of step t+1: fence the gradient copies of the update point; advance
+  every snapshot (copy the group due now, or drain a staged group); start a
+  requested snapshot at this version; capture the provisional boundary state.
 * ``ckpt.step()`` (end of the iteration): capture the boundary state again for
   snapshots whose version was just reached.
-* pre-hook of step t+1: fence the copies enqueued after step t (the compute stream
-  waits on their events before the optimizer mutates the state), log the
-  gradients and hyperparameters replay needs, close boundaries the user did not
-  mark, and hand landed snapshots to the writer.
 
-The mechanisms live in their own units: ``StagingArea`` (stage mode's device
-memory), ``GradientLogger`` (replay's gradients), ``PersistDispatcher`` (the
-writer link), ``PlanCache`` (layouts and plans), ``SlotPool`` (host memory), and
-the copier (``transfer.py``). Snapshot states are described in ``snapshot.py``.
+Each mechanism has one owner: ``StepPoint`` (where the hooks sit), ``RequestQueue``
+(pending, deferred and merged requests), ``WriterLink`` (the writer process and its
+replacement), ``StagingArea``, ``GradientLogger``, ``PersistDispatcher`` (sent
+snapshots and answers), ``PlanCache``, ``SlotPool``, ``SnapshotCopies`` and the
+copier (``transfer.py``). The restart rules are in ``restarts.py``, the blocking
+calls in ``blocking.py``; snapshot states are described in ``snapshot.py``.
 """
 
 from __future__ import annotations
@@ -28,37 +33,32 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ConfigError, OverlapCkptError, WriterDiedError
-from ..format.manifest import CheckpointInfo
+from ..errors import ConfigError, WriterDiedError
 from .autowindow import FWD_BWD_END, FWD_BWD_START, OPT_END, OPT_START, PhaseTimer, WindowChoice
+from .blocking import BlockingCalls
 from .dispatch import PersistDispatcher
 from .gradlog import GradientLogger
 from .layout import CheckpointScope, StateLayout
-from .ledger import CheckpointLedger, GroupRecord
 from .plan import CopyPlan
 from .plan_cache import PlanCache
 from .replay_guard import ReplayMutationGuard
+from .requests import RequestQueue, StartingRequest
+from .restarts import SnapshotRestarts
 from .slots import HostSlot, SlotPool
-from .snapshot import Snapshot, SnapshotMode, SnapshotState
+from .snapshot import Snapshot, SnapshotMode, SnapshotState, SnapshotStats
 from .snapshot_copies import SnapshotCopies
 from .staging import StagingArea
 from .step_hooks import StepPoint
 from .transfer import Copier
 from .warnings_text import (
     BOUNDARY_WARNING,
-    CLOSURE_IGNORED_WARNING,
-    GRAD_SCALER_WARNING,
-    LATE_HOOK_WARNING,
-    NEW_STATE_WARNING,
-    REPLAY_MUTATION_WARNING,
     WRITER_RESTART_WARNING,
 )
 from .window_policy import WindowPolicy
-from .writer_handle import WriterProcess
-from .writer_restarts import DEFAULT_MAX_WRITER_RESTARTS, WriterRestartBudget
+from .writer_link import WriterLink
 
 
-class SnapshotEngine:
+class SnapshotEngine(BlockingCalls, SnapshotRestarts):
     """Drives snapshots from the optimizer's step hooks."""
 
     def __init__(
@@ -71,7 +71,7 @@ class SnapshotEngine:
         every: int | None,
         keep: int | None,
         stateful: dict[str, Any],
-        writer: WriterProcess,
+        link: WriterLink,
         max_inflight: int,
         stage_budget_bytes: int | None,
         keep_staging: bool,
@@ -80,14 +80,13 @@ class SnapshotEngine:
         gap_timer: PhaseTimer | None,
         device: torch.device,
         scope: CheckpointScope,
-        writer_factory: Callable[[], WriterProcess] | None = None,
-        max_writer_restarts: int = DEFAULT_MAX_WRITER_RESTARTS,
+        at_boundary: Callable[[], None] | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.consistency = SnapshotMode(consistency)
         self.every = every
         self.stateful = stateful
-        self.writer = writer
+        self.link = link
         self.copier = copier
         self.gap_timer = gap_timer
         # Distributed: every rank must start each snapshot at the same step, so a request
@@ -96,32 +95,25 @@ class SnapshotEngine:
         self.windows = WindowPolicy(
             window, self.consistency, max_window, gap_timer, gradients_fenced=not copier.clone_is_cheap, distributed=self.distributed
         )
-        self.slots = SlotPool(writer, pin=copier.pins_host_memory, max_inflight=max_inflight)
-        self.plans = PlanCache(model, optimizer, writer, scope)
+        self.slots = SlotPool(link, pin=copier.pins_host_memory, max_inflight=max_inflight)
+        self.plans = PlanCache(model, optimizer, link, scope)
         self.staging = StagingArea(device, stage_budget_bytes, keep=keep_staging)
         self.gradients = GradientLogger(optimizer, copier)
         self.copies = SnapshotCopies(optimizer, stateful, copier, self.staging, self.gradients)
-        self.dispatcher = PersistDispatcher(writer, self.slots, keep, unsolicited_errors=scope.world_size > 1)
+        self.dispatcher = PersistDispatcher(link, self.slots, keep, unsolicited_errors=scope.world_size > 1)
         self.step_count = 0
         self._hook_serial = 0
         self._next_request_id = 0
         self._snapshots: list[Snapshot] = []  # started and not yet sent, in start order
-        self._pending_request_steps: list[int] = []  # requests not yet started, by the step they came after
-        self._waiting_for_slot = False
-        self._last_started_step: int | None = None
-        self._restarted_from: int | None = None
+        self.requests = RequestQueue()
         self._slot_wait_s = 0.0  # distributed: hook time the next snapshot waited for a free slot
         self._prepared_fingerprint: int | None = None
-        self.deferrals = 0
         self._user_marks_boundary = False
         self._warned: set[str] = set()
         self.dead: WriterDiedError | None = None  # set once a writer death has been raised
-        # A dead writer is replaced (one process: the writers of a distributed run share a group).
-        self._writer_factory = None if self.distributed else writer_factory
-        self.writer_restarts = WriterRestartBudget(max_writer_restarts)
         self.snapshots_dropped = 0  # incomplete snapshots lost with a dead writer
         # Called at each iteration boundary (save on a preemption signal); see preemption.py.
-        self.at_boundary: Callable[[], None] | None = None
+        self.at_boundary = at_boundary
         self.step_point = StepPoint(optimizer, self._on_step_start, self._before_update, self._on_step_end)
         self._replay_guard = ReplayMutationGuard(self.step_point)
         self.install_hooks()
@@ -204,7 +196,7 @@ class SnapshotEngine:
             if not snap.all_enqueued:
                 self.copies.advance(snap, self.step_count, self._hook_serial)
         if self.every is not None and self.step_count % self.every == 0:
-            self._pending_request_steps.append(self.step_count)
+            self.requests.add(self.step_count)
         if self._prepared_fingerprint is None:
             self._prepare()  # the first step created the optimizer state: its size is known now
         self._start_pending()
@@ -216,21 +208,6 @@ class SnapshotEngine:
         self._raise_pending()
         if self.at_boundary is not None and not self._user_marks_boundary:
             self.at_boundary()  # the loop marks no boundary of its own: the step's end is one
-
-    def _update_point_skipped(self) -> None:
-        """The step took our closure and never called it: its update ran without our fences."""
-        self._warn_once("closure", CLOSURE_IGNORED_WARNING.format(optimizer=type(self.optimizer).__qualname__))
-        for snap in list(self._snapshots):
-            if snap.unfenced or (snap.mode == SnapshotMode.REPLAY and snap.version is None):
-                self._restart(snap, start_step=self.step_count + 1)
-
-    def _replay_cannot_follow(self, mutated_by: list[str]) -> None:
-        """A pre-hook (or the closure) wrote copied state in place: replay cannot repeat that write."""
-        self.windows.replay_unfollowable = True
-        self._warn_once("replay-mutation", REPLAY_MUTATION_WARNING.format(hooks=", ".join(mutated_by) or "the closure"))
-        for snap in list(self._snapshots):
-            if snap.mode == SnapshotMode.REPLAY and snap.version is None:
-                self._restart(snap, start_step=self.step_count)
 
     def mark_iteration_end(self) -> None:
         """``ckpt.step()``: the boundary where stateful objects are captured."""
@@ -257,7 +234,7 @@ class SnapshotEngine:
             raise self.dead
         self._raise_pending()
         started = time.perf_counter()
-        self._pending_request_steps.append(self.step_count)
+        self.requests.add(self.step_count)
         self._start_pending()
         self._charge(started)  # the copies a request starts are host time the loop waits for
         self._progress()
@@ -287,17 +264,15 @@ class SnapshotEngine:
             self.dispatcher.fail(e)
 
     def _start_pending_now(self) -> None:
-        if not self._pending_request_steps:
+        if not self.requests.pending:
             return
         if self.step_count == 0 and not self.optimizer.state:
-            self._pending_request_steps = []
+            self.requests.clear()
             raise ConfigError(
                 "a checkpoint was requested before the first optimizer.step(): the optimizer has no "
                 "state yet, and creating it would change training. Request it after the first step"
             )
-        if self._last_started_step == self.step_count:
-            # A snapshot started at this very step is already under way: it answers this request too.
-            self._pending_request_steps = []
+        if self.requests.answered_at(self.step_count):
             return
         if self.distributed:
             self._wait_until_startable()
@@ -309,16 +284,15 @@ class SnapshotEngine:
             grad_nbytes = GradientLogger.buffer_nbytes(plan, layout) if self.windows.mode_for(window) == SnapshotMode.REPLAY else 0
             slot = self.slots.free_slot(plan.slot_nbytes, grad_nbytes)
         if slot is None:
-            if not self._waiting_for_slot:
-                # Counted once per request that has to wait, however many hooks it waits.
-                self.deferrals += 1
-                self._waiting_for_slot = True
+            self.requests.no_free_slot(self._busy_reason())
             return
-        deferred, self._waiting_for_slot = self._waiting_for_slot, False
-        requested_step = self._pending_request_steps[0]
-        self._pending_request_steps = []
-        self._last_started_step = self.step_count
-        self._start_snapshot(slot, requested_step, deferred, layout, plan, plan_id, choice)
+        self._start_snapshot(slot, self.requests.take(self.step_count), layout, plan, plan_id, choice)
+
+    def _busy_reason(self) -> str:
+        if self._snapshots:
+            s = self._snapshots[0]
+            return f"the checkpoint requested after step {s.requested_step} was still being copied (window {s.window})"
+        return self.dispatcher.busy_reason()
 
     def _wait_until_startable(self) -> None:
         """Distributed: block this hook until a slot is free (and, for "auto", the agreed window is known).
@@ -339,41 +313,16 @@ class SnapshotEngine:
     def _start_snapshot(
         self,
         slot: HostSlot,
-        requested_step: int,
-        deferred: bool,
+        request: StartingRequest,
         layout: StateLayout,
         plan: CopyPlan,
         plan_id: int,
         choice: WindowChoice | None,
     ) -> None:
-        window, s = plan.window_steps, self.step_count
-        mode = self.windows.mode_for(window)
+        s, mode = self.step_count, self.windows.mode_for(plan.window_steps)
         self._next_request_id += 1
         self._warn_about_late_hooks()
-        ledger = CheckpointLedger(
-            requested_step=requested_step,
-            started_step=s,
-            target_version=s if mode != SnapshotMode.REPLAY else s + window - 1,
-            window=window,
-            mode=mode.value,
-            groups=[GroupRecord(index=g.index, nbytes=g.nbytes) for g in plan.groups],
-            window_choice=None if choice is None else choice.to_json(),
-            restarted_from=self._restarted_from,
-        )
-        self._restarted_from = None
-        snap = Snapshot(
-            request_id=self._next_request_id,
-            requested_step=requested_step,
-            started_step=s,
-            window=window,
-            mode=mode,
-            slot=slot,
-            plan=plan,
-            plan_id=plan_id,
-            layout=layout,
-            ledger=ledger,
-            deferred=deferred,
-        )
+        snap = Snapshot.open(self._next_request_id, request, s, mode, slot, plan, plan_id, layout, choice)
         snap.waited_for_slot_s, self._slot_wait_s = self._slot_wait_s, 0.0
         views = slot.entry_views(plan, layout)
         if mode == SnapshotMode.STAGE:
@@ -400,47 +349,6 @@ class SnapshotEngine:
         if provisional and not self._user_marks_boundary and self.stateful:
             self._warn_once("boundary", BOUNDARY_WARNING)
 
-    def _note_grad_scaler(self) -> None:
-        if self.windows.grad_scaler_seen or not hasattr(self.optimizer, "found_inf"):
-            return
-        self.windows.grad_scaler_seen = True
-        if self.consistency == SnapshotMode.REPLAY and self.windows.widest_window != 1:
-            warnings.warn(GRAD_SCALER_WARNING, stacklevel=4)
-            for snap in list(self._snapshots):
-                if snap.mode == SnapshotMode.REPLAY and snap.version is None:
-                    # Its logged gradients came from steps GradScaler's fused kernel
-                    # unscales and may skip: restart it, now at window 1.
-                    self._restart(snap, start_step=self.step_count)
-
-    def _restart_if_state_grew(self) -> None:
-        """Post-hook: a replay window whose layout lacks state this step created cannot reach its version."""
-        for snap in list(self._snapshots):
-            if snap.mode == SnapshotMode.REPLAY and snap.version is None and self.gradients.state_grew(snap.layout):
-                warnings.warn(NEW_STATE_WARNING.format(old=snap.requested_step, new=self.step_count), stacklevel=4)
-                self._restart(snap, start_step=self.step_count)
-
-    def _restart(self, snap: Snapshot, start_step: int) -> None:
-        """Replace a replay snapshot that cannot reach its version by one started at the next chance."""
-        for ticket in snap.tickets:
-            # The slot may be released or regrown for a new layout: its host memory must
-            # not be unmapped under copies still writing it. Rare, so the host waits here.
-            self.copier.wait(ticket)
-        self._snapshots.remove(snap)
-        snap.slot.busy = False
-        self._restarted_from = snap.started_step
-        self._pending_request_steps.insert(0, snap.requested_step)
-        self._last_started_step = None
-
-    def _warn_about_late_hooks(self) -> None:
-        """Post-step hooks that run after ours may write tensors our copies are reading."""
-        from torch.optim.optimizer import _global_optimizer_post_hooks
-
-        ours = self.step_point.post_hook_id
-        keys = list(self.optimizer._optimizer_step_post_hooks.keys())
-        later = len(keys) - 1 - keys.index(ours) if ours in keys else 0
-        if later or _global_optimizer_post_hooks:
-            self._warn_once("late-hook", LATE_HOOK_WARNING.format(count=later + len(_global_optimizer_post_hooks)))
-
     def _warn_once(self, key: str, text: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -466,7 +374,7 @@ class SnapshotEngine:
                 self._snapshots.remove(snap)
                 proposal = self.windows.propose(snap.layout, self.plans, self.staging)
                 stats = self.dispatcher.send(snap, proposed_next_window=proposal)
-                stats.writer_restarts = self.writer_restarts.count
+                stats.writer_restarts = self.link.restarts.count
                 if snap.mode == SnapshotMode.STAGE:
                     self.staging.release_if_idle(self.copier)
                 self.windows.observe_copies(stats.copied_nbytes, stats.copy_s)
@@ -490,21 +398,15 @@ class SnapshotEngine:
 
     def _replace_dead_writer(self, error: WriterDiedError) -> bool:
         """Start a new writer and hand it the host buffers, plans and complete snapshots; False if none may start."""
-        if self._writer_factory is None or not self.writer_restarts.allow():
+        if not self.link.replace():  # hands the new writer the buffers, plans and sent snapshots
             return False
-        self.writer.close(timeout_s=5.0)  # reap the dead one
-        writer = self._writer_factory()
-        self.writer = writer
-        self.slots.rebind(writer)
-        self.plans.rebind(writer)
         # Snapshots still being copied are dropped: their request may be made again. The
         # ones sent were complete in host memory and are persisted by the new writer.
         for snap in self._snapshots:
             snap.slot.busy = False
         self.snapshots_dropped += len(self._snapshots)
         self._snapshots.clear()
-        self.dispatcher.rebind(writer)
-        self._warn_once("writer-restart", WRITER_RESTART_WARNING.format(error=error, limit=self.writer_restarts.max_restarts))
+        self._warn_once("writer-restart", WRITER_RESTART_WARNING.format(error=error, limit=self.link.restarts.max_restarts))
         return True
 
     def _charge(self, started: float) -> None:
@@ -513,96 +415,20 @@ class SnapshotEngine:
         for snap in self._snapshots:
             snap.hook_host_s += spent
 
-    # ---- blocking calls (never from a hook) ------------------------------------------
+    @property
+    def stats(self) -> list[SnapshotStats]:
+        """Committed checkpoints' figures, in commit order."""
+        return self.dispatcher.stats
 
-    def wait(self, timeout_s: float | None) -> list[CheckpointInfo]:
-        """Finish every requested snapshot now and block until the writer committed each."""
-        if self.dead is not None:
-            raise self.dead
-        self._raise_pending()
-        self._drain(timeout_s, start_pending=True)
-        return self.dispatcher.take_committed()
+    def continue_from(self, step: int) -> None:
+        """After a restore: the next update makes version ``step + 1``."""
+        self.step_count = step
 
-    def _drain(self, timeout_s: float | None, start_pending: bool) -> None:
-        """Close every open window now, land its copies and block until the writer committed each."""
-        from ..errors import CheckpointTimeoutError
-
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            if start_pending:
-                # A deferred request starts as soon as a slot is free, at the current step.
-                self._start_pending()
-            for snap in list(self._snapshots):
-                self.copies.close_window(snap, self.step_count, self._hook_serial)
-                if snap.state == SnapshotState.AT_BOUNDARY:
-                    self._close_boundary(snap, provisional=False)
-                for t in snap.tickets:
-                    self.copier.wait(t)
-            self._progress()
-            self._raise_pending()
-            if not self._snapshots and not self.dispatcher.in_flight and not (start_pending and self._pending_request_steps):
-                break
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise CheckpointTimeoutError(
-                    f"checkpoints of steps {self.unfinished_versions()} were not committed within "
-                    f"timeout_s={timeout_s}; pass a larger timeout_s or None"
-                )
-            if self.dispatcher.in_flight or self.writer.awaiting_responses:
-                try:
-                    self.dispatcher.wait_one(remaining)
-                except TimeoutError:
-                    continue  # the deadline check above raises the named error
-            self._raise_pending()
-
-    def abandon(self, timeout_s: float) -> list[CheckpointInfo]:
-        """Leaving on an error: commit what is complete in host memory within ``timeout_s``, drop the rest.
-
-        Open windows are abandoned (never closed early: the state may be mid-update when
-        an exception unwinds). A snapshot whose groups are all enqueued and whose
-        boundary was captured lands and is sent; the writer's answers are awaited up to
-        the deadline. Nothing here raises: the caller's exception must come through.
-        """
-        deadline = time.monotonic() + timeout_s
-        self._pending_request_steps = []
-        for snap in list(self._snapshots):
-            if snap.all_enqueued and snap.version is not None:
-                if snap.state == SnapshotState.AT_BOUNDARY:
-                    self._close_boundary(snap, provisional=False)
-                for t in snap.tickets:
-                    self.copier.wait(t)
-            else:
-                snap.slot.busy = False
-                self._snapshots.remove(snap)
-                self.snapshots_dropped += 1
-        try:
-            self._progress()
-            while self.dispatcher.in_flight and self.dispatcher.error is None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                try:
-                    self.dispatcher.wait_one(remaining)
-                except TimeoutError:
-                    break
-        except OverlapCkptError as e:
-            warnings.warn(f"overlapckpt: while leaving on an error, the pending checkpoints could not commit: {e}", stacklevel=3)
-        if self.dispatcher.error is not None:
-            warnings.warn(f"overlapckpt: while leaving on an error: {self.dispatcher.error}", stacklevel=3)
-            self.dispatcher.error = None
-        return self.dispatcher.take_committed()
-
-    def covers_current_step(self) -> bool:
-        """Whether a snapshot in flight ends at the current step once its window closes now."""
-        for snap in self._snapshots:
-            if snap.version == self.step_count or (snap.mode == SnapshotMode.REPLAY and snap.version is None):
-                return True
-        return self.step_count in self.dispatcher.sent_versions() or any(
-            s.step == self.step_count for s in self.dispatcher.stats
-        )
-
-    def unfinished_versions(self) -> list[int | None]:
-        return [s.version for s in self._snapshots] + self.dispatcher.sent_versions()
+    def shut_down(self, writer_timeout_s: float) -> None:
+        """Remove the hooks, stop the writer, release host buffers (after the copies into them)."""
+        self.remove_hooks()
+        self.link.close(timeout_s=writer_timeout_s)
+        self.release()
 
     def release(self) -> None:
         # Teardown may come with copies still queued (the writer died, wait() raised):

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..errors import InternalError
 from ..protocol import GradientStep, ReplayLog
 from .layout import StateLayout, optimizer_shape_signature
 from .ownership import local_tensor
@@ -117,7 +118,7 @@ class GradientLogger:
         key = (int(slot.grad_buffer_id or 0), plan.fingerprint, plan.window_steps)
         if key not in self._views:
             if slot.grad_buffer is None:
-                raise RuntimeError("replay needs the slot's gradient buffer; the slot pool did not allocate it")
+                raise InternalError("replay needs the slot's gradient buffer; the slot pool did not allocate it")
             offsets, _ = gradient_layout(plan, layout)
             by_fqn = dict(zip(layout.param_fqns, layout.param_locals))
             views = {

@@ -49,16 +49,9 @@ class CheckpointLedger:
         g.version = version
         g.enqueued_s = self._since_request()
 
-    def group_landed(self, index: int) -> None:
-        if self.groups[index].landed_s is None:
-            self.groups[index].landed_s = self._since_request()
-
     def gradients_logged(self, step: int, groups: list[int]) -> None:
         self.gradient_steps[step] = list(groups)
         self.hyperparameter_steps.append(step)
-
-    def all_landed(self) -> bool:
-        return all(g.landed_s is not None for g in self.groups)
 
     def mark_complete(self) -> None:
         self.complete_s = self._since_request()

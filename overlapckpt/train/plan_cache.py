@@ -16,18 +16,20 @@ from .. import protocol as p
 from .layout import CheckpointScope, StateLayout, build_layout, live_fingerprint
 from .plan import CopyPlan, make_plan
 from .writer_handle import WriterProcess
+from .writer_link import WriterLink
 
 
 class PlanCache:
     """The current layout, its plans by window, and the plan ids the writer knows."""
 
     def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, writer: WriterProcess, scope: CheckpointScope
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, link: WriterLink, scope: CheckpointScope
     ) -> None:
         self.model = model
         self.scope = scope
         self.optimizer = optimizer
-        self.writer = writer
+        self.link = link
+        link.on_replaced(self._hand_to)
         self._layout: StateLayout | None = None
         self._plans: dict[int, CopyPlan] = {}
         self._plan_ids: dict[int, int] = {}  # by window, for the current layout
@@ -42,9 +44,8 @@ class PlanCache:
             self._plan_ids = {}
         return self._layout
 
-    def rebind(self, writer: WriterProcess) -> None:
+    def _hand_to(self, writer: WriterProcess) -> None:
         """A new writer replaced a dead one: register the current plans with it again, under the same ids."""
-        self.writer = writer
         if self._layout is not None:
             for window, plan_id in self._plan_ids.items():
                 layout, plan = self._layout, self._plans[window]
@@ -62,5 +63,5 @@ class PlanCache:
         if window_steps not in self._plan_ids:
             self._next_plan_id += 1
             self._plan_ids[window_steps] = self._next_plan_id
-            self.writer.send(p.SetPlanRequest(self._next_plan_id, layout.entries, plan.offsets, layout.global_shapes))
+            self.link.writer.send(p.SetPlanRequest(self._next_plan_id, layout.entries, plan.offsets, layout.global_shapes))
         return plan, self._plan_ids[window_steps]

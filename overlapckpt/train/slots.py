@@ -31,6 +31,7 @@ from ..hostbuf import SharedHostBuffer
 from .layout import StateLayout
 from .plan import CopyPlan
 from .writer_handle import WriterProcess
+from .writer_link import WriterLink
 
 # A background allocation that takes longer than this is stuck (a full /dev/shm blocks no call, it fails).
 _PREALLOCATE_TIMEOUT_S = 600.0
@@ -72,8 +73,9 @@ def _touch_pages(buffer: SharedHostBuffer) -> None:
 class SlotPool:
     """Host slots for in-flight snapshots, and their link to the writer's mappings."""
 
-    def __init__(self, writer: WriterProcess, pin: bool, max_inflight: int) -> None:
-        self.writer = writer
+    def __init__(self, link: WriterLink, pin: bool, max_inflight: int) -> None:
+        self.link = link
+        link.on_replaced(self._hand_to)
         self.pin = pin  # page-lock for DMA: only where the copier copies by DMA into it
         self.max_inflight = max_inflight
         self.slots: list[HostSlot] = []
@@ -174,9 +176,8 @@ class SlotPool:
         slot.grad_buffer, slot.grad_buffer_id = buffer, self._new_buffer_id()
         self._announce(buffer, slot.grad_buffer_id)
 
-    def rebind(self, writer: WriterProcess) -> None:
+    def _hand_to(self, writer: WriterProcess) -> None:
         """A new writer replaced a dead one: hand it every buffer (the memory itself never moved)."""
-        self.writer = writer
         for slot in self.slots:
             self._announce(slot.buffer, slot.buffer_id)
             if slot.grad_buffer is not None and slot.grad_buffer_id is not None:
@@ -218,14 +219,14 @@ class SlotPool:
     def _announce(self, buffer: SharedHostBuffer, buffer_id: int) -> None:
         """Ask the writer to map ``buffer``; release it here if the writer cannot be told."""
         try:
-            self.writer.send_with_fd(p.MapBufferRequest(buffer_id, buffer.nbytes), buffer.fd)
+            self.link.writer.send_with_fd(p.MapBufferRequest(buffer_id, buffer.nbytes), buffer.fd)
         except BaseException:
             buffer.release()
             raise
 
     def _tell_writer(self, request: p.ReleaseBufferRequest) -> None:
         try:
-            self.writer.send(request)
+            self.link.writer.send(request)
         except OverlapCkptError:
             pass  # a dead writer holds no mapping any more
 

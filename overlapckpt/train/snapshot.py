@@ -17,13 +17,17 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .layout import StateLayout
-from .ledger import CheckpointLedger
+from .ledger import CheckpointLedger, GroupRecord
 from .plan import CopyPlan
 from .slots import HostSlot
 from .transfer import CopyTicket
+
+if TYPE_CHECKING:
+    from .autowindow import WindowChoice
+    from .requests import StartingRequest
 
 
 class SnapshotMode(str, enum.Enum):
@@ -109,6 +113,45 @@ class Snapshot:
     hook_host_s: float = 0.0
     deferred: bool = False
     waited_for_slot_s: float = 0.0  # distributed: the hook blocked this long for a free slot before starting
+
+    @classmethod
+    def open(
+        cls,
+        request_id: int,
+        request: StartingRequest,
+        step: int,
+        mode: SnapshotMode,
+        slot: HostSlot,
+        plan: CopyPlan,
+        plan_id: int,
+        layout: StateLayout,
+        choice: WindowChoice | None,
+    ) -> Snapshot:
+        """A snapshot starting at ``step`` for ``request``, with its ledger."""
+        window = plan.window_steps
+        ledger = CheckpointLedger(
+            requested_step=request.requested_step,
+            started_step=step,
+            target_version=step if mode != SnapshotMode.REPLAY else step + window - 1,
+            window=window,
+            mode=mode.value,
+            groups=[GroupRecord(index=g.index, nbytes=g.nbytes) for g in plan.groups],
+            window_choice=None if choice is None else choice.to_json(),
+            restarted_from=request.restarted_from,
+        )
+        return cls(
+            request_id=request_id,
+            requested_step=request.requested_step,
+            started_step=step,
+            window=window,
+            mode=mode,
+            slot=slot,
+            plan=plan,
+            plan_id=plan_id,
+            layout=layout,
+            ledger=ledger,
+            deferred=request.deferred,
+        )
 
     @property
     def nbytes(self) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .. import protocol as p
-from ..errors import OverlapCkptError
+from ..errors import CheckpointExistsError
 from ..format.blobsums import StoredChecksums
 from ..format.entries import TensorEntry, build_state_dict
 from ..format.extra_state import encode
@@ -25,10 +25,6 @@ from ..format.shards import CoveringSavePlanner, LocalShard
 from ..format.storage import CheckpointStore
 from ..hostbuf import view_bytes
 from .group import WriterGroup
-
-
-class CheckpointExistsError(OverlapCkptError):
-    """A committed checkpoint of the same version already exists; it is never overwritten."""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

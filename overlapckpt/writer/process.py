@@ -10,7 +10,6 @@ process keeps serving, so one failed write does not lose the next checkpoint.
 from __future__ import annotations
 
 import ctypes
-import importlib
 import os
 import pickle
 import signal
@@ -18,13 +17,13 @@ import socket
 import sys
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any
 
 import torch
 
 from .. import protocol as p
 from ..format.storage import CheckpointStore, dcp_root_cause
 from ..hostbuf import fd_path, map_shared_file
+from ..qualname import import_qualified
 from .group import WriterGroup
 from .persist import persist_snapshot
 
@@ -61,11 +60,8 @@ def _error_response(request_id: int | None, e: BaseException) -> p.ErrorResponse
 
 
 def _load_store(init: p.InitRequest) -> CheckpointStore:
-    module_name, qualname = init.store_class
-    obj: Any = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj(init.root, init.storage_options)
+    store_class: type[CheckpointStore] = import_qualified(*init.store_class)
+    return store_class(init.root, init.storage_options)
 
 
 def _send(conn: Connection, response: object) -> None:

@@ -11,7 +11,6 @@ the log and are not replayed. On CPU training this reproduces the state bit for 
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
@@ -19,13 +18,11 @@ import torch
 from ..format.entries import ROLE_OPTIM, ROLE_PARAM, TensorEntry
 from ..hostbuf import view_bytes
 from ..protocol import ReplayLog
+from ..qualname import import_qualified
 
 
 def _import(spec: tuple[str, str]) -> Any:
-    obj: Any = importlib.import_module(spec[0])
-    for part in spec[1].split("."):
-        obj = getattr(obj, part)
-    return obj
+    return import_qualified(*spec)
 
 
 def _replay_hyperparameters(h: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,147 @@
+"""No byte from storage runs code: ``.metadata`` through an allowlisting unpickler, byte items as weights only.
+
+A DCP checkpoint holds two kinds of pickle: ``.metadata`` (DCP's ``Metadata``
+dataclasses, written by the coordinator) and *byte items* (non-tensor state such as
+the optimizer's ``param_groups``, written by ``torch.save``). Stock DCP reads the
+first with ``pickle.load`` and the second with ``torch.load(weights_only=False)``:
+either runs whatever a crafted file names. Checksums do not help, because an attacker
+who can write the files can recompute them (integrity, not authenticity; see the
+optional signature in ``signing.py``).
+
+Here ``.metadata`` is unpickled by ``MetadataUnpickler``, which resolves only the
+globals DCP's metadata is made of (its dataclasses, ``torch.Size``, dtypes, layouts,
+memory formats, paths), and byte items by ``torch.load(weights_only=True)``, torch's
+own allowlist of tensors and builtin containers. Anything else is refused with an
+``UnsafeCheckpointError`` naming the file and the global. Stock ``dcp.load`` still
+reads every checkpoint overlapckpt writes: the files are plain DCP.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import IO, Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
+
+from ..errors import UnsafeCheckpointError
+
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+# Every global DCP's Metadata pickles, found by unpickling real checkpoints (plain, DTensor
+# shards, byte items) under torch 2.11 to 2.13.
+_ALLOWED_GLOBALS = {
+    (_METADATA_MODULE, name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # looks a torch.layout up by name
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+def _is_torch_constant(module: str, name: str) -> bool:
+    """``torch.float32`` and kin: dtypes and memory formats pickle as attributes of ``torch``."""
+    if module != "torch":
+        return False
+    value = getattr(torch, name, None)
+    return isinstance(value, (torch.dtype, torch.memory_format, torch.layout))
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` and nothing else: every other global is refused by name."""
+
+    def __init__(self, file: IO[bytes], where: str) -> None:
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS or _is_torch_constant(module, name):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(
+            f"{self.where} names the global {module}.{name}, which DCP's metadata never contains: refused, so that "
+            "no code from the checkpoint runs. The file was crafted or is not DCP metadata; do not load it "
+            "with stock dcp.load either"
+        )
+
+
+def load_metadata(file: IO[bytes], where: str) -> Metadata:
+    """DCP's ``Metadata`` from ``file`` (``where`` names it in errors), never running code from it."""
+    try:
+        metadata = MetadataUnpickler(file, where).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as e:
+        raise UnsafeCheckpointError(f"{where} is not DCP metadata: {type(e).__name__}: {e}") from e
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(f"{where} holds a {type(metadata).__name__}, not DCP's Metadata")
+    return metadata
+
+
+def load_byte_item(data: io.BytesIO, where: str) -> Any:
+    """A byte item (``torch.save`` of non-tensor state) through torch's weights-only unpickler."""
+    try:
+        return torch.load(data, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError(
+            f"the byte item {where} needs code to unpickle ({e}): refused, so that no code from the checkpoint runs"
+        ) from e
+
+
+def _read_metadata_safely(reader: Any, kwargs: dict[str, Any]) -> Metadata:
+    """``read_metadata`` of DCP's FileSystemReader and FsspecReader, with ``load_metadata``."""
+    get_path = getattr(reader, "_get_metadata_path", None)
+    rank = kwargs.get("rank")
+    path = get_path(rank) if callable(get_path) else reader.fs.concat_path(reader.path, ".metadata")
+    with reader.fs.create_stream(path, "rb") as f:
+        metadata = load_metadata(f, str(path))
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    load_id = getattr(reader, "load_id", None)  # absent from older readers
+    if load_id is not None:
+        metadata.storage_meta.load_id = load_id
+    return metadata
+
+
+def safe_reader_class(base: type) -> type:
+    """``base`` (a DCP file-system reader) with ``.metadata`` read by ``load_metadata``."""
+
+    class SafeReader(base):  # type: ignore[misc, valid-type]
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            return _read_metadata_safely(self, kwargs)
+
+    SafeReader.__name__ = SafeReader.__qualname__ = f"Safe{base.__name__}"
+    return SafeReader
+
+
+SafeFileSystemReader = safe_reader_class(FileSystemReader)
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, with byte items read as weights only."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        loaded = load_byte_item(value, read_item.dest_index.fqn)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded

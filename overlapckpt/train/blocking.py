@@ -1,0 +1,135 @@
+"""The engine's blocking calls: ``wait``, ``close`` and leaving on an error. Never called from a hook.
+
+Each closes the open windows at the current step (or abandons them, on an error),
+lands the copies, hands the snapshots to the writer and waits for its answers,
+within a deadline and with the writer's liveness checked at every wait.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import TYPE_CHECKING
+
+from ..errors import CheckpointTimeoutError, OverlapCkptError, WriterDiedError
+from ..format.manifest import CheckpointInfo
+from .snapshot import Snapshot, SnapshotMode, SnapshotState
+
+if TYPE_CHECKING:
+    from .dispatch import PersistDispatcher
+    from .requests import RequestQueue
+    from .snapshot_copies import SnapshotCopies
+    from .transfer import Copier
+    from .writer_link import WriterLink
+
+
+class BlockingCalls:
+    """A mixin of ``SnapshotEngine``, which owns these attributes."""
+
+    copier: Copier
+    copies: SnapshotCopies
+    dispatcher: PersistDispatcher
+    link: WriterLink
+    requests: RequestQueue
+    step_count: int
+    snapshots_dropped: int
+    dead: WriterDiedError | None
+    _snapshots: list[Snapshot]
+    _hook_serial: int
+
+    if TYPE_CHECKING:  # provided by SnapshotEngine
+
+        def _start_pending(self) -> None: ...
+
+        def _progress(self) -> None: ...
+
+        def _raise_pending(self) -> None: ...
+
+        def _close_boundary(self, snap: Snapshot, provisional: bool) -> None: ...
+
+    def wait(self, timeout_s: float | None) -> list[CheckpointInfo]:
+        """Finish every requested snapshot now and block until the writer committed each."""
+        if self.dead is not None:
+            raise self.dead
+        self._raise_pending()
+        self._drain(timeout_s, start_pending=True)
+        return self.dispatcher.take_committed()
+
+    def _drain(self, timeout_s: float | None, start_pending: bool) -> None:
+        """Close every open window now, land its copies and block until the writer committed each."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            if start_pending:
+                # A deferred request starts as soon as a slot is free, at the current step.
+                self._start_pending()
+            for snap in list(self._snapshots):
+                self.copies.close_window(snap, self.step_count, self._hook_serial)
+                if snap.state == SnapshotState.AT_BOUNDARY:
+                    self._close_boundary(snap, provisional=False)
+                for t in snap.tickets:
+                    self.copier.wait(t)
+            self._progress()
+            self._raise_pending()
+            if not self._snapshots and not self.dispatcher.in_flight and not (start_pending and self.requests.pending):
+                break
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise CheckpointTimeoutError(
+                    f"checkpoints of steps {self.unfinished_versions()} were not committed within "
+                    f"timeout_s={timeout_s}; pass a larger timeout_s or None"
+                )
+            if self.dispatcher.in_flight or self.link.writer.awaiting_responses:
+                try:
+                    self.dispatcher.wait_one(remaining)
+                except TimeoutError:
+                    continue  # the deadline check above raises the named error
+            self._raise_pending()
+
+    def abandon(self, timeout_s: float) -> list[CheckpointInfo]:
+        """Leaving on an error: commit what is complete in host memory within ``timeout_s``, drop the rest.
+
+        Open windows are abandoned (never closed early: the state may be mid-update when
+        an exception unwinds). A snapshot whose groups are all enqueued and whose
+        boundary was captured lands and is sent; the writer's answers are awaited up to
+        the deadline. Nothing here raises: the caller's exception must come through.
+        """
+        deadline = time.monotonic() + timeout_s
+        self.requests.clear()
+        for snap in list(self._snapshots):
+            if snap.all_enqueued and snap.version is not None:
+                if snap.state == SnapshotState.AT_BOUNDARY:
+                    self._close_boundary(snap, provisional=False)
+                for t in snap.tickets:
+                    self.copier.wait(t)
+            else:
+                snap.slot.busy = False
+                self._snapshots.remove(snap)
+                self.snapshots_dropped += 1
+        try:
+            self._progress()
+            while self.dispatcher.in_flight and self.dispatcher.error is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    self.dispatcher.wait_one(remaining)
+                except TimeoutError:
+                    break
+        except OverlapCkptError as e:
+            warnings.warn(f"overlapckpt: while leaving on an error, the pending checkpoints could not commit: {e}", stacklevel=3)
+        if self.dispatcher.error is not None:
+            warnings.warn(f"overlapckpt: while leaving on an error: {self.dispatcher.error}", stacklevel=3)
+            self.dispatcher.error = None
+        return self.dispatcher.take_committed()
+
+    def covers_current_step(self) -> bool:
+        """Whether a snapshot in flight ends at the current step once its window closes now."""
+        for snap in self._snapshots:
+            if snap.version == self.step_count or (snap.mode == SnapshotMode.REPLAY and snap.version is None):
+                return True
+        return self.step_count in self.dispatcher.sent_versions() or any(
+            s.step == self.step_count for s in self.dispatcher.stats
+        )
+
+    def unfinished_versions(self) -> list[int | None]:
+        return [s.version for s in self._snapshots] + self.dispatcher.sent_versions()

@@ -1,0 +1,99 @@
+"""When a snapshot cannot reach its version: what notices it, and the restart.
+
+A replay window relies on the optimizer's update being the only write to the state
+it copied, on the gradients it logged being the ones consumed, and on the layout it
+was planned over staying complete. GradScaler's fused step, a pre-hook that writes
+copied state, state created inside the window, and a step that never called the
+closure (so its update ran unfenced) each break one of these. The snapshot is then
+dropped and its request started again at the next chance, with a warning that says
+why; for the first two, replay is off from then on (window 1, or stage).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+
+from .snapshot import Snapshot, SnapshotMode
+from .warnings_text import CLOSURE_IGNORED_WARNING, GRAD_SCALER_WARNING, LATE_HOOK_WARNING, NEW_STATE_WARNING, REPLAY_MUTATION_WARNING
+
+if TYPE_CHECKING:
+    from .gradlog import GradientLogger
+    from .requests import RequestQueue
+    from .step_hooks import StepPoint
+    from .transfer import Copier
+    from .window_policy import WindowPolicy
+
+
+class SnapshotRestarts:
+    """The engine's restart rules (a mixin of ``SnapshotEngine``, which owns these attributes)."""
+
+    optimizer: torch.optim.Optimizer
+    consistency: SnapshotMode
+    copier: Copier
+    gradients: GradientLogger
+    requests: RequestQueue
+    step_point: StepPoint
+    windows: WindowPolicy
+    step_count: int
+    _snapshots: list[Snapshot]
+
+    if TYPE_CHECKING:  # provided by SnapshotEngine
+
+        def _warn_once(self, key: str, text: str) -> None: ...
+
+    def _update_point_skipped(self) -> None:
+        """The step took our closure and never called it: its update ran without our fences."""
+        self._warn_once("closure", CLOSURE_IGNORED_WARNING.format(optimizer=type(self.optimizer).__qualname__))
+        for snap in list(self._snapshots):
+            if snap.unfenced or (snap.mode == SnapshotMode.REPLAY and snap.version is None):
+                self._restart(snap, start_step=self.step_count + 1)
+
+    def _replay_cannot_follow(self, mutated_by: list[str]) -> None:
+        """A pre-hook (or the closure) wrote copied state in place: replay cannot repeat that write."""
+        self.windows.replay_unfollowable = True
+        self._warn_once("replay-mutation", REPLAY_MUTATION_WARNING.format(hooks=", ".join(mutated_by) or "the closure"))
+        for snap in list(self._snapshots):
+            if snap.mode == SnapshotMode.REPLAY and snap.version is None:
+                self._restart(snap, start_step=self.step_count)
+
+    def _note_grad_scaler(self) -> None:
+        if self.windows.grad_scaler_seen or not hasattr(self.optimizer, "found_inf"):
+            return
+        self.windows.grad_scaler_seen = True
+        if self.consistency == SnapshotMode.REPLAY and self.windows.widest_window != 1:
+            warnings.warn(GRAD_SCALER_WARNING, stacklevel=4)
+            for snap in list(self._snapshots):
+                if snap.mode == SnapshotMode.REPLAY and snap.version is None:
+                    # Its logged gradients came from steps GradScaler's fused kernel
+                    # unscales and may skip: restart it, now at window 1.
+                    self._restart(snap, start_step=self.step_count)
+
+    def _restart_if_state_grew(self) -> None:
+        """Post-hook: a replay window whose layout lacks state this step created cannot reach its version."""
+        for snap in list(self._snapshots):
+            if snap.mode == SnapshotMode.REPLAY and snap.version is None and self.gradients.state_grew(snap.layout):
+                warnings.warn(NEW_STATE_WARNING.format(old=snap.requested_step, new=self.step_count), stacklevel=4)
+                self._restart(snap, start_step=self.step_count)
+
+    def _restart(self, snap: Snapshot, start_step: int) -> None:
+        """Replace a replay snapshot that cannot reach its version by one started at the next chance."""
+        for ticket in snap.tickets:
+            # The slot may be released or regrown for a new layout: its host memory must
+            # not be unmapped under copies still writing it. Rare, so the host waits here.
+            self.copier.wait(ticket)
+        self._snapshots.remove(snap)
+        snap.slot.busy = False
+        self.requests.put_back(snap.requested_step, snap.started_step)
+
+    def _warn_about_late_hooks(self) -> None:
+        """Post-step hooks that run after ours may write tensors our copies are reading."""
+        from torch.optim.optimizer import _global_optimizer_post_hooks
+
+        ours = self.step_point.post_hook_id
+        keys = list(self.optimizer._optimizer_step_post_hooks.keys())
+        later = len(keys) - 1 - keys.index(ours) if ours in keys else 0
+        if later or _global_optimizer_post_hooks:
+            self._warn_once("late-hook", LATE_HOOK_WARNING.format(count=later + len(_global_optimizer_post_hooks)))
