@@ -17,10 +17,12 @@ from .errors import (
     CorruptCheckpointError,
     OverlapCkptError,
     RankDisagreementError,
+    UnsafeCheckpointError,
 )
 from .format.entries import check_shapes, flatten_tensors
 from .format.extra_state import decode
 from .format.manifest import CheckpointInfo, checkpoint_name, step_of_name, tensor_crc32
+from .format.safe_read import SafeLoadPlanner
 from .format.storage import CheckpointStore, dcp_root_cause, is_storage_error, read_error, translate_read_errors
 from .format.verify import describe_problems, read_manifest, verify_checkpoint
 
@@ -101,17 +103,22 @@ def read_into(store: CheckpointStore, name: str, host: dict[str, Any], process_g
     import torch.distributed.checkpoint as dcp
 
     where = store.checkpoint_url(name)
+    reader = store.make_reader(name)
     try:
+        with translate_read_errors(f"{where}/.metadata"):
+            reader.read_metadata()  # through the allowlist, and raised with its type (DCP would stringify it)
         if process_group is not None:
-            dcp.load(host, storage_reader=store.make_reader(name), process_group=process_group)
+            dcp.load(host, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group)
         else:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-                dcp.load(host, storage_reader=store.make_reader(name), no_dist=True)
-    except (KeyboardInterrupt, SystemExit):
+                dcp.load(host, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    except (KeyboardInterrupt, SystemExit, OverlapCkptError):
         raise
     except BaseException as e:  # DCP's CheckpointException derives from BaseException
         cause = dcp_root_cause(e)
+        if isinstance(cause, UnsafeCheckpointError):
+            raise cause from e
         if is_storage_error(cause):
             raise read_error(f"the checkpoint {where}", cause) from cause
         raise CorruptCheckpointError(f"reading the checkpoint {where} failed: {type(cause).__name__}: {cause}") from cause
@@ -291,10 +298,12 @@ def _checked_manifest(
         )
     if verify:
         # Every stored byte against the checksums taken as it was written, before DCP
-        # unpickles .metadata or decodes a blob. This reads the shards once here and
-        # once more in DCP's load below: twice the reads, for a refusal that never
-        # leaves a half-loaded state and names the damaged blob. (Every rank of a
-        # distributed load verifies every shard.)
+        # decodes a blob: integrity (a flipped bit, a truncated shard), not authenticity,
+        # since whoever can write the files can recompute CRCs. What keeps a crafted file
+        # from running code is the reading itself (safe_read.py), with or without verify.
+        # This reads the shards once here and once more in DCP's load below: twice the
+        # reads, for a refusal that never leaves a half-loaded state and names the damaged
+        # blob. (Every rank of a distributed load verifies every shard.)
         report = verify_checkpoint(store, name, manifest)
         if not report.ok:
             raise CorruptCheckpointError(

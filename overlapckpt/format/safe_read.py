@@ -112,20 +112,27 @@ def _read_metadata_safely(reader: Any, kwargs: dict[str, Any]) -> Metadata:
     path = get_path(rank) if callable(get_path) else reader.fs.concat_path(reader.path, ".metadata")
     with reader.fs.create_stream(path, "rb") as f:
         metadata = load_metadata(f, str(path))
-    if getattr(metadata, "storage_meta", None) is None:
-        metadata.storage_meta = StorageMeta()
+    storage_meta = getattr(metadata, "storage_meta", None)
+    if storage_meta is None:
+        storage_meta = metadata.storage_meta = StorageMeta()
     load_id = getattr(reader, "load_id", None)  # absent from older readers
     if load_id is not None:
-        metadata.storage_meta.load_id = load_id
+        storage_meta.load_id = load_id
     return metadata
 
 
 def safe_reader_class(base: type) -> type:
     """``base`` (a DCP file-system reader) with ``.metadata`` read by ``load_metadata``."""
 
-    class SafeReader(base):  # type: ignore[misc, valid-type]
+    class SafeReader(base):
+        _checked_metadata: Metadata | None = None
+
         def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-            return _read_metadata_safely(self, kwargs)
+            # Read once, by the caller, before dcp.load: DCP turns an exception raised in
+            # here into a string, and the refusal must keep its type.
+            if self._checked_metadata is None:
+                self._checked_metadata = _read_metadata_safely(self, kwargs)
+            return self._checked_metadata
 
     SafeReader.__name__ = SafeReader.__qualname__ = f"Safe{base.__name__}"
     return SafeReader

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from typing import Any, BinaryIO
 
 from fsspec.core import url_to_fs
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torch.futures import Future
 
@@ -37,6 +37,7 @@ from ..errors import CheckpointReadError, CheckpointWriteError, ConfigError, Ove
 from .blobsums import ChecksummingFileSystem, FileSegments, StoredChecksums, attach_checksums, plain_results
 from .checksum import default_algorithm
 from .manifest import LATEST_NAME, MANIFEST_NAME, METADATA_NAME, step_of_name
+from .safe_read import SafeFileSystemReader, safe_reader_class
 
 
 def is_storage_error(e: BaseException) -> bool:
@@ -304,7 +305,8 @@ class CheckpointStore:
         )
 
     def make_reader(self, name: str) -> StorageReader:
+        """A DCP storage reader whose ``.metadata`` is unpickled by an allowlist (``safe_read.py``)."""
         if self.is_local:
-            return FileSystemReader(self._join(name))
+            return SafeFileSystemReader(self._join(name))
         _, reader_cls = _fsspec_dcp_classes()
-        return reader_cls(self.checkpoint_url(name), **self.storage_options)
+        return safe_reader_class(reader_cls)(self.checkpoint_url(name), **self.storage_options)
