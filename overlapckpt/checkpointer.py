@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -20,6 +21,7 @@ from .train.distributed import DistributedRun, is_distributed, set_up_distribute
 from .train.engine import SnapshotEngine
 from .train.gradlog import REPLAYABLE_OPTIMIZERS
 from .train.layout import CheckpointScope, check_optimizer_matches_model
+from .train.lineage import Lineage, new_run_id
 from .train.preemption import PreemptionGuard
 from .train.step_hooks import unwrap_optimizer
 from .train.transfer import Copier, make_copier
@@ -117,6 +119,9 @@ class Checkpointer:
             dead writer or rank surfaces as an error within it).
         agreement_timeout_s: distributed: how far apart in time the ranks may reach the same
             checkpoint before the request counts as one that other ranks did not make.
+        on_commit: called in the training process with each commit's figures, a dict with
+            units in the names (``time_to_commit_s``, ``state_bytes``, ...), at the hook or
+            call that learns of the commit. Exceptions it raises are logged, never raised.
 
     Host buffers are allocated on a background thread as soon as the state's size is known
     (here if the optimizer has state, else right after the first ``optimizer.step()``), so no
@@ -152,6 +157,7 @@ class Checkpointer:
         process_group: Any = None,
         collective_timeout_s: float = 300.0,
         agreement_timeout_s: float = 120.0,
+        on_commit: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         _check_window(window, max_window)
         _check_positive_int("every", every, "checkpoint after every N-th optimizer step, or None")
@@ -205,6 +211,9 @@ class Checkpointer:
             self._distributed = set_up_distributed(model, process_group, settings, collective_timeout_s, agreement_timeout_s)
         store = store_class(self.path, self.storage_options)
         store.prepare_root()
+        self._store = store
+        self._lineage = Lineage(self._agreed_run_id())
+        self._lineage.note_existing(store.committed_names(), own=set())
         self.model = model
         self.optimizer = optimizer
         self.stateful = stateful
@@ -260,7 +269,9 @@ class Checkpointer:
                 gap_timer=phase_timer if window == AUTO_WINDOW else None,
                 device=device,
                 scope=CheckpointScope() if self._distributed is None else self._distributed.scope,
+                lineage=self._lineage,
                 at_boundary=None if self._preemption is None else self._preemption.at_boundary,
+                on_commit=on_commit,
             )
         except BaseException:
             link.close(timeout_s=30.0)  # nothing may outlive a constructor that raised
@@ -401,7 +412,23 @@ class Checkpointer:
         finally:
             self._engine.install_hooks()
         self._engine.continue_from(info.step)
+        committed = self._store.committed_names()
+        own = {os.path.basename(s.path.rstrip("/")) for s in self._engine.stats if s.path}
+        self._lineage.restored(os.path.basename(info.path.rstrip("/")), info.step, [n for n in committed if n not in own])
+        self._lineage.note_existing(committed, own)
         return info
+
+    def _agreed_run_id(self) -> str:
+        """A new run id; in a distributed run, rank 0's, so every rank's manifest section names one run."""
+        run_id = new_run_id()
+        if self._distributed is not None:
+            import torch.distributed as dist
+
+            box = [run_id]
+            group = self._distributed.group
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+            run_id = str(box[0])
+        return run_id
 
     def _check_open(self) -> None:
         if self._closed:

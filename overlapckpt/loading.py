@@ -85,13 +85,17 @@ def resolve_checkpoint(store: CheckpointStore, step: int | None, skip_damaged: b
             f"every committed checkpoint under {store.root!r} has a damaged manifest ({len(names)} of them); "
             "see the warnings, and run `overlapckpt verify --all` on it"
         )
-    name = checkpoint_name(step)
-    if name not in names:
+    matching = [n for n in names if step_of_name(n) == step]
+    if not matching:
         steps = [step_of_name(n) for n in names]
         raise CheckpointNotFoundError(
             f"no committed checkpoint of step {step} under {store.root!r}; committed steps are {steps}"
         )
-    return name
+    # Two runs' checkpoints of one version (the second has a lineage-aware name): the one
+    # latest names, else the plain name, which the first run wrote.
+    with translate_read_errors(store.root):
+        latest = store.read_latest()
+    return latest if latest in matching else (checkpoint_name(step) if checkpoint_name(step) in matching else matching[-1])
 
 
 def read_into(store: CheckpointStore, name: str, host: dict[str, Any], process_group: Any = None) -> None:

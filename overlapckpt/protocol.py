@@ -97,6 +97,8 @@ class PersistRequest:
     ledger: dict[str, Any]
     stats: dict[str, Any]
     keep: int | None
+    run_id: str  # this run's id: its manifests carry it, and keep= counts only its checkpoints
+    restored_from: str | None = None  # the checkpoint this run continued from, if any
     replay: ReplayLog | None = None  # a replay-mode snapshot: what the writer rolls its groups forward with
     proposed_next_window: int | None = None  # window="auto": this rank's choice for the next checkpoint
 
@@ -123,6 +125,8 @@ class CommittedResponse:
     committed_at: float  # UNIX time
     persist_s: float
     removed: list[str] = field(default_factory=list)  # names deleted by retention
+    # Failures after the commit (updating latest, retention): the checkpoint is committed all the same.
+    warnings: list[str] = field(default_factory=list)
     agreed_next_window: int | None = None  # window="auto": the window every rank uses next
 
 

@@ -86,3 +86,10 @@ class BlockingOnceStore(BlockingStore):
         with open(marker, "w"):
             pass
         return super().make_writer(name, before_commit)
+
+
+class FailingRetentionStore(CheckpointStore):
+    """Raises OSError whenever retention removes a checkpoint: a failure after the commit."""
+
+    def remove_checkpoint(self, name: str) -> None:
+        raise OSError(5, "Input/output error (injected)", name)

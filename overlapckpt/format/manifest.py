@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -42,17 +43,21 @@ _SELF_DIGITS = 8
 CHECKPOINT_PREFIX = "step-"
 
 
-def checkpoint_name(step: int) -> str:
-    """The directory name of the checkpoint holding version ``step``."""
-    return f"{CHECKPOINT_PREFIX}{step:09d}"
+# ASCII only: str.isdigit() accepts "²", which int() then refuses. The optional suffix is
+# a run's id, for a version that another run's committed checkpoint already holds.
+_NAME_RE = re.compile(r"step-([0-9]{9,})(?:-([0-9a-f]{8}))?", re.ASCII)
+RUN_ID_HEX = 16  # a run id is 16 hex digits; names carry its first 8
+
+
+def checkpoint_name(step: int, run_id: str | None = None) -> str:
+    """The directory name of the checkpoint holding version ``step`` (``run_id``: the lineage-aware name)."""
+    return f"{CHECKPOINT_PREFIX}{step:09d}" + ("" if run_id is None else f"-{run_id[:8]}")
 
 
 def step_of_name(name: str) -> int | None:
-    """The version in a checkpoint directory name, or None for any other name."""
-    if not name.startswith(CHECKPOINT_PREFIX):
-        return None
-    digits = name[len(CHECKPOINT_PREFIX) :]
-    return int(digits) if digits.isdigit() else None
+    """The version in a checkpoint directory name, or None for any other name (strictly ``step-`` + digits)."""
+    match = _NAME_RE.fullmatch(name)
+    return None if match is None else int(match.group(1))
 
 
 def tensor_crc32(t: torch.Tensor) -> int:
@@ -80,6 +85,7 @@ class CheckpointInfo:
     requested_step: int  # the step at which the checkpoint was requested
     torch_version: str
     world_size: int = 1  # ranks that wrote it
+    run_id: str | None = None  # the run that wrote it (None: written before runs had ids)
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any], path: str) -> CheckpointInfo:
@@ -93,6 +99,7 @@ class CheckpointInfo:
             requested_step=int(manifest["requested_step"]),
             torch_version=str(manifest["torch_version"]),
             world_size=int(manifest.get("world_size", 1)),
+            run_id=None if manifest.get("run_id") is None else str(manifest["run_id"]),
         )
 
 

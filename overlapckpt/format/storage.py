@@ -232,7 +232,7 @@ class CheckpointStore:
             name = posixpath.basename(str(item["name"]).rstrip("/"))
             if item.get("type") == "directory" and step_of_name(name) is not None and self.is_committed(name):
                 names.append(name)
-        return sorted(names, key=lambda n: step_of_name(n) or 0)
+        return sorted(names, key=lambda n: (step_of_name(n) or 0, n))
 
     # ---- reads and writes ------------------------------------------------------
 

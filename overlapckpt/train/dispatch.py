@@ -10,17 +10,23 @@ It never blocks, except in ``wait_one``.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from .. import protocol as p
 from ..errors import InternalError, OverlapCkptError, WriterDiedError
-from ..format.manifest import CheckpointInfo, checkpoint_name
+from ..format.manifest import CheckpointInfo
 from .boundary import resolve_boundary, resolve_values
+from .lineage import Lineage
 from .slots import SlotPool
 from .snapshot import Snapshot, SnapshotState, SnapshotStats
 from .writer_handle import WriterProcess, writer_error
 from .writer_link import WriterLink
+
+log = logging.getLogger("overlapckpt.commits")
 
 
 @dataclass
@@ -34,7 +40,17 @@ class _Sent:
 class PersistDispatcher:
     """Sent snapshots, committed stats, and the first writer error."""
 
-    def __init__(self, link: WriterLink, slots: SlotPool, keep: int | None, unsolicited_errors: bool = False) -> None:
+    def __init__(
+        self,
+        link: WriterLink,
+        slots: SlotPool,
+        keep: int | None,
+        lineage: Lineage,
+        on_commit: Callable[[dict[str, Any]], None] | None = None,
+        unsolicited_errors: bool = False,
+    ) -> None:
+        self.lineage = lineage
+        self.on_commit = on_commit
         self.link = link
         link.on_replaced(self._hand_to)
         # Distributed: the writer may report, unasked, that other ranks claimed a checkpoint
@@ -63,6 +79,7 @@ class PersistDispatcher:
         snap.ledger.mark_complete()
         snap.state = SnapshotState.SENT
         stats = snap.stats()
+        stats.writer_restarts = self.link.restarts.count  # before the request's copy of the stats is made
         small_state, extra_state = resolve_boundary(snap.boundary)
         replay = snap.replay_log
         if replay is not None:
@@ -72,7 +89,7 @@ class PersistDispatcher:
             request_id=snap.request_id,
             buffer_id=snap.slot.buffer_id,
             plan_id=snap.plan_id,
-            name=checkpoint_name(snap.version),  # type: ignore[arg-type]
+            name=self.lineage.name_for(snap.version),  # type: ignore[arg-type]
             step=snap.version,  # type: ignore[arg-type]
             requested_step=snap.requested_step,
             mode=snap.mode.value,
@@ -82,6 +99,8 @@ class PersistDispatcher:
             ledger=snap.ledger.to_json(),
             stats=_stats_json(stats),
             keep=self.keep,
+            run_id=self.lineage.run_id,
+            restored_from=self.lineage.restored_from,
             replay=replay,
             proposed_next_window=proposed_next_window,
         )
@@ -138,6 +157,8 @@ class PersistDispatcher:
         self.error = None
         for sent in self._sent.values():
             snap = sent.snapshot
+            sent.stats.writer_restarts = self.link.restarts.count
+            sent.request.stats["writer_restarts"] = self.link.restarts.count  # what its manifest records
             writer.send(p.SetPlanRequest(snap.plan_id, snap.layout.entries, snap.plan.offsets, snap.layout.global_shapes))
             writer.send(sent.request)
 
@@ -163,6 +184,7 @@ class PersistDispatcher:
                 self.agreed_window = response.agreed_next_window
             self.stats.append(stats)
             self._unreturned.append(response.info)
+            self._report_commit(stats, response)
         elif isinstance(response, p.ErrorResponse):
             sent = self._sent.pop(response.request_id, None) if response.request_id is not None else None
             if sent is not None:
@@ -174,10 +196,57 @@ class PersistDispatcher:
             )
             self.fail(writer_error(response, what))
 
+    def _report_commit(self, stats: SnapshotStats, response: p.CommittedResponse) -> None:
+        """Log the commit, its retention and post-commit warnings; hand the figures to ``on_commit``."""
+        figures = commit_figures(stats)
+        log.info(
+            "committed version %s (requested after step %d, %s, window %d): %.1f MiB, hooks %.2f ms, "
+            "copy window %d step(s), time to commit %.2f s",
+            stats.step,
+            stats.requested_step,
+            stats.mode,
+            stats.window,
+            stats.nbytes / 2**20,
+            stats.hook_host_s * 1e3,
+            stats.window,
+            stats.time_to_commit_s or 0.0,
+        )
+        for name in response.removed:
+            log.info("retention (keep=%s) removed %s", self.keep, name)
+        for text in response.warnings:
+            log.warning("%s", text)
+        if self.on_commit is not None:
+            try:
+                self.on_commit(figures)
+            except Exception:  # a metrics sink must not fail the checkpoint it reports
+                log.exception("on_commit raised for the checkpoint of step %s; the checkpoint is committed", stats.step)
+
     def fail(self, error: OverlapCkptError) -> None:
         """Keep the first error until the engine raises it (or replaces a dead writer)."""
         if self.error is None:
             self.error = error
+
+
+def commit_figures(stats: SnapshotStats) -> dict[str, Any]:
+    """One commit's figures for metrics sinks: flat, numeric where it can be, units in the names."""
+    return {
+        "step": stats.step,
+        "requested_step": stats.requested_step,
+        "mode": stats.mode,
+        "window_steps": stats.window,
+        "state_bytes": stats.nbytes,
+        "copied_bytes": stats.copied_nbytes,
+        "copy_s": stats.copy_s,
+        "hook_host_s": stats.hook_host_s,
+        "device_waits_in_flight": stats.device_waits_in_flight,
+        "waited_for_slot_s": stats.waited_for_slot_s,
+        "deferred": stats.deferred,
+        "persist_s": stats.persist_s,
+        "time_to_commit_s": stats.time_to_commit_s,
+        "committed_at_unix_s": stats.committed_at_unix_s,
+        "writer_restarts": stats.writer_restarts,
+        "path": stats.path,
+    }
 
 
 def _stats_json(stats: SnapshotStats) -> dict[str, object]:

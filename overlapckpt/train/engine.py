@@ -39,6 +39,7 @@ from .blocking import BlockingCalls
 from .dispatch import PersistDispatcher
 from .gradlog import GradientLogger
 from .layout import CheckpointScope, StateLayout
+from .lineage import Lineage
 from .plan import CopyPlan
 from .plan_cache import PlanCache
 from .replay_guard import ReplayMutationGuard
@@ -80,7 +81,9 @@ class SnapshotEngine(BlockingCalls, SnapshotRestarts):
         gap_timer: PhaseTimer | None,
         device: torch.device,
         scope: CheckpointScope,
+        lineage: Lineage,
         at_boundary: Callable[[], None] | None = None,
+        on_commit: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.consistency = SnapshotMode(consistency)
@@ -100,7 +103,7 @@ class SnapshotEngine(BlockingCalls, SnapshotRestarts):
         self.staging = StagingArea(device, stage_budget_bytes, keep=keep_staging)
         self.gradients = GradientLogger(optimizer, copier)
         self.copies = SnapshotCopies(optimizer, stateful, copier, self.staging, self.gradients)
-        self.dispatcher = PersistDispatcher(link, self.slots, keep, unsolicited_errors=scope.world_size > 1)
+        self.dispatcher = PersistDispatcher(link, self.slots, keep, lineage, on_commit, unsolicited_errors=scope.world_size > 1)
         self.step_count = 0
         self._hook_serial = 0
         self._next_request_id = 0
@@ -286,7 +289,20 @@ class SnapshotEngine(BlockingCalls, SnapshotRestarts):
         if slot is None:
             self.requests.no_free_slot(self._busy_reason())
             return
+        if self._holds_version(self.step_count):
+            # A deferred request meets a free slot at the very step a snapshot already holds
+            # (a window closed early there): that snapshot answers it; a second would duplicate it.
+            self.requests.answered_by_version(self.step_count)
+            return
         self._start_snapshot(slot, self.requests.take(self.step_count), layout, plan, plan_id, choice)
+
+    def _holds_version(self, version: int) -> bool:
+        """A snapshot in flight, sent or committed already holds ``version``: a new one would duplicate it."""
+        return (
+            any(s.version == version for s in self._snapshots)
+            or version in self.dispatcher.sent_versions()
+            or any(s.step == version for s in self.dispatcher.stats)
+        )
 
     def _busy_reason(self) -> str:
         if self._snapshots:
@@ -374,7 +390,6 @@ class SnapshotEngine(BlockingCalls, SnapshotRestarts):
                 self._snapshots.remove(snap)
                 proposal = self.windows.propose(snap.layout, self.plans, self.staging)
                 stats = self.dispatcher.send(snap, proposed_next_window=proposal)
-                stats.writer_restarts = self.link.restarts.count
                 if snap.mode == SnapshotMode.STAGE:
                     self.staging.release_if_idle(self.copier)
                 self.windows.observe_copies(stats.copied_nbytes, stats.copy_s)

@@ -54,6 +54,21 @@ class RequestQueue:
         self._pending = []
         return True
 
+    def answered_by_version(self, step: int) -> None:
+        """A snapshot already holds the state of ``step``: it answers everything pending."""
+        pending, self._pending = self._pending, []
+        self._waiting_for_slot = False
+        self.merged += len(pending)
+        if pending != [step]:
+            log.warning(
+                "checkpoint requests after step(s) %s are answered by the checkpoint of version %d, which already "
+                "holds the state at step %d: %s",
+                pending,
+                step,
+                step,
+                self._busy_reason or "it was under way when they were made",
+            )
+
     def no_free_slot(self, reason: str) -> None:
         """The first pending request must wait; ``reason`` says what holds the slots."""
         if not self._waiting_for_slot:

@@ -1,8 +1,18 @@
 """The training side of the writer process: start it, talk to it, notice if it dies.
 
-The writer is a plain subprocess (``python -m overlapckpt.writer.process``), not a
-``multiprocessing`` spawn: spawn re-imports the user's ``__main__``, which reruns a
-training script that lacks an ``if __name__ == "__main__"`` guard.
+The writer is a plain subprocess, not a ``multiprocessing`` spawn: spawn re-imports
+the user's ``__main__``, which reruns a training script that lacks an ``if __name__ ==
+"__main__"`` guard. It starts as ``python -I -c BOOTSTRAP``: isolated mode puts
+neither the working directory nor ``PYTHONPATH`` on ``sys.path`` (``python -m`` would
+put the cwd first, and a planted ``overlapckpt/`` there would run), and the bootstrap
+adds only the directory this package was imported from.
+
+It runs in a session of its own, so the signals a scheduler or a terminal sends to
+the training job's process group (SLURM, systemd, Ctrl-C) do not reach it: the
+training process decides, and its writer finishes the preemption checkpoint. It is
+tied to the training *process* by a lifeline pipe whose write end only the trainer
+holds: when the trainer dies, however it dies, the writer reads EOF and exits
+(``PR_SET_PDEATHSIG`` would follow the thread that started the writer instead).
 
 No thread runs here: hooks poll the pipe without blocking, and every blocking wait
 has a timeout and checks that the process is still alive. The parent closes its
@@ -27,6 +37,12 @@ from ..errors import CheckpointWriteError, OverlapCkptError, WriterDiedError
 
 # How long one blocking wait may go without news before it checks the process again.
 _LIVENESS_POLL_S = 0.5
+
+# Run by ``python -I -c``: argv is [-c, package parent dir, socket fd, lifeline fd].
+_BOOTSTRAP = (
+    "import sys; sys.path.insert(0, sys.argv[1]); "
+    "from overlapckpt.writer.process import main; main(sys.argv[1:])"
+)
 
 
 def _package_parent_dir() -> str:
@@ -62,15 +78,18 @@ class WriterProcess:
         env["CUDA_VISIBLE_DEVICES"] = ""
         env["PYTHONPATH"] = os.pathsep.join([_package_parent_dir(), *filter(None, [env.get("PYTHONPATH")])])
         child_fd = child_sock.fileno()
+        lifeline_read, self._lifeline = os.pipe()  # the write end stays here, unwritten, for our lifetime
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "overlapckpt.writer.process", str(child_fd), str(os.getpid())],
-            pass_fds=[child_fd],
+            [sys.executable, "-I", "-c", _BOOTSTRAP, _package_parent_dir(), str(child_fd), str(lifeline_read)],
+            pass_fds=[child_fd, lifeline_read],
             env=env,
             stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
         # Close our copy of the child's end: when the child dies, its end closes and
         # our reads see EOF immediately.
         child_sock.close()
+        os.close(lifeline_read)
         # A second handle on the same socket, for the host buffers' descriptors (SCM_RIGHTS).
         self._fd_sock = socket.socket(fileno=os.dup(parent_sock.fileno()))
         self._conn = Connection(parent_sock.detach())
@@ -79,7 +98,9 @@ class WriterProcess:
         self.awaiting_responses = 1  # requests the writer answers and has not yet answered
         self._send_now(
             p.InitRequest(
-                sys_path=list(sys.path), root=root, storage_options=storage_options, store_class=store_class, group=group
+                # Where the store class's module may live; "" (the cwd) is never searched.
+                sys_path=[entry for entry in sys.path if entry],
+                root=root, storage_options=storage_options, store_class=store_class, group=group
             )
         )
 
@@ -208,6 +229,9 @@ class WriterProcess:
                 self._proc.wait(timeout=timeout_s)
         self._conn.close()
         self._fd_sock.close()
+        if self._lifeline >= 0:
+            os.close(self._lifeline)  # a writer still alive now reads EOF and exits
+            self._lifeline = -1
 
 
 # Requests the writer answers, and the answers: the engine polls the pipe only while

@@ -20,7 +20,7 @@ from ..errors import CheckpointExistsError
 from ..format.blobsums import StoredChecksums
 from ..format.entries import TensorEntry, build_state_dict
 from ..format.extra_state import encode
-from ..format.manifest import FORMAT_VERSION, CheckpointInfo, dump_manifest, tensor_crc32
+from ..format.manifest import FORMAT_VERSION, MANIFEST_NAME, CheckpointInfo, dump_manifest, parse_manifest, tensor_crc32
 from ..format.shards import CoveringSavePlanner, LocalShard
 from ..format.storage import CheckpointStore
 from ..hostbuf import view_bytes
@@ -88,13 +88,18 @@ def persist_snapshot(
     state_dict = build_state_dict(entries, [_part(e, t) for e, t in zip(entries, tensors)], req.small_state)
     _save(store, req.name, state_dict, write_manifest, global_shapes, group)
     removed: list[str] = []
+    warnings: list[str] = []
     if group is None or group.is_coordinator:
-        store.write_latest(req.name)
+        # Committed: a failure from here on is a warning, never a failed persist.
+        try:
+            store.write_latest(req.name)
+        except Exception as e:
+            warnings.append(f"checkpoint {req.name} committed, but updating {store.root}/latest failed: {type(e).__name__}: {e}")
         if req.keep is not None:
-            committed = store.committed_names()
-            for old in committed[: max(0, len(committed) - req.keep)]:
-                store.remove_checkpoint(old)
-                removed.append(old)
+            try:
+                removed = apply_retention(store, req.name, req.run_id, req.keep)
+            except Exception as e:
+                warnings.append(f"checkpoint {req.name} committed, but retention (keep={req.keep}) failed: {type(e).__name__}: {e}")
     agreed_window = group.agree_window(req.proposed_next_window) if group is not None else req.proposed_next_window
     return p.CommittedResponse(
         request_id=req.request_id,
@@ -102,8 +107,34 @@ def persist_snapshot(
         committed_at=time.time(),
         persist_s=time.perf_counter() - started,
         removed=removed,
+        warnings=warnings,
         agreed_next_window=agreed_window,
     )
+
+
+def apply_retention(store: CheckpointStore, just_committed: str, run_id: str, keep: int) -> list[str]:
+    """Delete this run's oldest committed checkpoints beyond ``keep``, in commit order; the names deleted.
+
+    Only this run's lineage counts: checkpoints of other runs under the same root (the
+    abandoned trajectory after a rollback, an earlier job) are never deleted by it. The
+    checkpoint just committed and the one ``latest`` names are never deleted.
+    """
+    protected = {just_committed, store.read_latest()}
+    mine: list[tuple[float, str]] = []
+    for name in store.committed_names():
+        try:
+            manifest = parse_manifest(store.read_bytes(name, MANIFEST_NAME), store.checkpoint_url(name))
+        except Exception:
+            continue  # a damaged or unreadable manifest: not provably this run's, so kept
+        if manifest.get("run_id") == run_id:
+            mine.append((float(manifest.get("created_at", 0.0)), name))
+    mine.sort()
+    removed = []
+    for _, name in mine[: max(0, len(mine) - keep)]:
+        if name not in protected:
+            store.remove_checkpoint(name)
+            removed.append(name)
+    return removed
 
 
 def _part(entry: TensorEntry, tensor: torch.Tensor) -> Any:
@@ -133,6 +164,8 @@ def _manifest(
         "mesh_shape": [1] if group is None else list(group.spec.mesh_shape),
         "ledger": req.ledger,
         "stats": req.stats,
+        "run_id": req.run_id,
+        "restored_from": req.restored_from,
     }
     if sections is None:  # not the coordinator: only what CheckpointInfo needs
         manifest["nbytes"] = sum(e.nbytes for e in entries)

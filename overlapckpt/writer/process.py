@@ -1,7 +1,7 @@
 """The writer process: maps the shared host slots and persists snapshots in DCP format.
 
-It is started by :class:`overlapckpt.writer.WriterProcess` with
-``python -m overlapckpt.writer.process FD`` and serves requests until it gets
+It is started by :class:`overlapckpt.train.writer_handle.WriterProcess` (``python -I``,
+its own session, a lifeline to the trainer; see there) and serves requests until it gets
 ``ShutdownRequest`` or the pipe closes (the training process exited). Every
 failure is sent back as an ``ErrorResponse`` carrying the original exception; the
 process keeps serving, so one failed write does not lose the next checkpoint.
@@ -9,12 +9,11 @@ process keeps serving, so one failed write does not lose the next checkpoint.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import pickle
-import signal
 import socket
 import sys
+import threading
 import traceback
 from multiprocessing.connection import Connection
 
@@ -148,29 +147,32 @@ def writer_thread_count() -> int:
     return max(1, min(WRITER_MAX_THREADS, cores // 4))
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Have the kernel kill this process when the training process dies (Linux).
+def _exit_with_the_trainer(lifeline_fd: int) -> None:
+    """Exit when the training process dies: its lifeline pipe's write end closes, and this read sees EOF.
 
-    An idle writer notices a dead parent by EOF on its pipe, but one blocked inside a
-    storage write (a hung NFS or S3 call) never reads the pipe again; without this it
-    would outlive the job.
+    An idle writer also notices a dead trainer by EOF on its request pipe, but one
+    blocked inside a storage write (a hung NFS or S3 call) never reads that pipe again;
+    this thread does nothing but wait for the EOF. It follows the training *process*:
+    the pipe closes only when every descriptor of it in the trainer is gone.
     """
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return  # not Linux: EOF on the pipe still ends an idle writer
-    if os.getppid() != parent_pid:
-        os._exit(1)  # the parent died before the line above took effect
 
+    def watch() -> None:
+        while True:
+            try:
+                if os.read(lifeline_fd, 1) == b"":
+                    os._exit(0)  # nothing to flush: uncommitted work is garbage by design
+            except InterruptedError:
+                continue
+            except OSError:
+                os._exit(0)
 
-_PR_SET_PDEATHSIG = 1
+    threading.Thread(target=watch, name="overlapckpt-lifeline", daemon=True).start()
 
 
 def main(argv: list[str]) -> None:
+    """``argv``: [package dir, request socket fd, lifeline fd] (see ``writer_handle._BOOTSTRAP``)."""
     fd = int(argv[1])
-    if len(argv) > 2:
-        _die_with_parent(int(argv[2]))
+    _exit_with_the_trainer(int(argv[2]))
     try:
         os.nice(WRITER_NICE_INCREMENT)
     except OSError:
@@ -187,4 +189,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    raise SystemExit("the writer process is started by overlapckpt's WriterProcess, not run directly")

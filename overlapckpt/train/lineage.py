@@ -1,0 +1,57 @@
+"""A run's lineage: its id, the checkpoint it continued from, and the versions other runs already hold.
+
+Every Checkpointer is a new run with a random id, written into each manifest. ``keep=``
+counts only this run's checkpoints, so the newer checkpoints of an abandoned
+trajectory (a rollback after a loss spike) are never deleted by the run that rolled
+back, and ``latest`` names this run's newest. A version that another run's committed
+checkpoint already holds gets a lineage-aware name (``step-000000004-<run>``), decided
+here at construction or restore, never raised from ``optimizer.step()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass, field
+
+from ..format.manifest import RUN_ID_HEX, checkpoint_name, step_of_name
+
+log = logging.getLogger("overlapckpt.lineage")
+
+
+def new_run_id() -> str:
+    return secrets.token_hex(RUN_ID_HEX // 2)
+
+
+@dataclass
+class Lineage:
+    run_id: str
+    restored_from: str | None = None
+    # Versions that committed checkpoints of other runs hold under the root.
+    taken_versions: set[int] = field(default_factory=set)
+
+    def note_existing(self, committed_names: list[str], own: set[str]) -> None:
+        """The root's committed checkpoints, less this run's own: their versions are taken."""
+        self.taken_versions = {v for n in committed_names if n not in own and (v := step_of_name(n)) is not None}
+
+    def name_for(self, version: int) -> str:
+        """The directory name of this run's checkpoint of ``version``."""
+        if version in self.taken_versions:
+            return checkpoint_name(version, self.run_id)
+        return checkpoint_name(version)
+
+    def restored(self, name: str, version: int, committed_names: list[str]) -> list[str]:
+        """This run continues from ``name``: returns the newer checkpoints it leaves alone, and warns of them."""
+        self.restored_from = name
+        newer = [n for n in committed_names if (step_of_name(n) or 0) > version]
+        if newer:
+            log.warning(
+                "restored %s (version %d) while newer checkpoints exist: %s. This run keeps them: keep= deletes only "
+                "its own checkpoints, latest will name this run's newest, and a version they hold gets a name "
+                "with this run's id (%s)",
+                name,
+                version,
+                ", ".join(newer),
+                self.run_id[:8],
+            )
+        return newer

@@ -1,0 +1,77 @@
+"""Retention and latest follow the run's lineage: a rollback loses nothing, odd names break nothing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from overlapckpt import Checkpointer, list_checkpoints, load
+from overlapckpt.cli import main
+
+from fakes import FailingRetentionStore
+from helpers import make_run, train_step
+
+
+def _names(root) -> list[str]:
+    return sorted(n for n in os.listdir(root) if n.startswith("step-"))
+
+
+def _train(ckpt, model, opt, sched, sampler, steps: int, request_at: tuple[int, ...]) -> None:
+    for _ in range(steps):
+        train_step(model, opt, sched, sampler)
+        ckpt.step()
+        if ckpt.step_count in request_at:
+            ckpt.request()
+            ckpt.wait(timeout_s=120)
+
+
+def test_a_rollback_keeps_the_fresh_checkpoint_and_the_abandoned_ones(tmp_path, caplog):
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path, stateful={"sched": sched}) as ckpt:
+        _train(ckpt, model, opt, sched, sampler, 4, (2, 4))
+    assert _names(tmp_path) == ["step-000000002", "step-000000004"]  # run 1
+
+    model, opt, sched, sampler = make_run(seed=3)
+    with caplog.at_level(logging.WARNING, logger="overlapckpt"):
+        with Checkpointer(model, opt, tmp_path, keep=1, stateful={"sched": sched}) as ckpt:
+            assert ckpt.restore(step=2).step == 2  # the rollback
+            run2 = ckpt._lineage.run_id
+            _train(ckpt, model, opt, sched, sampler, 1, (3,))
+            assert (tmp_path / "latest").read_text() == "step-000000003"
+            assert "step-000000003" in _names(tmp_path)  # not deleted by this run's keep=1
+            assert load(str(tmp_path), *make_run(seed=9)[:2]).step == 3  # latest, not the abandoned 4
+            # Version 4 is held by run 1's checkpoint: this run's gets a lineage-aware name.
+            _train(ckpt, model, opt, sched, sampler, 1, (4,))
+    named = [r.getMessage() for r in caplog.records if "newer checkpoints exist" in r.getMessage()]
+    assert named and "step-000000004" in named[0]
+    mine = f"step-000000004-{run2[:8]}"
+    # keep=1 removed this run's own step 3, never run 1's checkpoints.
+    assert _names(tmp_path) == ["step-000000002", "step-000000004", mine]
+    assert (tmp_path / "latest").read_text() == mine
+    info = load(str(tmp_path), *make_run(seed=9)[:2])
+    assert info.path.endswith(mine) and info.run_id == run2
+    assert {i.run_id for i in list_checkpoints(str(tmp_path))} == {run2, json.loads((tmp_path / "step-000000002" / "overlapckpt.json").read_text())["run_id"]}
+
+
+def test_odd_directory_names_break_neither_listing_nor_retention(tmp_path, capsys):
+    for odd in ("step-²", "step-12x", "step-000000001-NOTHEX", "step-"):
+        (tmp_path / odd).mkdir(parents=True)
+        (tmp_path / odd / ".metadata").write_bytes(b"")
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path, keep=1) as ckpt:
+        _train(ckpt, model, opt, sched, sampler, 3, (1, 2, 3))
+    assert [i.step for i in list_checkpoints(str(tmp_path))] == [3]
+    assert main(["ls", str(tmp_path)]) == 0
+    assert "step-000000003" in capsys.readouterr().out
+    assert all((tmp_path / odd).exists() for odd in ("step-²", "step-12x"))  # not ours: left alone
+
+
+def test_a_failure_after_the_commit_is_a_warning(tmp_path, caplog):
+    model, opt, sched, sampler = make_run()
+    with caplog.at_level(logging.WARNING, logger="overlapckpt"):
+        with Checkpointer(model, opt, tmp_path, keep=1, store_class=FailingRetentionStore) as ckpt:
+            _train(ckpt, model, opt, sched, sampler, 2, (1, 2))
+            assert [s["step"] for s in ckpt.stats] == [1, 2]  # both committed, neither failed
+    assert any("retention (keep=1) failed" in r.getMessage() and "OSError" in r.getMessage() for r in caplog.records)
+    assert _names(tmp_path) == ["step-000000001", "step-000000002"]

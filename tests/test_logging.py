@@ -1,0 +1,51 @@
+"""The overlapckpt logger: a record per commit, a warning for a deferred and merged request, the metrics hook."""
+
+from __future__ import annotations
+
+import logging
+
+from overlapckpt import Checkpointer
+
+from helpers import make_run, train_step
+
+
+def test_commit_info_merged_request_warning_and_on_commit(tmp_path, caplog):
+    figures: list[dict] = []
+    model, opt, sched, sampler = make_run()
+    with caplog.at_level(logging.INFO, logger="overlapckpt"):
+        with Checkpointer(model, opt, tmp_path, window=3, consistency="replay", on_commit=figures.append) as ckpt:
+            for it in range(1, 7):
+                train_step(model, opt, sched, sampler)
+                ckpt.step()
+                if it in (3, 4, 5):  # 4 and 5 come while the window of 3 still holds the only host slot
+                    ckpt.request()
+            infos = ckpt.wait(timeout_s=120)
+    # 3's window reaches version 5; 4 and 5 wait for its slot and are answered by one snapshot, started later.
+    assert [i.step for i in infos] == [5, 6]
+    messages = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    commits = [m for name, level, m in messages if name == "overlapckpt.commits" and level == logging.INFO and m.startswith("committed")]
+    assert len(commits) == 2 and commits[0].startswith("committed version 5 (requested after step 3, replay, window 3)")
+    merged = [m for name, level, m in messages if name == "overlapckpt.requests" and level == logging.WARNING]
+    assert len(merged) == 1, messages
+    assert merged[0].startswith(
+        "checkpoint requested after step 4 started at step 6: the checkpoint requested after step 3 was still being copied (window 3)"
+    )
+    assert merged[0].endswith("; the requests after step(s) [5] were merged into it")
+    assert [f["step"] for f in figures] == [5, 6]
+    assert all(f["time_to_commit_s"] > 0 and f["state_bytes"] > 0 for f in figures)
+
+
+def test_a_deferred_request_at_a_version_already_held_is_answered_by_it(tmp_path, caplog):
+    """wait() right at the version an open window reaches: the deferred requests must not duplicate it."""
+    model, opt, sched, sampler = make_run()
+    with caplog.at_level(logging.WARNING, logger="overlapckpt"):
+        with Checkpointer(model, opt, tmp_path, window=3, consistency="replay") as ckpt:
+            for it in range(1, 6):
+                train_step(model, opt, sched, sampler)
+                ckpt.step()
+                if it in (3, 4, 5):
+                    ckpt.request()
+            infos = ckpt.wait(timeout_s=120)  # before the fix: CheckpointExistsError for a second version 5
+    assert [i.step for i in infos] == [5]
+    answered = [r.getMessage() for r in caplog.records if r.name == "overlapckpt.requests"]
+    assert answered and answered[0].startswith("checkpoint requests after step(s) [4, 5] are answered by the checkpoint of version 5")
