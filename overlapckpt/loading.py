@@ -293,6 +293,26 @@ def _checked_manifest(
     """The manifest of ``name``, once everything that can be checked before reading has passed."""
     where = store.checkpoint_url(name)
     manifest = read_manifest(store, name)
+    try:
+        return _checked_fields(store, name, manifest, world, per_rank_state, verify, target, where)
+    except OverlapCkptError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        # A manifest whose checksum matches but whose fields have the wrong types: named, and
+        # raised as an OverlapCkptError so every rank agrees on it before any collective.
+        raise CorruptCheckpointError(f"{where}/overlapckpt.json has a malformed field: {type(e).__name__}: {e}") from e
+
+
+def _checked_fields(
+    store: CheckpointStore,
+    name: str,
+    manifest: dict[str, Any],
+    world: int,
+    per_rank_state: str,
+    verify: bool,
+    target: dict[str, Any],
+    where: str,
+) -> dict[str, Any]:
     saved_world = int(manifest.get("world_size", 1))
     if per_rank_state == "restore" and saved_world != world:
         raise CheckpointMismatchError(

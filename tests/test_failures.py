@@ -6,6 +6,7 @@ import logging
 import os
 import select
 import signal
+import subprocess
 import time
 
 import pytest
@@ -97,7 +98,7 @@ def test_storage_failure_leaves_no_commit(tmp_path, monkeypatch, fail_at):
         assert (tmp_path / "latest").read_text() == "step-000000001"
         train_step(model, opt, sched, sampler)
         ckpt.request()
-        with pytest.raises(CheckpointWriteError, match="No space left on device") as excinfo:
+        with pytest.raises(CheckpointWriteError, match="No space left on device.*the storage is full") as excinfo:
             ckpt.wait(timeout_s=120)
         assert isinstance(excinfo.value.__cause__, OSError)
         assert excinfo.value.__cause__.errno == 28
@@ -105,7 +106,7 @@ def test_storage_failure_leaves_no_commit(tmp_path, monkeypatch, fail_at):
         train_step(model, opt, sched, sampler)
         ckpt.request()
         assert [i.step for i in ckpt.wait(timeout_s=120)] == [3]
-    assert not (tmp_path / "step-000000002" / ".metadata").exists()
+    assert not (tmp_path / "step-000000002").exists()  # the failed attempt's files were removed
     assert [i.step for i in list_checkpoints(str(tmp_path))] == [1, 3]
 
 
@@ -145,3 +146,43 @@ def test_writer_killed_between_checkpoints_is_raised_at_a_hook(tmp_path):
         with pytest.raises(WriterDiedError):
             ckpt.request()
     assert [i.step for i in list_checkpoints(str(tmp_path))] == [1]
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real, small file system: 128 KiB of tmpfs, which one checkpoint of TinyNet fits and two do not."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(mount_point)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}); the ENOSPC store tests above cover the logic")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def _used_bytes(path) -> int:
+    st = os.statvfs(path)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def test_disk_full_on_a_real_file_system_frees_the_attempt_and_recovers(small_tmpfs):
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, small_tmpfs / "ckpts") as ckpt:
+        train_step(model, opt, sched, sampler)
+        ckpt.request()
+        assert [i.step for i in ckpt.wait(timeout_s=120)] == [1]
+        used_after_one = _used_bytes(small_tmpfs)
+        train_step(model, opt, sched, sampler)
+        ckpt.request()
+        with pytest.raises(CheckpointWriteError, match="the storage is full") as excinfo:
+            ckpt.wait(timeout_s=120)
+        assert getattr(excinfo.value.__cause__, "errno", None) == 28
+        assert not (small_tmpfs / "ckpts" / "step-000000002").exists()
+        assert _used_bytes(small_tmpfs) == used_after_one  # the partial shard's space was freed
+        subprocess.run(["mount", "-o", "remount,size=4m", str(small_tmpfs)], check=True)  # space is back
+        train_step(model, opt, sched, sampler)
+        ckpt.request()
+        assert [i.step for i in ckpt.wait(timeout_s=120)] == [3]
+    assert [i.step for i in list_checkpoints(str(small_tmpfs / "ckpts"))] == [1, 3]

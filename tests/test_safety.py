@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from overlapckpt import Checkpointer, UnsafeCheckpointError, load
+from overlapckpt import Checkpointer, CorruptCheckpointError, UnsafeCheckpointError, load
 from overlapckpt.cli import main
 from overlapckpt.format.checksum import checksum_bytes, hex32
 from overlapckpt.format.manifest import dump_manifest
@@ -114,3 +114,54 @@ def test_stock_dcp_metadata_of_every_kind_is_allowed(tmp_path):
         metadata = load_metadata(f, str(ckpt / ".metadata"))
     assert "optimizer.param_groups.0.lr" in metadata.state_dict_metadata
     assert zlib.crc32((ckpt / ".metadata").read_bytes()) != 0
+
+
+def _rewrite_manifest(ckpt: Path, edit) -> None:
+    manifest = json.loads((ckpt / "overlapckpt.json").read_text())
+    edit(manifest)
+    manifest.pop("manifest_crc32", None)
+    (ckpt / "overlapckpt.json").write_bytes(dump_manifest(manifest))  # its own checksum matches
+
+
+def test_verify_refuses_manifest_paths_outside_the_checkpoint(tmp_path, capsys):
+    ckpt = _checkpoint(tmp_path / "root")
+    outside = tmp_path / "secret"
+    outside.write_bytes(b"s" * 100)
+    escape = os.path.relpath(outside, ckpt)
+
+    def point_outside(m):
+        files = m["checksums"]["files"]
+        files[escape] = {"nbytes": 100, "blobs": [{"key": "x", "offset": 0, "length": 100, "checksum": "00000000"}]}
+
+    _rewrite_manifest(ckpt, point_outside)
+    assert main(["verify", str(tmp_path / "root")]) == 1
+    out = capsys.readouterr().out
+    assert f"lists the file {escape!r}, which is not a DCP file name: refused unread" in out
+    with pytest.raises(CorruptCheckpointError, match="not a DCP file name"):
+        load(str(tmp_path / "root"), *make_run(seed=5)[:2], verify=True)
+
+
+def test_verify_refuses_a_fifo_without_hanging(tmp_path, capsys):
+    ckpt = _checkpoint(tmp_path / "root")
+    os.mkfifo(ckpt / "__0_1.distcp")  # opening it for reading would block forever
+
+    def add_fifo(m):
+        m["checksums"]["files"]["__0_1.distcp"] = {"nbytes": 8, "blobs": [{"key": "x", "offset": 0, "length": 8, "checksum": "00000000"}]}
+
+    _rewrite_manifest(ckpt, add_fifo)
+    assert main(["verify", str(tmp_path / "root")]) == 1
+    assert "__0_1.distcp is not a regular file (a FIFO, device or directory): refused unread" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [lambda m: m.update(world_size="two"), lambda m: m["items"].update({"model.inp.weight": {"shape": 7}}), lambda m: m["checksums"]["files"]["__0_0.distcp"].update(nbytes=[1])],
+    ids=["world-size", "item-shape", "file-nbytes"],
+)
+def test_wrong_field_types_are_a_named_corrupt_checkpoint(tmp_path, edit):
+    from overlapckpt import CorruptCheckpointError
+
+    ckpt = _checkpoint(tmp_path / "root")
+    _rewrite_manifest(ckpt, edit)
+    with pytest.raises(CorruptCheckpointError, match=r"malformed"):
+        load(str(tmp_path / "root"), *make_run(seed=5)[:2], verify=True)

@@ -246,6 +246,13 @@ class CheckpointStore:
         with self.fs.open(self._join(name, filename), "rb") as f:
             yield f
 
+    def file_kind(self, name: str, filename: str) -> str:
+        """"file" for a regular file, "link" for a symbolic link, else "other" (a FIFO, a device, a directory)."""
+        info = self.fs.info(self._join(name, filename))
+        if info.get("islink"):
+            return "link"
+        return "file" if info.get("type") == "file" else "other"
+
     def file_size(self, name: str, filename: str) -> int:
         """The stored size of one file of checkpoint ``name``, in bytes."""
         return int(self.fs.size(self._join(name, filename)))

@@ -15,6 +15,7 @@ so one run names every damaged blob.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,11 @@ from ..errors import CorruptCheckpointError
 from .checksum import hex32, updater
 from .manifest import LEGACY_FORMAT_VERSION, MANIFEST_NAME, parse_manifest
 from .storage import CheckpointStore, translate_read_errors
+
+# The only files verify reads: DCP's data files and its commit marker. A manifest naming
+# anything else ("../../etc/passwd") is damaged or crafted, and is refused unread.
+DATA_FILE_RE = re.compile(r"__[0-9]+_[0-9]+\.distcp", re.ASCII)
+METADATA_RE = re.compile(r"(__[0-9]+)?\.metadata", re.ASCII)
 
 # One read's size at most: bounds verify's memory, and is large enough that a read
 # costs far more in transfer than in per-call overhead (S3 ranged GETs included).
@@ -83,10 +89,23 @@ def verify_checkpoint(store: CheckpointStore, name: str, manifest: dict[str, Any
     try:
         sums = manifest["checksums"]
         report.algorithm = str(sums["algorithm"])
-        metadata = sums["metadata"]
-        files = {str(f): (int(e["nbytes"]), list(e["blobs"])) for f, e in sums["files"].items()}
+        metadata: dict[str, Any] = {
+            "name": str(sums["metadata"]["name"]),
+            "nbytes": int(sums["metadata"]["nbytes"]),
+            "checksum": str(sums["metadata"]["checksum"]),
+        }
+        files = {
+            str(f): (int(e["nbytes"]), [(str(b["key"]), int(b["offset"]), int(b["length"]), str(b["checksum"])) for b in e["blobs"]])
+            for f, e in sums["files"].items()
+        }
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CorruptCheckpointError(f"the checksums section of {where}/{MANIFEST_NAME} is malformed: {e!r}") from e
+    for filename, pattern in [(str(metadata["name"]), METADATA_RE)] + [(f, DATA_FILE_RE) for f in files]:
+        if not pattern.fullmatch(filename):
+            raise CorruptCheckpointError(
+                f"{where}/{MANIFEST_NAME} lists the file {filename!r}, which is not a DCP file name: refused unread "
+                "(the manifest is damaged or crafted)"
+            )
     update = updater(report.algorithm)
     with translate_read_errors(where):
         _verify_metadata(store, name, metadata, update, report)
@@ -99,6 +118,8 @@ def _verify_metadata(
     store: CheckpointStore, name: str, expected: dict[str, Any], update: Callable[[Any, int], int], report: VerifyReport
 ) -> None:
     filename = str(expected["name"])
+    if not _regular_file(store, name, filename, report):
+        return
     raw = store.read_bytes(name, filename)
     report.nbytes += len(raw)
     if len(raw) != int(expected["nbytes"]):
@@ -112,11 +133,15 @@ def _verify_file(
     name: str,
     filename: str,
     nbytes: int,
-    blobs: list[dict[str, Any]],
+    blobs: list[tuple[str, int, int, str]],
     update: Callable[[Any, int], int],
     report: VerifyReport,
 ) -> None:
     report.files += 1
+    if not _regular_file(store, name, filename, report):
+        return
+    if sum(length for _, _, length, _ in blobs) != nbytes:
+        raise CorruptCheckpointError(f"the manifest of {report.path} lists blobs of {filename} that do not add up to its {nbytes} bytes")
     stored_nbytes = store.file_size(name, filename)
     if stored_nbytes != nbytes:
         report.problems.append(
@@ -124,8 +149,7 @@ def _verify_file(
         )
     position = 0
     with store.open_read(name, filename) as f:
-        for blob in sorted(blobs, key=lambda b: int(b["offset"])):
-            key, offset, length = str(blob["key"]), int(blob["offset"]), int(blob["length"])
+        for key, offset, length, expected in sorted(blobs, key=lambda b: b[1]):
             if offset != position:  # the writer checked that blobs tile the file; the manifest says otherwise
                 raise CorruptCheckpointError(
                     f"the manifest of {report.path} lists {filename}'s blobs with a gap at byte {position}; it is damaged"
@@ -146,10 +170,23 @@ def _verify_file(
                     f"{offset + read}: the file is truncated"
                 )
                 return
-            if hex32(checksum) != blob["checksum"]:
+            if hex32(checksum) != expected:
                 report.problems.append(
                     f"checksum mismatch for {key!r} in {report.path}/{filename} (bytes {offset}..{offset + length})"
                 )
+
+
+def _regular_file(store: CheckpointStore, name: str, filename: str, report: VerifyReport) -> bool:
+    """Only a regular file is read: a FIFO would hang the read, a link could point anywhere."""
+    try:
+        kind = store.file_kind(name, filename)
+    except FileNotFoundError:
+        return True  # reading it raises the missing-file error verify already reports
+    if kind != "file":
+        what = "symbolic link" if kind == "link" else "FIFO, device or directory"
+        report.problems.append(f"{report.path}/{filename} is not a regular file (a {what}): refused unread")
+        return False
+    return True
 
 
 def describe_problems(report: VerifyReport, limit: int = 3) -> str:

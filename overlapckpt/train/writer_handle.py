@@ -22,6 +22,7 @@ the pipe at once, never as a hang.
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import signal
@@ -248,8 +249,11 @@ def writer_error(response: p.ErrorResponse, what: str) -> OverlapCkptError:
         named = type(cause)(f"{what}: {cause}")
         named.__cause__ = cause
         return named
+    fix = ""
+    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+        fix = "; the storage is full: the attempt's files were removed, free space there and the next checkpoint commits"
     error = CheckpointWriteError(
-        f"{what}: {response.type_name}: {response.message}\n--- writer traceback ---\n{response.traceback_text}"
+        f"{what}: {response.type_name}: {response.message}{fix}\n--- writer traceback ---\n{response.traceback_text}"
     )
     error.__cause__ = cause
     return error

@@ -86,7 +86,12 @@ def persist_snapshot(
         store.write_manifest(req.name, dump_manifest(manifest))
 
     state_dict = build_state_dict(entries, [_part(e, t) for e, t in zip(entries, tensors)], req.small_state)
-    _save(store, req.name, state_dict, write_manifest, global_shapes, group)
+    try:
+        _save(store, req.name, state_dict, write_manifest, global_shapes, group)
+    except BaseException:
+        if group is None or group.is_coordinator:
+            _remove_failed_attempt(store, req.name)
+        raise
     removed: list[str] = []
     warnings: list[str] = []
     if group is None or group.is_coordinator:
@@ -110,6 +115,14 @@ def persist_snapshot(
         warnings=warnings,
         agreed_next_window=agreed_window,
     )
+
+
+def _remove_failed_attempt(store: CheckpointStore, name: str) -> None:
+    """A failed attempt leaves nothing behind (a disk-full write's partial shard frees its space)."""
+    try:
+        store.clear_uncommitted(name)
+    except Exception:  # noqa: BLE001 - the write's own error is the one to report
+        pass
 
 
 def apply_retention(store: CheckpointStore, just_committed: str, run_id: str, keep: int) -> list[str]:
