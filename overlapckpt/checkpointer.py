@@ -11,8 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import ConfigError, UnsupportedOptimizerError
+from .errors import ConfigError, RootLeaseError, UnsupportedOptimizerError
 from .format.extra_state import encode
+from .format.lease import RootLease
 from .format.manifest import CheckpointInfo
 from .format.storage import CheckpointStore
 from .loading import load
@@ -119,6 +120,8 @@ class Checkpointer:
             dead writer or rank surfaces as an error within it).
         agreement_timeout_s: distributed: how far apart in time the ranks may reach the same
             checkpoint before the request counts as one that other ranks did not make.
+        lease: take the root's lease at construction (released at close), so that a second
+            job on the same root is refused by name (``RootLeaseError``); see ``format/lease.py``.
         on_commit: called in the training process with each commit's figures, a dict with
             units in the names (``time_to_commit_s``, ``state_bytes``, ...), at the hook or
             call that learns of the commit. Exceptions it raises are logged, never raised.
@@ -158,6 +161,7 @@ class Checkpointer:
         collective_timeout_s: float = 300.0,
         agreement_timeout_s: float = 120.0,
         on_commit: Callable[[dict[str, Any]], None] | None = None,
+        lease: bool = True,
     ) -> None:
         _check_window(window, max_window)
         _check_positive_int("every", every, "checkpoint after every N-th optimizer step, or None")
@@ -213,6 +217,7 @@ class Checkpointer:
         store.prepare_root()
         self._store = store
         self._lineage = Lineage(self._agreed_run_id())
+        self._lease: RootLease | None = None
         self._lineage.note_existing(store.committed_names(), own=set())
         self.model = model
         self.optimizer = optimizer
@@ -278,6 +283,14 @@ class Checkpointer:
             if self._preemption is not None:
                 self._preemption.uninstall()
             raise
+        try:
+            # Last: a refusal then tears down what was built, and nothing touched the root's checkpoints.
+            self._lease = self._take_lease(store) if lease else None
+        except BaseException:
+            self._engine.shut_down(writer_timeout_s=30.0)
+            if self._preemption is not None:
+                self._preemption.uninstall()
+            raise
 
     # ---- training loop ---------------------------------------------------------------
 
@@ -335,6 +348,8 @@ class Checkpointer:
     def _tear_down(self, writer_timeout_s: float) -> None:
         """Remove the hooks, stop the writer, release host buffers (after the copies into them)."""
         self._engine.shut_down(writer_timeout_s)
+        if self._lease is not None:
+            self._lease.release()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -417,6 +432,26 @@ class Checkpointer:
         self._lineage.restored(os.path.basename(info.path.rstrip("/")), info.step, [n for n in committed if n not in own])
         self._lineage.note_existing(committed, own)
         return info
+
+    def _take_lease(self, store: CheckpointStore) -> RootLease | None:
+        """Rank 0 takes the root's lease; in a distributed run every rank raises if it could not."""
+        lease = RootLease(store, self._lineage.run_id)
+        if self._distributed is None:
+            lease.acquire()
+            return lease
+        import torch.distributed as dist
+
+        group = self._distributed.group
+        refusal: list[str | None] = [None]
+        if self._distributed.scope.rank == 0:
+            try:
+                lease.acquire()
+            except RootLeaseError as e:
+                refusal = [str(e)]
+        dist.broadcast_object_list(refusal, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        if refusal[0] is not None:
+            raise RootLeaseError(refusal[0])
+        return lease if self._distributed.scope.rank == 0 else None
 
     def _agreed_run_id(self) -> str:
         """A new run id; in a distributed run, rank 0's, so every rank's manifest section names one run."""

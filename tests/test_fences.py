@@ -152,3 +152,45 @@ def test_cpu_stream_copier_runs_copies_on_its_worker_in_order(tmp_path):
     assert copier.poll(tickets[0]) and not copier.poll(tickets[2])
     copier.close()
     assert torch.equal(dst[2], src[2]) and copier.poll(tickets[2])
+
+
+class DeviceValuesCopier(HeldCopier):
+    """The held stream, with small values (a tensor lr) modelled as device-resident: their copies are deferred."""
+
+    def __init__(self) -> None:
+        CpuStreamCopier.__init__(self, hold_until_waited=True, small_values_on_device=True)
+
+
+class WithoutBoundaryValueClone(DeviceValuesCopier):
+    """Fence 5 removed: a boundary value is copied from the live tensor, which scheduler.step() fills next."""
+
+    def stage(self, sources):
+        return list(sources)
+
+
+@pytest.mark.parametrize("copier_cls, torn", [(DeviceValuesCopier, False), (WithoutBoundaryValueClone, True)])
+def test_a_tensor_lr_is_captured_at_its_boundary(tmp_path, copier_cls, torn):
+    """Window 1 with no ckpt.step(): the boundary is the post-hook, before scheduler.step() fills the lr tensor."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01), foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + s))
+    x = torch.randn(16, 8)
+    lr_at_post_hook = {}
+    with Checkpointer(model, opt, tmp_path, copier=copier_cls()) as ckpt:
+        for it in range(1, 5):
+            model(x).square().mean().backward()
+            opt.step()
+            lr_at_post_hook[it] = float(opt.param_groups[0]["lr"])
+            if it == 3:
+                ckpt.request()
+            sched.step()  # fills the lr tensor in place; the held copy has not run yet
+            opt.zero_grad()
+        (info,) = ckpt.wait(timeout_s=120)
+    assert info.step == 3
+    assert lr_at_post_hook[3] != float(opt.param_groups[0]["lr"])  # the precondition: the lr moved on
+    fresh = nn.Linear(8, 4)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=torch.tensor(0.5), foreach=False)
+    load(str(tmp_path), fresh, fresh_opt)
+    saved = float(fresh_opt.param_groups[0]["lr"])
+    assert (saved != lr_at_post_hook[3]) == torn, (saved, lr_at_post_hook)

@@ -270,6 +270,43 @@ class CheckpointStore:
         else:
             self.fs.pipe_file(path, data)  # one PUT: atomic on object stores
 
+    # ---- files at the root (the lease) ------------------------------------------
+
+    def root_file_url(self, filename: str) -> str:
+        return self._join(filename) if self.is_local else f"{self.root.rstrip('/')}/{filename}"
+
+    def create_exclusive(self, filename: str, data: bytes) -> None:
+        """Create ``filename`` at the root only if it does not exist; FileExistsError if it does.
+
+        Locally ``O_EXCL``; on object stores a conditional PUT (``If-None-Match: *``,
+        s3fs's ``mode="create"``), which AWS S3 and moto honour.
+        """
+        path = self._join(filename)
+        if self.is_local:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return
+        try:
+            self.fs.pipe_file(path, data, mode="create")
+        except TypeError as e:  # an fsspec back end without exclusive create
+            raise ConfigError(
+                f"storage {self.root!r} ({type(self.fs).__name__}) cannot create a file exclusively, which the root's "
+                "lease needs; pass lease=False and make sure one job at a time writes this root"
+            ) from e
+
+    def read_root_file(self, filename: str) -> bytes:
+        with self.fs.open(self._join(filename), "rb") as f:
+            return bytes(f.read())
+
+    def remove_root_file(self, filename: str) -> None:
+        path = self._join(filename)
+        if self.fs.exists(path):
+            self.fs.rm_file(path)
+
     def read_latest(self) -> str | None:
         try:
             with self.fs.open(self._join(LATEST_NAME), "rb") as f:

@@ -60,7 +60,7 @@ def _is_grad_scaler(obj: Any) -> bool:
 def _defer_tensors(value: Any, copier: Copier, tickets: list[CopyTicket]) -> Any:
     """Deep-copy ``value``, replacing device tensors by host copies that land with a ticket."""
     if isinstance(value, torch.Tensor):
-        if value.device.type == "cpu":
+        if not copier.is_device_resident(value):
             return value.detach().clone()
         (host,), ticket = copy_values_to_host(copier, [value])
         if ticket is not None:

@@ -49,8 +49,11 @@ class CpuStreamCopier:
 
     pins_host_memory = False
 
-    def __init__(self, hold_until_waited: bool = False, clone_is_cheap: bool = False) -> None:
+    def __init__(self, hold_until_waited: bool = False, clone_is_cheap: bool = False, small_values_on_device: bool = False) -> None:
         self.hold_until_waited = hold_until_waited
+        # Model small values (a tensor lr, GradScaler's scale) as device-resident: their copies
+        # are deferred through the stream like a GPU's, so the CPU tests reach fence 5.
+        self.small_values_on_device = small_values_on_device
         # Replay's gradient strategy (see GradientLogger): tests run both on the CPU.
         self.clone_is_cheap = clone_is_cheap
         self._queue: queue.SimpleQueue[_CopyTask | None] = queue.SimpleQueue()
@@ -107,6 +110,9 @@ class CpuStreamCopier:
             self._pending.append(task)
         self._queue.put(task)
         return ticket
+
+    def is_device_resident(self, t: torch.Tensor) -> bool:
+        return self.small_values_on_device or t.device.type != "cpu"
 
     def stage(self, sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Host clones on the training thread: the CPU twin of a clone on the compute stream."""

@@ -30,6 +30,9 @@ implements them for its stream model):
    ticket of the copy that reads it until that copy has landed.
 4. Staging drains (stage mode): a staging region is overwritten only after every
    drain reading it has landed (``StagingArea`` fences them).
+5. Boundary values (``copy_values_to_host``): a tensor lr or GradScaler's scale is
+   cloned on the compute stream when captured, since the loop writes it in place
+   (``scheduler.step()``, ``scaler.update()``) before any hook of ours runs again.
 """
 
 from __future__ import annotations
@@ -90,6 +93,10 @@ class Copier(Protocol):
     ) -> CopyTicket: ...
 
     def stage(self, sources: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    def is_device_resident(self, t: torch.Tensor) -> bool:
+        """Whether copies of ``t`` go through the stream (a device tensor), not a copy at the call."""
+        ...
 
     def fence_compute(self, ticket: CopyTicket) -> FenceResult: ...
 
@@ -198,6 +205,9 @@ class CpuCopier:
         # The copy happens at the call, before any later mutation: nothing to protect.
         return list(sources)
 
+    def is_device_resident(self, t: torch.Tensor) -> bool:
+        return False  # every copy happens at the call
+
     def fence_compute(self, ticket: CopyTicket) -> FenceResult:
         return FenceResult.NOT_NEEDED  # the copy already happened on the host
 
@@ -266,6 +276,9 @@ class CudaStreamCopier:
         nbytes = sum(tensor_nbytes(d) for d in destinations)
         return CopyTicket(nbytes=nbytes, enqueued_at_s=enqueued, done_event=done, start_event=start, keepalive=held)
 
+    def is_device_resident(self, t: torch.Tensor) -> bool:
+        return t.device.type != "cpu"
+
     def stage(self, sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Device-to-device clones on the compute stream, in order after the step that wrote them.
 
@@ -333,13 +346,22 @@ def copy_values_to_host(
     ``.item()`` or ``.to("cpu")`` of a device tensor waits for the device; here device
     tensors travel through the copier (read the host copy only once the ticket landed)
     and host tensors are copied at once.
+
+    Fence 5: the loop mutates these values in place right after they are captured,
+    before any hook of ours runs again (``scheduler.step()`` fills a tensor lr,
+    ``scaler.update()`` writes GradScaler's scale). A copy on the side stream could
+    read the new value, so each is first cloned on the compute stream (``stage``),
+    ordered before those writes, and the side stream copies the clone.
     """
+    device_resident = [copier.is_device_resident(t) for t in tensors]
     host = [
-        torch.empty(t.shape, dtype=t.dtype, pin_memory=copier.pins_host_memory and t.device.type != "cpu")
-        for t in tensors
+        torch.empty(t.shape, dtype=t.dtype, pin_memory=copier.pins_host_memory and resident)
+        for t, resident in zip(tensors, device_resident)
     ]
-    on_device = [k for k, t in enumerate(tensors) if t.device.type != "cpu"]
-    on_host = [k for k, t in enumerate(tensors) if t.device.type == "cpu"]
+    on_device = [k for k, resident in enumerate(device_resident) if resident]
+    on_host = [k for k, resident in enumerate(device_resident) if not resident]
     copy_on_host([tensors[k] for k in on_host], [host[k] for k in on_host])
-    ticket = copier.copy_async([tensors[k] for k in on_device], [host[k] for k in on_device]) if on_device else None
-    return host, ticket
+    if not on_device:
+        return host, None
+    clones = copier.stage([tensors[k] for k in on_device])
+    return host, copier.copy_async(clones, [host[k] for k in on_device], keepalive=clones)
