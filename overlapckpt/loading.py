@@ -262,7 +262,7 @@ def load(
             name = resolve_checkpoint(store, step)
         elif step is not None and step_of_name(name) != step:
             raise ConfigError(f"path {path!r} is the checkpoint of step {step_of_name(name)}, but step={step}; pass one or the other")
-        manifest = _checked_manifest(store, name, world, per_rank_state, verify, target)
+        manifest = _checked_manifest(store, name, (rank, world), per_rank_state, verify, target)
     except OverlapCkptError as e:  # raised on every rank below, before any rank reads
         failure = e
     _agree_before_reading(group, failure, name)
@@ -288,13 +288,13 @@ def load(
 
 
 def _checked_manifest(
-    store: CheckpointStore, name: str, world: int, per_rank_state: str, verify: bool, target: dict[str, Any]
+    store: CheckpointStore, name: str, share: tuple[int, int], per_rank_state: str, verify: bool, target: dict[str, Any]
 ) -> dict[str, Any]:
     """The manifest of ``name``, once everything that can be checked before reading has passed."""
     where = store.checkpoint_url(name)
     manifest = read_manifest(store, name)
     try:
-        return _checked_fields(store, name, manifest, world, per_rank_state, verify, target, where)
+        return _checked_fields(store, name, manifest, share, per_rank_state, verify, target, where)
     except OverlapCkptError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -307,12 +307,13 @@ def _checked_fields(
     store: CheckpointStore,
     name: str,
     manifest: dict[str, Any],
-    world: int,
+    share: tuple[int, int],
     per_rank_state: str,
     verify: bool,
     target: dict[str, Any],
     where: str,
 ) -> dict[str, Any]:
+    world = share[1]
     saved_world = int(manifest.get("world_size", 1))
     if per_rank_state == "restore" and saved_world != world:
         raise CheckpointMismatchError(
@@ -327,8 +328,9 @@ def _checked_fields(
         # from running code is the reading itself (safe_read.py), with or without verify.
         # This reads the shards once here and once more in DCP's load below: twice the
         # reads, for a refusal that never leaves a half-loaded state and names the damaged
-        # blob. (Every rank of a distributed load verifies every shard.)
-        report = verify_checkpoint(store, name, manifest)
+        # blob. Each rank of a distributed load verifies a 1/N share of the files; a rank
+        # that finds damage fails, and the agreement below makes every rank raise.
+        report = verify_checkpoint(store, name, manifest, share)
         if not report.ok:
             raise CorruptCheckpointError(
                 f"reading the checkpoint {where} failed verification: {describe_problems(report)}; restore from an "

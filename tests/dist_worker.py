@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -256,7 +257,71 @@ def auto_window(out: str) -> dict[str, Any]:
 def scenario_fsdp(out: str) -> dict[str, Any]:
     result = scenario_exact("fsdp", out)
     result["reshard_from_plain"] = reshard_into("fsdp", os.path.join(out, "..", "plain"), expect_file=os.path.join(out, "..", "plain.pt"))
+    result["verify_share"] = verify_share(os.path.join(out, "w1"))
+    result["malformed_manifest"] = malformed_manifest(os.path.join(out, "w1"), os.path.join(out, "malformed"))
     return result
+
+
+def verify_share(root: str) -> dict[str, Any]:
+    """load(verify=True): the bytes this rank's verification read (the test sums them), then a flipped bit."""
+    import overlapckpt.loading as loading
+
+    reports = []
+    real = loading.verify_checkpoint
+
+    def recording(*args: Any, **kwargs: Any) -> Any:  # the real verification, its report kept for the test
+        report = real(*args, **kwargs)
+        reports.append({"nbytes": report.nbytes, "files": report.files})
+        return report
+
+    loading.verify_checkpoint = recording
+    try:
+        info = list_checkpoints(root)[-1]
+        model, opt = build("fsdp")
+        load(info.path, model, opt, per_rank_state="skip", verify=True)
+        out: dict[str, Any] = {"reports": list(reports), "stored": {n: os.path.getsize(os.path.join(info.path, n)) for n in os.listdir(info.path)}}
+        # A flipped bit in rank 1's share: every rank refuses, naming it.
+        dist.barrier()
+        if dist.get_rank() == 0:
+            target = os.path.join(info.path, "__1_0.distcp")
+            with open(target, "r+b") as f:
+                f.seek(100)
+                byte = f.read(1)
+                f.seek(100)
+                f.write(bytes([byte[0] ^ 0x01]))
+        dist.barrier()
+        started = time.monotonic()
+        try:
+            load(info.path, *build("fsdp"), per_rank_state="skip", verify=True)
+            out["flipped"] = None
+        except Exception as e:
+            out["flipped"] = {"error_type": type(e).__name__, "error": str(e)[:2000], "elapsed_s": time.monotonic() - started}
+        return out
+    finally:
+        loading.verify_checkpoint = real
+
+
+def malformed_manifest(source_root: str, root: str) -> dict[str, Any]:
+    """A manifest whose own checksum matches but whose world_size is a string: a named error on every rank."""
+    from overlapckpt.format.manifest import dump_manifest
+
+    if dist.get_rank() == 0:
+        shutil.copytree(source_root, root)
+        name = sorted(n for n in os.listdir(root) if n.startswith("step-"))[-1]
+        path = os.path.join(root, name, "overlapckpt.json")
+        with open(path) as f:
+            manifest = json.load(f)
+        manifest["world_size"] = "two"
+        manifest.pop("manifest_crc32", None)
+        with open(path, "wb") as f:
+            f.write(dump_manifest(manifest))
+    dist.barrier()
+    started = time.monotonic()
+    try:
+        load(root, *build("fsdp"), per_rank_state="skip")
+        return {"error_type": None}
+    except Exception as e:
+        return {"error_type": type(e).__name__, "error": str(e)[:2000], "elapsed_s": time.monotonic() - started}
 
 
 def reshard_into(kind: str, root: str, expect_file: str | None = None) -> dict[str, Any]:

@@ -261,3 +261,24 @@ def test_cli_shows_the_ranks_and_verify_checks_every_ranks_shards(fsdp_results, 
         with open(shard, "r+b") as f:
             f.seek(os.path.getsize(shard) // 2)
             f.write(byte)
+
+
+def test_distributed_verification_reads_about_one_checkpoint_and_a_flip_fails_every_rank(fsdp_results):
+    results, _ = fsdp_results
+    shares = [r["verify_share"] for r in results]
+    stored = shares[0]["stored"]
+    total = sum(v for n, v in stored.items() if n.endswith(".distcp")) + stored[".metadata"]
+    read = [s["reports"][0]["nbytes"] for s in shares]
+    assert sum(read) == total, (read, stored)  # every stored byte read once across the ranks, not once per rank
+    assert [s["reports"][0]["files"] for s in shares] == [1, 1]  # each rank one of the two shard files
+    for rank, s in enumerate(shares):
+        flipped = s["flipped"]
+        assert flipped is not None and flipped["error_type"] == "CorruptCheckpointError", (rank, flipped)
+        assert "__1_0.distcp" in flipped["error"] or "on rank 1" in flipped["error"], (rank, flipped)
+
+
+def test_malformed_manifest_fields_are_a_named_error_on_every_rank(fsdp_results):
+    results, _ = fsdp_results
+    for rank, r in enumerate(results):
+        m = r["malformed_manifest"]
+        assert m["error_type"] == "CorruptCheckpointError" and "malformed field" in m["error"], (rank, m)

@@ -69,8 +69,15 @@ def read_manifest(store: CheckpointStore, name: str) -> dict[str, Any]:
     return parse_manifest(raw, f"{where}/{MANIFEST_NAME}")
 
 
-def verify_checkpoint(store: CheckpointStore, name: str, manifest: dict[str, Any] | None = None) -> VerifyReport:
+def verify_checkpoint(
+    store: CheckpointStore, name: str, manifest: dict[str, Any] | None = None, share: tuple[int, int] = (0, 1)
+) -> VerifyReport:
     """Verify every stored byte of checkpoint ``name`` against its manifest, blob by blob.
+
+    ``share=(rank, world_size)``: verify only this rank's share of the files (every
+    ``world_size``-th shard file, and ``.metadata`` on rank 0), so that the ranks of a
+    distributed load together read the checkpoint about once; their outcomes are
+    combined by the caller.
 
     Raises CorruptCheckpointError when the manifest itself is damaged or cannot be
     verified, CheckpointReadError when storage cannot be read, and ConfigError when the
@@ -107,10 +114,13 @@ def verify_checkpoint(store: CheckpointStore, name: str, manifest: dict[str, Any
                 "(the manifest is damaged or crafted)"
             )
     update = updater(report.algorithm)
+    rank, world = share
     with translate_read_errors(where):
-        _verify_metadata(store, name, metadata, update, report)
-        for filename, (nbytes, blobs) in sorted(files.items()):
-            _verify_file(store, name, filename, nbytes, blobs, update, report)
+        if rank == 0:
+            _verify_metadata(store, name, metadata, update, report)
+        for index, (filename, (nbytes, blobs)) in enumerate(sorted(files.items())):
+            if index % world == rank:
+                _verify_file(store, name, filename, nbytes, blobs, update, report)
     return report
 
 
