@@ -24,6 +24,7 @@ class WriterGroupSpec:
     timeout_s: float  # every collective of the writers' group, and joining it
     agreement_timeout_s: float  # how far apart in time ranks may reach the same checkpoint
     mesh_shape: tuple[int, ...]
+    key_prefix: str = ""  # drawn at random on rank 0 for this run: the writers' keys live under it
 
 
 @dataclass

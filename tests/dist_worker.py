@@ -227,7 +227,44 @@ def scenario_ddp(out: str) -> dict[str, Any]:
     result["writer_killed"] = writer_killed(out)
     result["settings_mismatch"] = settings_mismatch(out)
     result["auto_window"] = auto_window(out)
+    result["listeners"] = listeners_opened(out)
     return result
+
+
+def _listening_sockets() -> set[int]:
+    """Inodes of the TCP sockets this process holds in the LISTEN state (from /proc)."""
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            mine.add(int(target[len("socket:[") : -1]))
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    if fields[3] == "0A":  # TCP_LISTEN
+                        listening.add(int(fields[9]))
+        except FileNotFoundError:
+            continue
+    return mine & listening
+
+
+def listeners_opened(out: str) -> dict[str, Any]:
+    """Listening sockets a Checkpointer adds to this training process (the writers reuse the job's store)."""
+    before = _listening_sockets()
+    model, opt = build("ddp")
+    ckpt = Checkpointer(model, opt, os.path.join(out, "listeners"))
+    after = _listening_sockets()
+    train(model, opt, Sampler(dist.get_rank()), 2, ckpt=ckpt, requests=(2,))
+    committed = [i.step for i in ckpt.wait(timeout_s=120)]
+    ckpt.close()
+    return {"new_listeners": sorted(after - before), "committed": committed}
 
 
 def settings_mismatch(out: str) -> dict[str, Any]:

@@ -144,6 +144,12 @@ def test_settings_that_differ_across_ranks_are_refused_on_every_rank(ddp_results
         assert "settings differ across ranks: every (rank 0: 3, rank 1: 4)" in c["error"], c
 
 
+def test_the_writers_rendezvous_opens_no_listener(ddp_results):
+    """The writers join the job's own store (env:// rendezvous) under a random prefix: no socket of ours listens."""
+    for rank, r in enumerate(ddp_results):
+        assert r["listeners"] == {"new_listeners": [], "committed": [2]}, (rank, r["listeners"])
+
+
 def test_auto_window_is_the_same_on_every_rank(ddp_results):
     a0, a1 = (r["auto_window"] for r in ddp_results)
     assert a0["windows"] == a1["windows"] and a0["versions"] == a1["versions"], (a0, a1)

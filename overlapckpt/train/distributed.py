@@ -14,6 +14,7 @@ the training process group. The hooks never do.
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 from dataclasses import dataclass
 from typing import Any, cast
@@ -88,14 +89,21 @@ def set_up_distributed(
     agree_on_settings(settings, group)
     store, port, host = None, 0, ""
     if rank == 0:
-        host = _reachable_address()
-        from datetime import timedelta
+        reused = job_store_address()
+        if reused is not None:
+            host, port = reused  # the job's own store: the writers connect to it, no listener of ours
+        else:
+            # No TCPStore to reuse (a file:// or custom rendezvous): rank 0 hosts one. It
+            # listens on every interface (TCPStore cannot bind one); see docs/security.md.
+            host = _reachable_address()
+            from datetime import timedelta
 
-        store = dist.TCPStore(
-            host, 0, world_size=None, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=collective_timeout_s)
-        )
-        port = int(store.port)
-    box: list[Any] = [(host, port)]
+            store = dist.TCPStore(
+                host, 0, world_size=None, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=collective_timeout_s)
+            )
+            port = int(store.port)
+    # An unguessable prefix for the writers' keys, shared over the training group only.
+    box: list[Any] = [(host, port, secrets.token_hex(16))]
     dist.broadcast_object_list(box, src=dist.get_global_rank(cast(dist.ProcessGroup, group), 0), group=group)
     spec = WriterGroupSpec(
         store_host=str(box[0][0]),
@@ -105,8 +113,29 @@ def set_up_distributed(
         timeout_s=collective_timeout_s,
         agreement_timeout_s=agreement_timeout_s,
         mesh_shape=mesh_shape_of(model, world),
+        key_prefix=str(box[0][2]),
     )
     return DistributedRun(scope=CheckpointScope(rank=rank, world_size=world), group=group, writer_spec=spec, store=store)
+
+
+def job_store_address() -> tuple[str, int] | None:
+    """(host, port) of the job's own TCPStore (torchrun's, or env:// rendezvous), if it has one.
+
+    The writers then join the job's store as clients under a random prefix, as DCP's
+    ``DCP_USE_PREFIX_STORE`` does, instead of rank 0 opening a listener of its own.
+    """
+    try:
+        store: Any = dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, dist.TCPStore):
+        return None
+    host = str(store.host)
+    if host in ("", "0.0.0.0", "::"):
+        host = _reachable_address()
+    return host, int(store.port)
 
 
 def _reachable_address() -> str:

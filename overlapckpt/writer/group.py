@@ -1,8 +1,9 @@
 """The writers' own gloo group: how the writer processes of a distributed run agree and commit together.
 
 Each training rank has one writer process. At construction the training ranks
-hand every writer the address of a TCPStore (hosted by training rank 0) and the
-writers form their own gloo process group on it, with a timeout on every
+hand every writer the address of the job's own TCPStore (or, without one, a
+TCPStore that training rank 0 hosts) and a random key prefix, and the writers form
+their own gloo process group on it, with a timeout on every
 collective, so a dead writer or rank surfaces as an error, never as a hang. The
 training processes' hooks never take part: everything here runs in the writers.
 
@@ -16,6 +17,7 @@ Per checkpoint, in this order:
    every rank, naming each rank's steps; nothing is written.
    An idle writer notices another rank's claim it has not matched
    (``missing_claim``) and, after the same timeout, posts a refusal and reports it.
+   The claim protocol is in ``claims.py``.
 2. **Gather** each rank's manifest section (ledger, item checksums, stateful
    objects, RNG) on the coordinator (rank 0).
 3. **Save** through DCP with the group: DCP builds the global ``.metadata``, and the
@@ -27,8 +29,6 @@ Per checkpoint, in this order:
 
 from __future__ import annotations
 
-import json
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -36,9 +36,7 @@ import torch.distributed as dist
 
 from ..errors import RankDisagreementError
 from ..protocol import WriterGroupSpec
-
-# A claim key: one per rank per checkpoint sequence number.
-_CLAIM_KEY = "claim/{sequence}/{rank}"
+from .claims import ClaimBoard
 
 
 class WriterGroup:
@@ -49,78 +47,34 @@ class WriterGroup:
         self.rank = spec.rank
         self.world_size = spec.world_size
         timeout = timedelta(seconds=spec.timeout_s)
+        # A client of the job's own store where it could be reused (no listener of ours),
+        # under a prefix drawn at random for this run (train/distributed.py).
         base = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
-        self.store = dist.PrefixStore("overlapckpt-writers/agree/", base)
+        prefix = f"overlapckpt-writers/{spec.key_prefix}/"
+        self.claims = ClaimBoard(dist.PrefixStore(prefix + "agree/", base), spec.rank, spec.world_size, spec.agreement_timeout_s)
         dist.init_process_group(
             "gloo",
-            store=dist.PrefixStore("overlapckpt-writers/pg/", base),
+            store=dist.PrefixStore(prefix + "pg/", base),
             rank=spec.rank,
             world_size=spec.world_size,
             timeout=timeout,
         )
         self.group = dist.group.WORLD
-        self.sequence = 0  # checkpoints claimed (committed or refused) so far: the same count on every rank
-        self._unmatched_since: float | None = None
 
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0
 
-    def _key(self, sequence: int, rank: int) -> str:
-        return _CLAIM_KEY.format(sequence=sequence, rank=rank)
+    def agree(self, claim: dict[str, Any]) -> int:
+        """Every rank claims the same checkpoint, or RankDisagreementError on every rank (``claims.py``)."""
+        return self.claims.agree(claim)
 
-    def _claims(self, sequence: int) -> dict[int, dict[str, Any]]:
-        out = {}
-        for r in range(self.world_size):
-            key = self._key(sequence, r)
-            if self.store.check([key]):
-                out[r] = json.loads(self.store.get(key).decode("utf-8"))
-        return out
-
-    def agree(self, claim: dict[str, Any]) -> None:
-        """Post this rank's claim for the next checkpoint; raise RankDisagreementError unless all ranks match."""
-        sequence = self.sequence
-        self.sequence += 1
-        self._unmatched_since = None
-        self.store.set(self._key(sequence, self.rank), json.dumps(claim, sort_keys=True))
-        keys = [self._key(sequence, r) for r in range(self.world_size)]
-        try:
-            self.store.wait(keys, timedelta(seconds=self.spec.agreement_timeout_s))
-        except Exception as e:  # the store's timeout error type differs between torch releases
-            claims = self._claims(sequence)
-            missing = [r for r in range(self.world_size) if r not in claims]
-            raise RankDisagreementError(
-                f"checkpoint #{sequence}: ranks {missing} requested no checkpoint (or their writer died) within "
-                f"agreement_timeout_s={self.spec.agreement_timeout_s} of {_describe(claims)}; nothing was committed. "
-                "Every rank must request the same checkpoints (request() after the same step, or the same every=)"
-            ) from e
-        claims = self._claims(sequence)
-        if any(c != claims[0] for c in claims.values()):
-            raise RankDisagreementError(
-                f"checkpoint #{sequence}: the ranks disagree: {_describe(claims)}; nothing was committed. Every rank "
-                "must request the same checkpoints (request() after the same step, or the same every=)"
-            )
+    def forget(self, sequence: int) -> None:
+        """After the commit (a collective: every rank has passed ``agree``): drop this rank's claim keys."""
+        self.claims.forget(sequence)
 
     def missing_claim(self) -> RankDisagreementError | None:
-        """For an idle writer: a checkpoint another rank claimed that this rank has not, past the timeout."""
-        claims = self._claims(self.sequence)
-        if not claims:
-            self._unmatched_since = None
-            return None
-        now = time.monotonic()
-        if self._unmatched_since is None:
-            self._unmatched_since = now
-        if now - self._unmatched_since < self.spec.agreement_timeout_s:
-            return None
-        sequence = self.sequence
-        self.store.set(self._key(sequence, self.rank), json.dumps({"requested": None}))  # the others fail at once
-        self.sequence += 1
-        self._unmatched_since = None
-        return RankDisagreementError(
-            f"checkpoint #{sequence}: {_describe(claims)}, but this rank ({self.rank}) requested none within "
-            f"agreement_timeout_s={self.spec.agreement_timeout_s}; nothing was committed. Every rank must request "
-            "the same checkpoints"
-        )
+        return self.claims.missing_claim()
 
     def gather_sections(self, section: dict[str, Any]) -> list[dict[str, Any]] | None:
         """Every rank's manifest section on the coordinator (None elsewhere)."""
@@ -138,13 +92,3 @@ class WriterGroup:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _describe(claims: dict[int, dict[str, Any]]) -> str:
-    parts = []
-    for rank, c in sorted(claims.items()):
-        if c.get("requested") is None and "version" not in c:
-            parts.append(f"rank {rank} requested none")
-        else:
-            parts.append(f"rank {rank} requested it after step {c['requested']} (version {c['version']})")
-    return ", ".join(parts)

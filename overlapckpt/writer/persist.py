@@ -43,7 +43,7 @@ def persist_snapshot(
     started = time.perf_counter()
     if group is not None:
         # Before any work: a rank that disagrees must not leave the others in a collective.
-        group.agree({"name": req.name, "version": req.step, "requested": req.requested_step})
+        sequence = group.agree({"name": req.name, "version": req.step, "requested": req.requested_step})
     slot = buffers[req.buffer_id]
     tensors = [view_bytes(slot, off, e.dtype, e.shape) for e, off in zip(entries, offsets)]
     if req.replay is not None:
@@ -106,6 +106,8 @@ def persist_snapshot(
             except Exception as e:
                 warnings.append(f"checkpoint {req.name} committed, but retention (keep={req.keep}) failed: {type(e).__name__}: {e}")
     agreed_window = group.agree_window(req.proposed_next_window) if group is not None else req.proposed_next_window
+    if group is not None:
+        group.forget(sequence)  # agree_window was a collective: every rank is past the wait on these keys
     return p.CommittedResponse(
         request_id=req.request_id,
         info=CheckpointInfo.from_manifest(manifest, store.checkpoint_url(req.name)),

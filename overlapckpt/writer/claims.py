@@ -1,0 +1,154 @@
+"""The writers' claims: how every rank's writer agrees on each checkpoint through a key-value store.
+
+Per checkpoint (a sequence number, the same count on every rank), each writer posts
+its claim (name, version, requested step) under ``claim/<seq>/<rank>`` and adds 1 to
+``count/<seq>``; it then waits for every rank's claim, up to the agreement timeout.
+An idle writer reads only ``count/<seq>`` (one request per poll, whatever the world
+size), and reads the claims themselves only once some rank has posted one: O(N)
+store requests per checkpoint, not per poll. Each rank deletes its own claim key
+once the checkpoint is decided (rank 0 the counter too), so keys do not pile up.
+
+A claim that is not a JSON object of the expected fields (a corrupt or injected
+value) is a named refusal, ``RankDisagreementError``, never a writer crash.
+
+The trust model is torch.distributed's: whoever can reach the store can write keys.
+The keys live under a prefix drawn at random on rank 0 and shared over the training
+group, and the store is the job's own where it can be reused (``train/distributed.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+from typing import Any, Protocol
+
+from ..errors import RankDisagreementError
+
+_CLAIM_KEY = "claim/{sequence}/{rank}"
+_COUNT_KEY = "count/{sequence}"
+_CLAIM_FIELDS = {"name": str, "version": int, "requested": int}
+_MAX_SHOWN_BYTES = 120
+
+
+class KeyValueStore(Protocol):
+    """The part of ``torch.distributed.Store`` the claims use."""
+
+    def set(self, key: str, value: str) -> None: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def add(self, key: str, value: int) -> int: ...
+
+    def check(self, keys: list[str]) -> bool: ...
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None: ...
+
+    def delete_key(self, key: str) -> bool: ...
+
+
+def parse_claim(raw: bytes) -> dict[str, Any]:
+    """A claim as posted, or ``{"malformed": <what was there>}`` for anything else."""
+    try:
+        claim = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return {"malformed": raw[:_MAX_SHOWN_BYTES].decode("utf-8", "replace")}
+    if claim == {"requested": None}:
+        return claim  # a refusal: that rank requested no checkpoint in time
+    if not isinstance(claim, dict) or set(claim) != set(_CLAIM_FIELDS) or any(
+        not isinstance(claim[k], t) or isinstance(claim[k], bool) for k, t in _CLAIM_FIELDS.items()
+    ):
+        return {"malformed": json.dumps(claim)[:_MAX_SHOWN_BYTES]}
+    return claim
+
+
+def describe(claims: dict[int, dict[str, Any]]) -> str:
+    parts = []
+    for rank, c in sorted(claims.items()):
+        if "malformed" in c:
+            parts.append(f"rank {rank}'s claim is malformed ({c['malformed']!r}: not written by overlapckpt)")
+        elif c.get("requested") is None:
+            parts.append(f"rank {rank} requested none")
+        else:
+            parts.append(f"rank {rank} requested it after step {c['requested']} (version {c['version']})")
+    return ", ".join(parts)
+
+
+class ClaimBoard:
+    """This rank's side of the claims, over ``store`` (already prefixed for this run)."""
+
+    def __init__(self, store: KeyValueStore, rank: int, world_size: int, agreement_timeout_s: float) -> None:
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.agreement_timeout_s = agreement_timeout_s
+        self.sequence = 0  # checkpoints decided (committed or refused) so far: the same count on every rank
+        self._unmatched_since: float | None = None
+
+    def _key(self, sequence: int, rank: int) -> str:
+        return _CLAIM_KEY.format(sequence=sequence, rank=rank)
+
+    def _post(self, sequence: int, claim: dict[str, Any]) -> None:
+        self.store.set(self._key(sequence, self.rank), json.dumps(claim, sort_keys=True))
+        self.store.add(_COUNT_KEY.format(sequence=sequence), 1)
+
+    def _claims(self, sequence: int) -> dict[int, dict[str, Any]]:
+        out = {}
+        for r in range(self.world_size):
+            key = self._key(sequence, r)
+            if self.store.check([key]):
+                out[r] = parse_claim(self.store.get(key))
+        return out
+
+    def agree(self, claim: dict[str, Any]) -> int:
+        """Post this rank's claim for the next checkpoint; its sequence number, or RankDisagreementError."""
+        sequence = self.sequence
+        self.sequence += 1
+        self._unmatched_since = None
+        self._post(sequence, claim)
+        keys = [self._key(sequence, r) for r in range(self.world_size)]
+        try:
+            self.store.wait(keys, timedelta(seconds=self.agreement_timeout_s))
+        except Exception as e:  # the store's timeout error type differs between torch releases
+            claims = self._claims(sequence)
+            missing = [r for r in range(self.world_size) if r not in claims]
+            raise RankDisagreementError(
+                f"checkpoint #{sequence}: ranks {missing} requested no checkpoint (or their writer died) within "
+                f"agreement_timeout_s={self.agreement_timeout_s} of {describe(claims)}; nothing was committed. "
+                "Every rank must request the same checkpoints (request() after the same step, or the same every=)"
+            ) from e
+        claims = self._claims(sequence)
+        mine = parse_claim(json.dumps(claim, sort_keys=True).encode())
+        if any(c != mine for c in claims.values()):
+            raise RankDisagreementError(
+                f"checkpoint #{sequence}: the ranks disagree: {describe(claims)}; nothing was committed. Every rank "
+                "must request the same checkpoints (request() after the same step, or the same every=)"
+            )
+        return sequence
+
+    def forget(self, sequence: int) -> None:
+        """The checkpoint is decided on every rank: remove this rank's keys for it."""
+        self.store.delete_key(self._key(sequence, self.rank))
+        if self.rank == 0:
+            self.store.delete_key(_COUNT_KEY.format(sequence=sequence))
+
+    def missing_claim(self) -> RankDisagreementError | None:
+        """For an idle writer: a checkpoint another rank claimed that this rank has not, past the timeout."""
+        if self.store.add(_COUNT_KEY.format(sequence=self.sequence), 0) == 0:  # one request while nothing is posted
+            self._unmatched_since = None
+            return None
+        now = time.monotonic()
+        if self._unmatched_since is None:
+            self._unmatched_since = now
+        if now - self._unmatched_since < self.agreement_timeout_s:
+            return None
+        sequence = self.sequence
+        claims = self._claims(sequence)
+        self._post(sequence, {"requested": None})  # the others fail at once
+        self.sequence += 1
+        self._unmatched_since = None
+        return RankDisagreementError(
+            f"checkpoint #{sequence}: {describe(claims)}, but this rank ({self.rank}) requested none within "
+            f"agreement_timeout_s={self.agreement_timeout_s}; nothing was committed. Every rank must request "
+            "the same checkpoints"
+        )

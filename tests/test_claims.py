@@ -1,0 +1,71 @@
+"""The writers' claims over a real torch.distributed store: malformed claims are named refusals,
+an idle poll is one request whatever the world size, and decided checkpoints leave no keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from overlapckpt import RankDisagreementError
+from overlapckpt.writer.claims import ClaimBoard
+
+
+class CountingStore:
+    """A real HashStore; each request to it is counted."""
+
+    def __init__(self) -> None:
+        self.inner = dist.HashStore()
+        self.requests = 0
+
+    def __getattr__(self, name):
+        method = getattr(self.inner, name)
+
+        def counted(*args, **kwargs):
+            self.requests += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
+CLAIM = {"name": "step-000000003", "version": 3, "requested": 3}
+
+
+@pytest.mark.parametrize("posted", [b"\xff not json", b"[1, 2]", b'{"name": "x", "version": "3", "requested": 3}'], ids=["bytes", "list", "types"])
+def test_a_malformed_claim_is_a_named_refusal(posted):
+    store = CountingStore()
+    board = ClaimBoard(store, rank=0, world_size=2, agreement_timeout_s=5)
+    store.inner.set("claim/0/1", posted)  # what another host injected as rank 1's claim
+    with pytest.raises(RankDisagreementError, match=r"rank 1's claim is malformed .*not written by overlapckpt"):
+        board.agree(CLAIM)
+
+
+def test_an_idle_writer_polls_one_key_whatever_the_world_size():
+    store = CountingStore()
+    board = ClaimBoard(store, rank=5, world_size=1024, agreement_timeout_s=5)
+    before = store.requests
+    for _ in range(10):
+        assert board.missing_claim() is None
+    assert store.requests - before == 10  # one request per poll, not 1,024
+
+
+def test_an_idle_writer_refuses_a_checkpoint_it_never_requested():
+    store = CountingStore()
+    other = ClaimBoard(store, rank=0, world_size=2, agreement_timeout_s=0.0)
+    idle = ClaimBoard(store, rank=1, world_size=2, agreement_timeout_s=0.0)
+    store.inner.set("claim/0/0", '{"name": "step-000000003", "requested": 3, "version": 3}')
+    store.inner.add("count/0", 1)
+    refusal = idle.missing_claim()  # agreement_timeout_s=0: at once
+    assert isinstance(refusal, RankDisagreementError) and "but this rank (1) requested none" in str(refusal)
+    with pytest.raises(RankDisagreementError, match="rank 1 requested none"):
+        other.agree(CLAIM)
+
+
+def test_decided_checkpoints_leave_no_keys():
+    store = dist.HashStore()
+    boards = [ClaimBoard(store, rank=r, world_size=2, agreement_timeout_s=5) for r in range(2)]
+    store.set("claim/0/1", '{"name": "step-000000003", "requested": 3, "version": 3}')
+    store.add("count/0", 1)
+    assert boards[0].agree(CLAIM) == 0
+    boards[0].forget(0)
+    boards[1].forget(0)
+    assert not store.check(["claim/0/0"]) and not store.check(["claim/0/1"]) and not store.check(["count/0"])
