@@ -15,6 +15,7 @@ from .errors import ConfigError, RootLeaseError, UnsupportedOptimizerError
 from .format.extra_state import encode
 from .format.lease import RootLease
 from .format.manifest import CheckpointInfo
+from .format.signing import resolve_key
 from .format.storage import CheckpointStore
 from .loading import load
 from .train.autowindow import AUTO_WINDOW, DEFAULT_MAX_WINDOW, PhaseTimer, make_gap_timer
@@ -120,6 +121,9 @@ class Checkpointer:
             dead writer or rank surfaces as an error within it).
         agreement_timeout_s: distributed: how far apart in time the ranks may reach the same
             checkpoint before the request counts as one that other ranks did not make.
+        signing_key: sign every manifest (HMAC-SHA256, with a SHA-256 of ``.metadata``); None reads
+            ``OVERLAPCKPT_SIGNING_KEY``. ``restore`` then refuses unsigned or forged checkpoints.
+            See docs/security.md for what the signature covers.
         lease: take the root's lease at construction (released at close), so that a second
             job on the same root is refused by name (``RootLeaseError``); see ``format/lease.py``.
         on_commit: called in the training process with each commit's figures, a dict with
@@ -162,6 +166,7 @@ class Checkpointer:
         agreement_timeout_s: float = 120.0,
         on_commit: Callable[[dict[str, Any]], None] | None = None,
         lease: bool = True,
+        signing_key: str | bytes | None = None,
     ) -> None:
         _check_window(window, max_window)
         _check_positive_int("every", every, "checkpoint after every N-th optimizer step, or None")
@@ -194,6 +199,7 @@ class Checkpointer:
         for name, value in (("collective_timeout_s", collective_timeout_s), ("agreement_timeout_s", agreement_timeout_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"{name}={value!r} is invalid; pass a number of seconds > 0")
+        self._signing_key = resolve_key(signing_key)
         self.path = os.fspath(path)
         self.storage_options = dict(storage_options or {})
         self._distributed: DistributedRun | None = None
@@ -232,6 +238,7 @@ class Checkpointer:
                 self.storage_options,
                 (store_class.__module__, store_class.__qualname__),
                 group=None if self._distributed is None else self._distributed.writer_spec,
+                signing_key=self._signing_key,
             )
 
         if save_on_signal and self._distributed is not None:
@@ -423,6 +430,7 @@ class Checkpointer:
                 step,
                 self.storage_options,
                 process_group=None if self._distributed is None else self._distributed.group,
+                signing_key=self._signing_key,
             )
         finally:
             self._engine.install_hooks()

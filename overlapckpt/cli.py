@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 from .errors import CheckpointReadError, CorruptCheckpointError, OverlapCkptError
+from .format.signing import resolve_key
 from .format.storage import CheckpointStore
 from .format.verify import verify_checkpoint
 from .loading import list_checkpoints, read_manifest, resolve_checkpoint
@@ -122,7 +123,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         # setup failure (CheckpointReadError, a missing crc32c package) ends the run
         # with exit 2, since nothing was found corrupt.
         try:
-            report = verify_checkpoint(store, name)
+            report = verify_checkpoint(store, name, signing_key=resolve_key(None))  # OVERLAPCKPT_SIGNING_KEY, if set
         except CorruptCheckpointError as e:
             print(f"CORRUPT {store.checkpoint_url(name)}: {e}")
             failed += 1

@@ -17,12 +17,14 @@ from .errors import (
     CorruptCheckpointError,
     OverlapCkptError,
     RankDisagreementError,
+    SignatureError,
     UnsafeCheckpointError,
 )
 from .format.entries import check_shapes, flatten_tensors
 from .format.extra_state import decode
-from .format.manifest import CheckpointInfo, checkpoint_name, step_of_name, tensor_crc32
+from .format.manifest import METADATA_NAME, CheckpointInfo, checkpoint_name, step_of_name, tensor_crc32
 from .format.safe_read import SafeLoadPlanner
+from .format.signing import check_signature, resolve_key
 from .format.storage import CheckpointStore, dcp_root_cause, is_storage_error, read_error, translate_read_errors
 from .format.verify import describe_problems, read_manifest, verify_checkpoint
 
@@ -209,7 +211,15 @@ def _agree_before_reading(group: Any, error: BaseException | None, name: str | N
 
 _ERROR_TYPES: dict[str, type[OverlapCkptError]] = {
     cls.__name__: cls
-    for cls in (CheckpointMismatchError, CheckpointNotFoundError, CheckpointReadError, ConfigError, CorruptCheckpointError)
+    for cls in (
+        CheckpointMismatchError,
+        CheckpointNotFoundError,
+        CheckpointReadError,
+        ConfigError,
+        CorruptCheckpointError,
+        SignatureError,
+        UnsafeCheckpointError,
+    )
 }
 
 
@@ -224,6 +234,7 @@ def load(
     *,
     per_rank_state: str = "restore",
     process_group: Any = None,
+    signing_key: str | bytes | None = None,
 ) -> CheckpointInfo:
     """Restore a committed checkpoint in place: model, optimizer, stateful objects and RNG states.
 
@@ -263,6 +274,11 @@ def load(
         elif step is not None and step_of_name(name) != step:
             raise ConfigError(f"path {path!r} is the checkpoint of step {step_of_name(name)}, but step={step}; pass one or the other")
         manifest = _checked_manifest(store, name, (rank, world), per_rank_state, verify, target)
+        key = resolve_key(signing_key)
+        if key is not None:  # with a key, unsigned and forged checkpoints are refused, whatever verify says
+            with translate_read_errors(store.checkpoint_url(name)):
+                metadata_bytes = store.read_bytes(name, METADATA_NAME)
+            check_signature(manifest, metadata_bytes, key, store.checkpoint_url(name))
     except OverlapCkptError as e:  # raised on every rank below, before any rank reads
         failure = e
     _agree_before_reading(group, failure, name)

@@ -76,12 +76,13 @@ def snapshot(model, opt) -> tuple[dict, dict]:
     return copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
 
 
-def twin_states(steps: int, **run_kwargs: Any) -> dict[int, tuple[dict, dict]]:
-    """An uninterrupted run's (model, optimizer) state dicts after each step 1..steps."""
+def twin_states(steps: int, step_fn=None, **run_kwargs: Any) -> dict[int, tuple[dict, dict]]:
+    """An uninterrupted run's (model, optimizer) state dicts after each step 1..steps (``step_fn``: train_step)."""
+    step_fn = step_fn or train_step
     model, opt, sched, sampler = make_run(**run_kwargs)
     states = {}
     for it in range(1, steps + 1):
-        train_step(model, opt, sched, sampler)
+        step_fn(model, opt, sched, sampler)
         states[it] = snapshot(model, opt)
     return states
 

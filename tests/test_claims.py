@@ -69,3 +69,18 @@ def test_decided_checkpoints_leave_no_keys():
     boards[0].forget(0)
     boards[1].forget(0)
     assert not store.check(["claim/0/0"]) and not store.check(["claim/0/1"]) and not store.check(["count/0"])
+
+
+def test_a_claim_forged_outside_the_runs_prefix_has_no_effect():
+    """The writers' keys live under a random prefix shared over the training group: a claim written
+    under any other prefix (the fixed one of earlier releases, a guess) is never read."""
+    base = dist.HashStore()
+    run = dist.PrefixStore("overlapckpt-writers/9f1c2e7d4b6a8c0e1f2a3b4c5d6e7f80/agree/", base)
+    boards = [ClaimBoard(run, rank=r, world_size=2, agreement_timeout_s=5) for r in range(2)]
+    forged = '{"requested": null}'  # a valid refusal
+    for elsewhere in (dist.PrefixStore("overlapckpt-writers/agree/", base), dist.PrefixStore("overlapckpt-writers/0/agree/", base), base):
+        elsewhere.set("claim/0/1", forged)
+        elsewhere.add("count/0", 1)
+    assert boards[1].missing_claim() is None  # the idle writer sees no claim of this run
+    run.set("claim/0/1", '{"name": "step-000000003", "requested": 3, "version": 3}')
+    assert boards[0].agree(CLAIM) == 0  # the run's own claims agree; the forged ones are not seen

@@ -18,7 +18,7 @@ from overlapckpt import Checkpointer, ConfigError, load
 from overlapckpt.train.cpu_stream import CpuStreamCopier
 from overlapckpt.train.transfer import CopyTicket, FenceResult
 
-from helpers import closure_train_step, make_run, snapshot, tensors_that_differ, train_step
+from helpers import closure_train_step, make_run, snapshot, tensors_that_differ, train_step, twin_states
 
 REQUEST_AT = 3
 
@@ -35,15 +35,6 @@ class HeldCopier(CpuStreamCopier):
         if self.events is not None and ticket.group_index == 0 and result != FenceResult.NOT_NEEDED:
             self.events.append("fence")
         return result
-
-
-def _twin(steps: int, step_fn, **run_kwargs) -> dict[int, tuple[dict, dict]]:
-    model, opt, sched, sampler = make_run(**run_kwargs)
-    states = {}
-    for it in range(1, steps + 1):
-        step_fn(model, opt, sched, sampler)
-        states[it] = snapshot(model, opt)
-    return states
 
 
 def _judge(tmp_path, infos, twin, prepare=None, **run_kwargs) -> dict[int, list[str]]:
@@ -68,7 +59,7 @@ MODES = [dict(window=1), dict(window=3, consistency="replay"), dict(window=3, co
 @pytest.mark.parametrize("settings", MODES, ids=["window-1", "replay-3", "stage-3"])
 def test_closure_loop_is_bit_exact(tmp_path, settings):
     steps = REQUEST_AT + 5
-    twin = _twin(steps, closure_train_step)
+    twin = twin_states(steps, closure_train_step)
     model, opt, sched, sampler = make_run()
     with Checkpointer(model, opt, tmp_path, stateful={"sched": sched}, copier=HeldCopier(), **settings) as ckpt:
         for it in range(1, steps + 1):

@@ -165,3 +165,56 @@ def test_wrong_field_types_are_a_named_corrupt_checkpoint(tmp_path, edit):
     _rewrite_manifest(ckpt, edit)
     with pytest.raises(CorruptCheckpointError, match=r"malformed"):
         load(str(tmp_path / "root"), *make_run(seed=5)[:2], verify=True)
+
+
+KEY = "a secret of at least sixteen bytes"
+
+
+def test_signed_checkpoints_load_and_forged_or_unsigned_ones_are_refused(tmp_path, capsys, monkeypatch):
+    from overlapckpt import SignatureError
+
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path / "signed", signing_key=KEY) as ckpt:
+        for _ in range(3):
+            train_step(model, opt, sched, sampler)
+            ckpt.step()
+        ckpt.request()
+    ckpt_dir = tmp_path / "signed" / STEP
+    signature = json.loads((ckpt_dir / "overlapckpt.json").read_text())["signature"]
+    assert signature["algorithm"] == "hmac-sha256" and len(signature["mac"]) == 64
+    assert load(str(tmp_path / "signed"), *make_run(seed=5)[:2], signing_key=KEY).step == 3
+    with pytest.raises(SignatureError, match="does not match"):  # another key
+        load(str(tmp_path / "signed"), *make_run(seed=5)[:2], signing_key="another secret, sixteen+ bytes")
+    # An unsigned checkpoint, with a key set.
+    unsigned = _checkpoint(tmp_path / "unsigned")
+    with pytest.raises(SignatureError, match="is not signed"):
+        load(str(tmp_path / "unsigned"), *make_run(seed=5)[:2], signing_key=KEY, verify=False)
+    # A forger who edits a field and recomputes every checksum, but has no key.
+    _rewrite_manifest(ckpt_dir, lambda m: m.update(requested_step=1))
+    for verify in (True, False):
+        with pytest.raises(SignatureError, match="does not match"):
+            load(str(tmp_path / "signed"), *make_run(seed=5)[:2], signing_key=KEY, verify=verify)
+    # The CLI checks the signature when OVERLAPCKPT_SIGNING_KEY is set.
+    monkeypatch.setenv("OVERLAPCKPT_SIGNING_KEY", KEY)
+    assert main(["verify", str(tmp_path / "signed")]) == 1
+    assert "signature does not match" in capsys.readouterr().out
+    assert main(["verify", str(tmp_path / "unsigned")]) == 1
+    assert "is not signed" in capsys.readouterr().out
+    assert unsigned.exists()
+
+
+def test_a_swapped_metadata_is_refused_by_the_signature(tmp_path):
+    from overlapckpt import SignatureError
+
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path, signing_key=KEY) as ckpt:
+        for _ in range(3):
+            train_step(model, opt, sched, sampler)
+            ckpt.step()
+        ckpt.request()
+    ckpt_dir = tmp_path / STEP
+    metadata = pickle.loads((ckpt_dir / ".metadata").read_bytes())
+    metadata.planner_data = {}  # another, valid .metadata; the signed manifest is left as it was
+    (ckpt_dir / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(SignatureError, match=r"\.metadata is not the one that was signed"):
+        load(str(tmp_path), *make_run(seed=5)[:2], signing_key=KEY, verify=False)

@@ -140,7 +140,7 @@ class ChecksummingFileSystem:
     failing one) and delegates everything else to it.
     """
 
-    def __init__(self, inner: Any, algorithm: str, before_rename_to_metadata: Callable[[str, FileSegments], None]) -> None:
+    def __init__(self, inner: Any, algorithm: str, before_rename_to_metadata: Callable[[str, FileSegments, str], None]) -> None:
         self._inner = inner
         self._algorithm = algorithm
         self._before_commit = before_rename_to_metadata
@@ -174,7 +174,7 @@ class ChecksummingFileSystem:
             written = self.files.get(_basename(path))
             if written is None:
                 raise CheckpointWriteError(f"{os.fspath(path)} was not written through the checksumming stream")
-            self._before_commit(new_name, written)
+            self._before_commit(new_name, written, os.fspath(path))
         self._inner.rename(path, new_path)
 
     def __getattr__(self, attr: str) -> Any:
@@ -237,6 +237,7 @@ class StoredChecksums:
     metadata_name: str = ".metadata"
     metadata_nbytes: int = 0
     metadata_checksum: int = 0
+    metadata_bytes: bytes = b""  # .metadata's exact bytes, for a signature (never serialized)
 
     @classmethod
     def from_results(cls, results: list[list[Any]], algorithm: str) -> StoredChecksums:

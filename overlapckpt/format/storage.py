@@ -108,8 +108,9 @@ def _manifest_before_commit(base: type) -> type:
     """
 
     class ManifestFirstWriter(base):
-        def __init__(self, *args: Any, before_commit: BeforeCommit, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, before_commit: BeforeCommit, wants_metadata_bytes: bool = False, **kwargs: Any) -> None:
             # Set before DCP's __init__, which assigns self.fs (wrapped by the property below).
+            self._wants_metadata_bytes = wants_metadata_bytes
             self._algorithm = default_algorithm()
             self._before_commit = before_commit
             self._pending: StoredChecksums | None = None
@@ -149,7 +150,7 @@ def _manifest_before_commit(base: type) -> type:
                     "this torch's DCP writer is not supported (use torch >= 2.6)"
                 )
 
-        def _commit_manifest(self, metadata_name: str, written: FileSegments) -> None:
+        def _commit_manifest(self, metadata_name: str, written: FileSegments, source_path: str) -> None:
             # DCP has written .metadata.tmp and is about to rename it to .metadata (the
             # commit): the manifest must exist before, so every committed checkpoint is verifiable.
             if self._pending is None:
@@ -157,11 +158,16 @@ def _manifest_before_commit(base: type) -> type:
             spans = list(written.spans.values())
             if len(spans) > 1:
                 raise CheckpointWriteError(f"{metadata_name} was written in {len(spans)} spans; expected one")
+            metadata_bytes = b""
+            if self._wants_metadata_bytes:  # a signature covers .metadata's exact bytes: read back (small)
+                with self._checksumming_fs._inner.create_stream(source_path, "rb") as f:
+                    metadata_bytes = f.read()
             checksums = dataclasses.replace(
                 self._pending,
                 metadata_name=metadata_name,
                 metadata_nbytes=written.nbytes,
                 metadata_checksum=spans[0] if spans else 0,
+                metadata_bytes=metadata_bytes,
             )
             self._before_commit(checksums)
             self._committed = True
@@ -337,15 +343,17 @@ class CheckpointStore:
 
     # ---- DCP storage plugins ---------------------------------------------------
 
-    def make_writer(self, name: str, before_commit: BeforeCommit) -> StorageWriter:
+    def make_writer(self, name: str, before_commit: BeforeCommit, wants_metadata_bytes: bool = False) -> StorageWriter:
         """A DCP storage writer for checkpoint ``name``: it checksums every blob it stores and calls
         ``before_commit`` with those checksums (and ``.metadata``'s) right before ``.metadata`` appears."""
         if self.is_local:
             os.makedirs(self._join(name), exist_ok=True)
-            return _manifest_before_commit(FileSystemWriter)(self._join(name), before_commit=before_commit)
+            return _manifest_before_commit(FileSystemWriter)(
+                self._join(name), before_commit=before_commit, wants_metadata_bytes=wants_metadata_bytes
+            )
         writer_cls, _ = _fsspec_dcp_classes()
         return _manifest_before_commit(writer_cls)(
-            self.checkpoint_url(name), before_commit=before_commit, **self.storage_options
+            self.checkpoint_url(name), before_commit=before_commit, wants_metadata_bytes=wants_metadata_bytes, **self.storage_options
         )
 
     def make_reader(self, name: str) -> StorageReader:

@@ -20,9 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, SignatureError
 from .checksum import hex32, updater
 from .manifest import LEGACY_FORMAT_VERSION, MANIFEST_NAME, parse_manifest
+from .signing import check_signature
 from .storage import CheckpointStore, translate_read_errors
 
 # The only files verify reads: DCP's data files and its commit marker. A manifest naming
@@ -70,7 +71,11 @@ def read_manifest(store: CheckpointStore, name: str) -> dict[str, Any]:
 
 
 def verify_checkpoint(
-    store: CheckpointStore, name: str, manifest: dict[str, Any] | None = None, share: tuple[int, int] = (0, 1)
+    store: CheckpointStore,
+    name: str,
+    manifest: dict[str, Any] | None = None,
+    share: tuple[int, int] = (0, 1),
+    signing_key: bytes | None = None,
 ) -> VerifyReport:
     """Verify every stored byte of checkpoint ``name`` against its manifest, blob by blob.
 
@@ -113,6 +118,13 @@ def verify_checkpoint(
                 f"{where}/{MANIFEST_NAME} lists the file {filename!r}, which is not a DCP file name: refused unread "
                 "(the manifest is damaged or crafted)"
             )
+    if signing_key is not None:
+        with translate_read_errors(where):
+            metadata_bytes = store.read_bytes(name, str(metadata["name"]))
+        try:
+            check_signature(manifest, metadata_bytes, signing_key, where)
+        except SignatureError as e:
+            report.problems.append(str(e))
     update = updater(report.algorithm)
     rank, world = share
     with translate_read_errors(where):

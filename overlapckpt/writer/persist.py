@@ -22,6 +22,7 @@ from ..format.entries import TensorEntry, build_state_dict
 from ..format.extra_state import encode
 from ..format.manifest import FORMAT_VERSION, MANIFEST_NAME, CheckpointInfo, dump_manifest, parse_manifest, tensor_crc32
 from ..format.shards import CoveringSavePlanner, LocalShard
+from ..format.signing import sign
 from ..format.storage import CheckpointStore
 from ..hostbuf import view_bytes
 from .group import WriterGroup
@@ -39,6 +40,7 @@ def persist_snapshot(
     global_shapes: dict[str, tuple[int, ...]],
     buffers: dict[int, torch.Tensor],
     req: p.PersistRequest,
+    signing_key: bytes | None = None,
 ) -> p.CommittedResponse:
     started = time.perf_counter()
     if group is not None:
@@ -83,11 +85,13 @@ def persist_snapshot(
         # of the blobs it stored, and of .metadata's bytes, right before .metadata appears.
         manifest["checksums"] = checksums.to_json()
         manifest["created_at"] = time.time()
+        if signing_key is not None:
+            sign(manifest, checksums.metadata_bytes, signing_key)
         store.write_manifest(req.name, dump_manifest(manifest))
 
     state_dict = build_state_dict(entries, [_part(e, t) for e, t in zip(entries, tensors)], req.small_state)
     try:
-        _save(store, req.name, state_dict, write_manifest, global_shapes, group)
+        _save(store, req.name, state_dict, write_manifest, global_shapes, group, signing_key is not None)
     except BaseException:
         if group is None or group.is_coordinator:
             _remove_failed_attempt(store, req.name)
@@ -210,10 +214,14 @@ def _save(
     write_manifest: Any,
     global_shapes: dict[str, tuple[int, ...]],
     group: WriterGroup | None,
+    wants_metadata_bytes: bool = False,
 ) -> None:
     import torch.distributed.checkpoint as dcp
 
-    writer = store.make_writer(name, before_commit=write_manifest)
+    # Only a signature needs .metadata's bytes; a store subclass written for make_writer(name,
+    # before_commit) keeps working when nothing is signed.
+    extra = {"wants_metadata_bytes": True} if wants_metadata_bytes else {}
+    writer = store.make_writer(name, before_commit=write_manifest, **extra)
     planner = CoveringSavePlanner(global_shapes)
     if group is None:
         with warnings.catch_warnings():

@@ -31,7 +31,8 @@ _IDLE_CHECK_S = 0.5
 
 
 class _WriterState:
-    def __init__(self, store: CheckpointStore, group: WriterGroup | None) -> None:
+    def __init__(self, store: CheckpointStore, group: WriterGroup | None, signing_key: bytes | None = None) -> None:
+        self.signing_key = signing_key
         self.store = store
         self.group = group
         self.buffers: dict[int, torch.Tensor] = {}
@@ -39,7 +40,9 @@ class _WriterState:
 
     def persist(self, req: p.PersistRequest) -> p.CommittedResponse:
         plan = self.plans[req.plan_id]
-        return persist_snapshot(self.store, self.group, plan.entries, plan.offsets, plan.global_shapes, self.buffers, req)
+        return persist_snapshot(
+            self.store, self.group, plan.entries, plan.offsets, plan.global_shapes, self.buffers, req, self.signing_key
+        )
 
 
 def _error_response(request_id: int | None, e: BaseException) -> p.ErrorResponse:
@@ -79,7 +82,7 @@ def serve(conn: Connection, fd_sock: socket.socket) -> None:
         sys.path[:] = init.sys_path
         # Joining the writers' group blocks until every rank's writer has joined (or times out).
         group = WriterGroup(init.group) if init.group is not None else None
-        state = _WriterState(_load_store(init), group)
+        state = _WriterState(_load_store(init), group, init.signing_key)
     except BaseException as e:
         _send(conn, _error_response(None, e))
         return
