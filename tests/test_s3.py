@@ -47,7 +47,12 @@ def test_s3_uncommitted_prefix_is_not_listed(s3_options):
         ckpt.request()
         ckpt.wait(timeout_s=120)
     fs = s3fs.S3FileSystem(**s3_options)
-    # What a writer killed before its commit leaves: shards and manifest, no .metadata.
-    fs.pipe_file("ckpts/run-b/step-000000009/__0_0.distcp", b"partial")
-    fs.pipe_file("ckpts/run-b/step-000000009/overlapckpt.json", b"{}")
+    # What a writer killed right before its commit leaves: the real shards and a real, valid
+    # manifest, and no .metadata. Only the missing commit marker keeps it off the list.
+    for name in ("__0_0.distcp", "overlapckpt.json"):
+        fs.copy(f"ckpts/run-b/step-000000001/{name}", f"ckpts/run-b/step-000000009/{name}")
     assert [i.step for i in list_checkpoints(url, storage_options=s3_options)] == [1]
+    # The control: the same files with the marker are listed, so the test can fail.
+    for name in ("__0_0.distcp", "overlapckpt.json", ".metadata"):
+        fs.copy(f"ckpts/run-b/step-000000001/{name}", f"ckpts/run-b/step-000000010/{name}")
+    assert len(list_checkpoints(url, storage_options=s3_options)) == 2

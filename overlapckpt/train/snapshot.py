@@ -26,6 +26,7 @@ from .slots import HostSlot
 from .transfer import CopyTicket
 
 if TYPE_CHECKING:
+    from ..protocol import ReplayLog
     from .autowindow import WindowChoice
     from .requests import StartingRequest
 
@@ -106,7 +107,7 @@ class Snapshot:
     # Stage mode: per entry, the staged tensor its drain reads (None: group 0, or copied at stage time).
     staged_views: list[Any] = field(default_factory=list)
     boundary: BoundaryState | None = None
-    replay_log: Any = None  # replay mode: the ReplayLog the writer rolls the groups forward with
+    replay_log: ReplayLog | None = None  # replay mode: what the writer rolls the groups forward with
     requested_wall_s: float = field(default_factory=time.time)
     device_waits_inserted: int = 0
     device_waits_in_flight: int = 0

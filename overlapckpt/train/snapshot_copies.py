@@ -105,7 +105,9 @@ class SnapshotCopies:
         snap.next_group = j + 1
 
     def log_gradients(self, snap: Snapshot, step: int, hook: int) -> None:
-        """Pre-hook of ``step`` inside a replay window: copy the gradients it will consume."""
+        """The update point of ``step`` inside a replay window: copy the gradients it will consume."""
+        if snap.replay_log is None:  # only replay snapshots log gradients; the engine calls this for those
+            return
         logged = self.gradients.log(snap.replay_log, snap.slot, snap.plan, snap.layout, snap.next_group, step)
         if logged is None:
             return

@@ -23,7 +23,7 @@ from ..format.extra_state import encode
 from ..format.manifest import FORMAT_VERSION, MANIFEST_NAME, CheckpointInfo, dump_manifest, parse_manifest, tensor_crc32
 from ..format.shards import CoveringSavePlanner, LocalShard
 from ..format.signing import sign
-from ..format.storage import CheckpointStore
+from ..format.storage import BeforeCommit, CheckpointStore
 from ..hostbuf import view_bytes
 from .group import WriterGroup
 
@@ -211,7 +211,7 @@ def _save(
     store: CheckpointStore,
     name: str,
     state_dict: dict[str, Any],
-    write_manifest: Any,
+    write_manifest: BeforeCommit,
     global_shapes: dict[str, tuple[int, ...]],
     group: WriterGroup | None,
     wants_metadata_bytes: bool = False,
