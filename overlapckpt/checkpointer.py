@@ -19,7 +19,7 @@ from .format.signing import resolve_key
 from .format.storage import CheckpointStore
 from .loading import load
 from .train.autowindow import AUTO_WINDOW, DEFAULT_MAX_WINDOW, PhaseTimer, make_gap_timer
-from .train.distributed import DistributedRun, is_distributed, set_up_distributed
+from .train.distributed import DistributedRun, broadcast_from_rank_0, is_distributed, set_up_distributed
 from .train.engine import SnapshotEngine
 from .train.gradlog import REPLAYABLE_OPTIMIZERS
 from .train.layout import CheckpointScope, check_optimizer_matches_model
@@ -447,30 +447,22 @@ class Checkpointer:
         if self._distributed is None:
             lease.acquire()
             return lease
-        import torch.distributed as dist
-
-        group = self._distributed.group
-        refusal: list[str | None] = [None]
+        refusal: str | None = None
         if self._distributed.scope.rank == 0:
             try:
                 lease.acquire()
             except RootLeaseError as e:
-                refusal = [str(e)]
-        dist.broadcast_object_list(refusal, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        if refusal[0] is not None:
-            raise RootLeaseError(refusal[0])
+                refusal = str(e)
+        refusal = broadcast_from_rank_0(refusal, self._distributed.group)
+        if refusal is not None:
+            raise RootLeaseError(refusal)
         return lease if self._distributed.scope.rank == 0 else None
 
     def _agreed_run_id(self) -> str:
         """A new run id; in a distributed run, rank 0's, so every rank's manifest section names one run."""
         run_id = new_run_id()
         if self._distributed is not None:
-            import torch.distributed as dist
-
-            box = [run_id]
-            group = self._distributed.group
-            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-            run_id = str(box[0])
+            run_id = str(broadcast_from_rank_0(run_id, self._distributed.group))
         return run_id
 
     def _check_open(self) -> None:

@@ -63,7 +63,7 @@ class RootLease:
 
     @property
     def url(self) -> str:
-        return self.store.root_file_url(LEASE_NAME)
+        return self.store.checkpoint_url(LEASE_NAME)
 
     def acquire(self) -> None:
         record = json.dumps(asdict(self.me), sort_keys=True).encode()
@@ -105,10 +105,8 @@ class RootLease:
             return LeaseHolder(
                 pid=int(raw["pid"]), host=str(raw["host"]), run_id=str(raw["run_id"]), since_unix_s=float(raw["since_unix_s"])
             )
-        except FileNotFoundError:
-            return None
-        except (ValueError, KeyError, TypeError):
-            return None
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return None  # gone, or not a lease this code wrote
 
     def _stale(self, holder: LeaseHolder) -> bool:
         if holder.host != self.me.host:

@@ -208,7 +208,7 @@ class CheckpointStore:
         return posixpath.join(self.root_path, *parts)
 
     def checkpoint_url(self, name: str) -> str:
-        """The path or URL that DCP and users open for checkpoint ``name``."""
+        """The path or URL of ``name`` under the root: a checkpoint directory, or a root file such as the lease."""
         if self.is_local:
             return self._join(name)
         return f"{self.root.rstrip('/')}/{name}"
@@ -278,9 +278,6 @@ class CheckpointStore:
 
     # ---- files at the root (the lease) ------------------------------------------
 
-    def root_file_url(self, filename: str) -> str:
-        return self._join(filename) if self.is_local else f"{self.root.rstrip('/')}/{filename}"
-
     def create_exclusive(self, filename: str, data: bytes) -> None:
         """Create ``filename`` at the root only if it does not exist; FileExistsError if it does.
 
@@ -305,8 +302,7 @@ class CheckpointStore:
             ) from e
 
     def read_root_file(self, filename: str) -> bytes:
-        with self.fs.open(self._join(filename), "rb") as f:
-            return bytes(f.read())
+        return self.read_bytes("", filename)
 
     def remove_root_file(self, filename: str) -> None:
         path = self._join(filename)
@@ -315,8 +311,7 @@ class CheckpointStore:
 
     def read_latest(self) -> str | None:
         try:
-            with self.fs.open(self._join(LATEST_NAME), "rb") as f:
-                return f.read().decode("utf-8").strip() or None
+            return self.read_root_file(LATEST_NAME).decode("utf-8").strip() or None
         except FileNotFoundError:
             return None
 

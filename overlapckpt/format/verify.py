@@ -82,7 +82,8 @@ def verify_checkpoint(
     ``share=(rank, world_size)``: verify only this rank's share of the files (every
     ``world_size``-th shard file, and ``.metadata`` on rank 0), so that the ranks of a
     distributed load together read the checkpoint about once; their outcomes are
-    combined by the caller.
+    combined by the caller. ``signing_key``: check the signature too, with the same read
+    of ``.metadata`` (rank 0; the CLI verifies as one rank).
 
     Raises CorruptCheckpointError when the manifest itself is damaged or cannot be
     verified, CheckpointReadError when storage cannot be read, and ConfigError when the
@@ -118,18 +119,16 @@ def verify_checkpoint(
                 f"{where}/{MANIFEST_NAME} lists the file {filename!r}, which is not a DCP file name: refused unread "
                 "(the manifest is damaged or crafted)"
             )
-    if signing_key is not None:
-        with translate_read_errors(where):
-            metadata_bytes = store.read_bytes(name, str(metadata["name"]))
-        try:
-            check_signature(manifest, metadata_bytes, signing_key, where)
-        except SignatureError as e:
-            report.problems.append(str(e))
     update = updater(report.algorithm)
     rank, world = share
     with translate_read_errors(where):
         if rank == 0:
-            _verify_metadata(store, name, metadata, update, report)
+            metadata_bytes = _verify_metadata(store, name, metadata, update, report)
+            if signing_key is not None and metadata_bytes is not None:
+                try:
+                    check_signature(manifest, metadata_bytes, signing_key, where)
+                except SignatureError as e:
+                    report.problems.append(str(e))
         for index, (filename, (nbytes, blobs)) in enumerate(sorted(files.items())):
             if index % world == rank:
                 _verify_file(store, name, filename, nbytes, blobs, update, report)
@@ -138,16 +137,18 @@ def verify_checkpoint(
 
 def _verify_metadata(
     store: CheckpointStore, name: str, expected: dict[str, Any], update: Callable[[Any, int], int], report: VerifyReport
-) -> None:
+) -> bytes | None:
+    """Check ``.metadata``; its bytes (for the signature), or None if it was refused unread."""
     filename = str(expected["name"])
     if not _regular_file(store, name, filename, report):
-        return
+        return None
     raw = store.read_bytes(name, filename)
     report.nbytes += len(raw)
     if len(raw) != int(expected["nbytes"]):
         report.problems.append(f"{report.path}/{filename} is {len(raw)} bytes, the manifest says {expected['nbytes']}")
     elif hex32(update(raw, 0)) != expected["checksum"]:
         report.problems.append(f"checksum mismatch for {report.path}/{filename} (DCP's metadata)")
+    return raw
 
 
 def _verify_file(

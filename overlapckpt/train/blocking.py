@@ -47,6 +47,8 @@ class BlockingCalls:
 
         def _close_boundary(self, snap: Snapshot, provisional: bool) -> None: ...
 
+        def _holds_version(self, version: int) -> bool: ...
+
     def wait(self, timeout_s: float | None) -> list[CheckpointInfo]:
         """Finish every requested snapshot now and block until the writer committed each."""
         if self.dead is not None:
@@ -123,13 +125,9 @@ class BlockingCalls:
         return self.dispatcher.take_committed()
 
     def covers_current_step(self) -> bool:
-        """Whether a snapshot in flight ends at the current step once its window closes now."""
-        for snap in self._snapshots:
-            if snap.version == self.step_count or (snap.mode == SnapshotMode.REPLAY and snap.version is None):
-                return True
-        return self.step_count in self.dispatcher.sent_versions() or any(
-            s.step == self.step_count for s in self.dispatcher.stats
-        )
+        """Whether a snapshot holds the current step, or will once an open replay window closes now."""
+        open_replay = any(s.mode == SnapshotMode.REPLAY and s.version is None for s in self._snapshots)
+        return open_replay or self._holds_version(self.step_count)
 
     def unfinished_versions(self) -> list[int | None]:
         return [s.version for s in self._snapshots] + self.dispatcher.sent_versions()

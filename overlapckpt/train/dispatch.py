@@ -198,17 +198,16 @@ class PersistDispatcher:
 
     def _report_commit(self, stats: SnapshotStats, response: p.CommittedResponse) -> None:
         """Log the commit, its retention and post-commit warnings; hand the figures to ``on_commit``."""
-        figures = commit_figures(stats)
         log.info(
             "committed version %s (requested after step %d, %s, window %d): %.1f MiB, hooks %.2f ms, "
-            "copy window %d step(s), time to commit %.2f s",
+            "copies %.3f s, time to commit %.2f s",
             stats.step,
             stats.requested_step,
             stats.mode,
             stats.window,
             stats.nbytes / 2**20,
             stats.hook_host_s * 1e3,
-            stats.window,
+            stats.copy_s,
             stats.time_to_commit_s or 0.0,
         )
         for name in response.removed:
@@ -217,7 +216,7 @@ class PersistDispatcher:
             log.warning("%s", text)
         if self.on_commit is not None:
             try:
-                self.on_commit(figures)
+                self.on_commit(commit_figures(stats))
             except Exception:  # a metrics sink must not fail the checkpoint it reports
                 log.exception("on_commit raised for the checkpoint of step %s; the checkpoint is committed", stats.step)
 

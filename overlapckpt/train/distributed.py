@@ -103,19 +103,25 @@ def set_up_distributed(
             )
             port = int(store.port)
     # An unguessable prefix for the writers' keys, shared over the training group only.
-    box: list[Any] = [(host, port, secrets.token_hex(16))]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(cast(dist.ProcessGroup, group), 0), group=group)
+    host, port, key_prefix = broadcast_from_rank_0((host, port, secrets.token_hex(16)), group)
     spec = WriterGroupSpec(
-        store_host=str(box[0][0]),
-        store_port=int(box[0][1]),
+        store_host=str(host),
+        store_port=int(port),
         rank=rank,
         world_size=world,
         timeout_s=collective_timeout_s,
         agreement_timeout_s=agreement_timeout_s,
         mesh_shape=mesh_shape_of(model, world),
-        key_prefix=str(box[0][2]),
+        key_prefix=str(key_prefix),
     )
     return DistributedRun(scope=CheckpointScope(rank=rank, world_size=world), group=group, writer_spec=spec, store=store)
+
+
+def broadcast_from_rank_0(value: Any, group: Any) -> Any:
+    """Rank 0's ``value`` on every rank of ``group`` (a collective: construction only, never a hook)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(cast(dist.ProcessGroup, group), 0), group=group)
+    return box[0]
 
 
 def job_store_address() -> tuple[str, int] | None:

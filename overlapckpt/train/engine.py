@@ -162,7 +162,7 @@ class SnapshotEngine(BlockingCalls, SnapshotRestarts):
             self.gap_timer.mark(FWD_BWD_END)
         started = time.perf_counter()
         self._hook_serial += 1
-        self._note_grad_scaler()
+        # GradScaler's fused path was noted in our pre-hook: it sets found_inf before step() runs.
         mutated_by = self._replay_guard.mutated()
         if mutated_by:
             self._replay_cannot_follow(mutated_by)

@@ -35,7 +35,6 @@ class RequestQueue:
         self._restarted_from: int | None = None
         self._busy_reason = ""
         self.deferrals = 0  # requests that had to wait for a free slot
-        self.merged = 0  # requests answered by a snapshot started for an earlier one
 
     @property
     def pending(self) -> bool:
@@ -58,7 +57,6 @@ class RequestQueue:
         """A snapshot already holds the state of ``step``: it answers everything pending."""
         pending, self._pending = self._pending, []
         self._waiting_for_slot = False
-        self.merged += len(pending)
         if pending != [step]:
             log.warning(
                 "checkpoint requests after step(s) %s are answered by the checkpoint of version %d, which already "
@@ -85,7 +83,6 @@ class RequestQueue:
         self._restarted_from = None
         self._last_started_step = step
         later = pending[1:]
-        self.merged += len(later)
         if deferred or later:
             merged = f"; the requests after step(s) {later} were merged into it" if later else ""
             log.warning(

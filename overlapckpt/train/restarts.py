@@ -49,15 +49,14 @@ class SnapshotRestarts:
         self._warn_once("closure", CLOSURE_IGNORED_WARNING.format(optimizer=type(self.optimizer).__qualname__))
         for snap in list(self._snapshots):
             if snap.unfenced or (snap.mode == SnapshotMode.REPLAY and snap.version is None):
-                self._restart(snap, start_step=self.step_count + 1)
+                self._restart(snap)
 
     def _replay_cannot_follow(self, mutated_by: list[str]) -> None:
         """A pre-hook (or the closure) wrote copied state in place: replay cannot repeat that write."""
         self.windows.replay_unfollowable = True
         self._warn_once("replay-mutation", REPLAY_MUTATION_WARNING.format(hooks=", ".join(mutated_by) or "the closure"))
-        for snap in list(self._snapshots):
-            if snap.mode == SnapshotMode.REPLAY and snap.version is None:
-                self._restart(snap, start_step=self.step_count)
+        for snap in self._open_replay_windows():
+            self._restart(snap)
 
     def _note_grad_scaler(self) -> None:
         if self.windows.grad_scaler_seen or not hasattr(self.optimizer, "found_inf"):
@@ -65,20 +64,23 @@ class SnapshotRestarts:
         self.windows.grad_scaler_seen = True
         if self.consistency == SnapshotMode.REPLAY and self.windows.widest_window != 1:
             warnings.warn(GRAD_SCALER_WARNING, stacklevel=4)
-            for snap in list(self._snapshots):
-                if snap.mode == SnapshotMode.REPLAY and snap.version is None:
-                    # Its logged gradients came from steps GradScaler's fused kernel
-                    # unscales and may skip: restart it, now at window 1.
-                    self._restart(snap, start_step=self.step_count)
+            for snap in self._open_replay_windows():
+                # Its logged gradients came from steps GradScaler's fused kernel
+                # unscales and may skip: restart it, now at window 1.
+                self._restart(snap)
 
     def _restart_if_state_grew(self) -> None:
         """Post-hook: a replay window whose layout lacks state this step created cannot reach its version."""
-        for snap in list(self._snapshots):
-            if snap.mode == SnapshotMode.REPLAY and snap.version is None and self.gradients.state_grew(snap.layout):
+        for snap in self._open_replay_windows():
+            if self.gradients.state_grew(snap.layout):
                 warnings.warn(NEW_STATE_WARNING.format(old=snap.requested_step, new=self.step_count), stacklevel=4)
-                self._restart(snap, start_step=self.step_count)
+                self._restart(snap)
 
-    def _restart(self, snap: Snapshot, start_step: int) -> None:
+    def _open_replay_windows(self) -> list[Snapshot]:
+        """Replay snapshots that have not reached their version yet (a copy: restarting edits the list)."""
+        return [s for s in self._snapshots if s.mode == SnapshotMode.REPLAY and s.version is None]
+
+    def _restart(self, snap: Snapshot) -> None:
         """Replace a replay snapshot that cannot reach its version by one started at the next chance."""
         for ticket in snap.tickets:
             # The slot may be released or regrown for a new layout: its host memory must

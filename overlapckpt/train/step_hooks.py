@@ -116,10 +116,6 @@ class StepPoint:
         self._handles: list[RemovableHandle] = []
 
     @property
-    def installed(self) -> bool:
-        return bool(self._handles)
-
-    @property
     def post_hook_id(self) -> int | None:
         return self._handles[1].id if self._handles else None
 
