@@ -293,6 +293,7 @@ class Checkpointer:
         try:
             # Last: a refusal then tears down what was built, and nothing touched the root's checkpoints.
             self._lease = self._take_lease(store) if lease else None
+            self._lineage.root_leased = self._lease is not None
         except BaseException:
             self._engine.shut_down(writer_timeout_s=30.0)
             if self._preemption is not None:

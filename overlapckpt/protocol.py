@@ -49,7 +49,6 @@ class ReplayLog:
     base_step: int  # the step s at which the snapshot was requested
     group_versions: list[int | None] = field(default_factory=list)
     steps: list[GradientStep] = field(default_factory=list)
-    target_version: int | None = None
 
 
 @dataclass
@@ -103,6 +102,7 @@ class PersistRequest:
     restored_from: str | None = None  # the checkpoint this run continued from, if any
     replay: ReplayLog | None = None  # a replay-mode snapshot: what the writer rolls its groups forward with
     proposed_next_window: int | None = None  # window="auto": this rank's choice for the next checkpoint
+    root_leased: bool = False  # this run holds the root's lease: other runs' dead attempts are removed
 
 
 @dataclass

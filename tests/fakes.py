@@ -12,6 +12,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from overlapckpt.format.attempts import checkpoint_of_directory
 from overlapckpt.format.storage import CheckpointStore
 
 FAIL_AT_ENV = "OVERLAPCKPT_TEST_FAIL_AT_WRITE"  # N: the N-th write of a checkpoint raises OSError
@@ -39,8 +40,8 @@ class FailingStore(CheckpointStore):
         self.writes = 0
         self._current: str | None = None
 
-    def _count(self, name: str, path: str) -> None:
-        if self.only_name and name != self.only_name:
+    def _count(self, directory: str, path: str) -> None:
+        if self.only_name and checkpoint_of_directory(directory) != self.only_name:
             return
         self.writes += 1
         if self.writes == self.fail_at:
@@ -62,7 +63,7 @@ class BlockingStore(CheckpointStore):
 
     def make_writer(self, name, before_commit):
         writer = super().make_writer(name, before_commit)
-        if name == os.environ.get(ONLY_NAME_ENV):
+        if checkpoint_of_directory(name) == os.environ.get(ONLY_NAME_ENV):
 
             def hang(path: str) -> None:
                 with open(os.environ[BLOCK_FIFO_ENV], "w") as fifo:

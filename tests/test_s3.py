@@ -29,6 +29,7 @@ def test_s3_save_list_load_retention(s3_options):
     assert fs.cat_file("ckpts/run-a/latest") == b"step-000000004"
     assert not fs.exists("ckpts/run-a/step-000000002/.metadata")
     assert fs.exists("ckpts/run-a/step-000000004/overlapckpt.json")
+    assert not fs.exists("ckpts/run-a/step-000000004/.overlapckpt-attempt")  # the attempt's claim goes at the commit
 
     fresh_model, fresh_opt, _, fresh_sampler = make_run(seed=11)
     info = load(url, fresh_model, fresh_opt, stateful={"sampler": fresh_sampler}, storage_options=s3_options)

@@ -7,6 +7,8 @@
         __0_0.distcp ...     shards, written first
         overlapckpt.json     manifest, written next, with the checksums of every stored byte
         .metadata            written last by DCP: its presence is the commit
+      step-000002000.attempt-<run8>-<random8>/
+                             an attempt in progress (local disk): published by one rename
       latest                 name of the newest committed checkpoint, updated after the commit
 
 A directory counts as a checkpoint only once ``.metadata`` exists. DCP writes
@@ -16,6 +18,10 @@ sees a half-written checkpoint as committed. The manifest is written between the
 two (it holds the checksum of ``.metadata.tmp``'s bytes), so it exists before the commit. ``latest`` is written atomically too
 (rename locally, a single PUT on S3). Retention removes ``.metadata`` first, so a
 checkpoint being deleted stops counting before any shard disappears.
+
+No two attempts ever write the same place: on a local disk each writes a directory
+of its own and is published by a rename; on an object store it claims the name
+first (``attempts.py``).
 """
 
 from __future__ import annotations
@@ -279,7 +285,7 @@ class CheckpointStore:
     # ---- files at the root (the lease) ------------------------------------------
 
     def create_exclusive(self, filename: str, data: bytes) -> None:
-        """Create ``filename`` at the root only if it does not exist; FileExistsError if it does.
+        """Create ``filename`` (relative to the root) only if it does not exist; FileExistsError if it does.
 
         Locally ``O_EXCL``; on object stores a conditional PUT (``If-None-Match: *``,
         s3fs's ``mode="create"``), which AWS S3 and moto honour.
@@ -321,11 +327,17 @@ class CheckpointStore:
     def write_manifest(self, name: str, data: bytes) -> None:
         self.write_bytes(name, MANIFEST_NAME, data)
 
-    def clear_uncommitted(self, name: str) -> None:
-        """Remove what a failed or killed attempt left of an uncommitted checkpoint."""
+    def remove_tree(self, name: str) -> None:
+        """Delete directory ``name`` under the root and everything in it, if it exists (attempts.py decides when)."""
         path = self._join(name)
-        if self.fs.exists(path) and not self.is_committed(name):
+        if self.fs.exists(path):
             self.fs.rm(path, recursive=True)
+
+    def remove_file(self, name: str, filename: str) -> None:
+        """Delete one file of directory ``name``, if it exists."""
+        path = self._join(name, filename)
+        if self.fs.exists(path):
+            self.fs.rm_file(path)
 
     def remove_checkpoint(self, name: str) -> None:
         """Delete a committed checkpoint: first its commit marker, then the rest."""
@@ -339,8 +351,9 @@ class CheckpointStore:
     # ---- DCP storage plugins ---------------------------------------------------
 
     def make_writer(self, name: str, before_commit: BeforeCommit, wants_metadata_bytes: bool = False) -> StorageWriter:
-        """A DCP storage writer for checkpoint ``name``: it checksums every blob it stores and calls
-        ``before_commit`` with those checksums (and ``.metadata``'s) right before ``.metadata`` appears."""
+        """A DCP storage writer into directory ``name`` under the root (an attempt's, ``attempts.py``): it
+        checksums every blob it stores and calls ``before_commit`` with those checksums (and ``.metadata``'s)
+        right before ``.metadata`` appears."""
         if self.is_local:
             os.makedirs(self._join(name), exist_ok=True)
             return _manifest_before_commit(FileSystemWriter)(

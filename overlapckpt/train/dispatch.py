@@ -103,6 +103,7 @@ class PersistDispatcher:
             restored_from=self.lineage.restored_from,
             replay=replay,
             proposed_next_window=proposed_next_window,
+            root_leased=self.lineage.root_leased,
         )
         self._sent[snap.request_id] = _Sent(snap, stats, request)
         self.link.writer.send(request)

@@ -29,6 +29,8 @@ class Lineage:
     restored_from: str | None = None
     # Versions that committed checkpoints of other runs hold under the root.
     taken_versions: set[int] = field(default_factory=set)
+    # This run holds the root's lease (format/lease.py): no other job writes the root.
+    root_leased: bool = False
 
     def note_existing(self, committed_names: list[str], own: set[str]) -> None:
         """The root's committed checkpoints, less this run's own: their versions are taken."""

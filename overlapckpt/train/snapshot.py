@@ -86,12 +86,13 @@ class SnapshotStats:
 
 @dataclass
 class Snapshot:
-    """One checkpoint between its request and its commit."""
+    """One checkpoint between its request and its commit.
+
+    The ledger holds the facts the manifest records (requested and started step,
+    window, groups); the snapshot reads them from there and holds only the rest.
+    """
 
     request_id: int
-    requested_step: int  # the step after which the checkpoint was requested
-    started_step: int  # the step at which its copies started (later than requested when deferred)
-    window: int
     mode: SnapshotMode
     slot: HostSlot
     plan: CopyPlan
@@ -100,7 +101,6 @@ class Snapshot:
     ledger: CheckpointLedger
     state: SnapshotState = SnapshotState.COPYING
     next_group: int = 0
-    version: int | None = None
     tickets: list[CopyTicket] = field(default_factory=list)
     # Copies enqueued by an earlier hook whose fence the compute stream has not yet got.
     unfenced: list[CopyTicket] = field(default_factory=list)
@@ -142,9 +142,6 @@ class Snapshot:
         )
         return cls(
             request_id=request_id,
-            requested_step=request.requested_step,
-            started_step=step,
-            window=window,
             mode=mode,
             slot=slot,
             plan=plan,
@@ -153,6 +150,25 @@ class Snapshot:
             ledger=ledger,
             deferred=request.deferred,
         )
+
+    @property
+    def requested_step(self) -> int:
+        """The step after which the checkpoint was requested."""
+        return self.ledger.requested_step
+
+    @property
+    def started_step(self) -> int:
+        """The step at which its copies started (later than requested when deferred)."""
+        return self.ledger.started_step
+
+    @property
+    def window(self) -> int:
+        return self.ledger.window
+
+    @property
+    def version(self) -> int | None:
+        """The version it holds once reached (its ledger's target), None while its copies still run."""
+        return None if self.state is SnapshotState.COPYING else self.ledger.target_version
 
     @property
     def nbytes(self) -> int:

@@ -56,13 +56,10 @@ class SnapshotCopies:
             self.reach_version(snap, step)
 
     def reach_version(self, snap: Snapshot, version: int) -> None:
-        snap.version = version
-        snap.ledger.target_version = version
+        snap.ledger.target_version = version  # the one record of it: snap.version reads it from here on
         # Provisional: ckpt.step() at the end of this iteration captures the boundary again.
         self.capture_boundary(snap)
         snap.state = SnapshotState.AT_BOUNDARY
-        if snap.replay_log is not None:
-            snap.replay_log.target_version = version
 
     def capture_boundary(self, snap: Snapshot) -> None:
         # A scheduler sets the next step's lr between the optimizer step and the end of

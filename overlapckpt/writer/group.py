@@ -82,6 +82,12 @@ class WriterGroup:
         dist.gather_object(section, out, dst=0, group=self.group)
         return out
 
+    def share_from_coordinator(self, value: Any) -> Any:
+        """The coordinator's ``value`` on every rank (a collective)."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
     def agree_window(self, proposal: int | None) -> int | None:
         """The widest window any rank proposes for the next checkpoint (None if none proposes)."""
         proposals: list[Any] = [None] * self.world_size

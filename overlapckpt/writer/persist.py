@@ -9,6 +9,7 @@ then ``latest`` and retention.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 
 from .. import protocol as p
 from ..errors import CheckpointExistsError
+from ..format.attempts import Attempt, new_attempt_id
 from ..format.blobsums import StoredChecksums
 from ..format.entries import TensorEntry, build_state_dict
 from ..format.extra_state import encode
@@ -75,8 +77,7 @@ def persist_snapshot(
             f"checkpoint {store.checkpoint_url(req.name)} is already committed; overlapckpt never "
             "overwrites a committed checkpoint: use a new path, or delete it first"
         )
-    if group is None or group.is_coordinator:
-        store.clear_uncommitted(req.name)
+    attempt = _begin_attempt(store, group, req)
     sections = [section] if group is None else group.gather_sections(section)
     manifest = _manifest(req, entries, global_shapes, sections, group)
 
@@ -87,14 +88,16 @@ def persist_snapshot(
         manifest["created_at"] = time.time()
         if signing_key is not None:
             sign(manifest, checksums.metadata_bytes, signing_key)
-        store.write_manifest(req.name, dump_manifest(manifest))
+        store.write_manifest(attempt.directory, dump_manifest(manifest))
 
     state_dict = build_state_dict(entries, [_part(e, t) for e, t in zip(entries, tensors)], req.small_state)
     try:
-        _save(store, req.name, state_dict, write_manifest, global_shapes, group, signing_key is not None)
+        _save(store, attempt.directory, state_dict, write_manifest, global_shapes, group, signing_key is not None)
+        if group is None or group.is_coordinator:
+            attempt.publish()  # the commit: every rank's shards are in place (DCP's finish ran after them)
     except BaseException:
         if group is None or group.is_coordinator:
-            _remove_failed_attempt(store, req.name)
+            _abandon(attempt)
         raise
     removed: list[str] = []
     warnings: list[str] = []
@@ -123,10 +126,30 @@ def persist_snapshot(
     )
 
 
-def _remove_failed_attempt(store: CheckpointStore, name: str) -> None:
+def _begin_attempt(store: CheckpointStore, group: WriterGroup | None, req: p.PersistRequest) -> Attempt:
+    """This checkpoint's attempt (attempts.py): the coordinator makes its place, every rank learns where it is."""
+    attempt = Attempt(store, req.name, req.run_id, new_attempt_id(req.run_id), root_leased=req.root_leased)
+    refusal: str | None = None
+    if group is None or group.is_coordinator:
+        try:
+            attempt.begin()
+        except CheckpointExistsError as e:
+            if group is None:
+                raise
+            refusal = str(e)
+    if group is None:
+        return attempt
+    # A collective every rank reaches: a refusal on the coordinator raises on every rank.
+    attempt_id, refusal = group.share_from_coordinator((attempt.attempt_id, refusal))
+    if refusal is not None:
+        raise CheckpointExistsError(refusal)
+    return dataclasses.replace(attempt, attempt_id=attempt_id)
+
+
+def _abandon(attempt: Attempt) -> None:
     """A failed attempt leaves nothing behind (a disk-full write's partial shard frees its space)."""
     try:
-        store.clear_uncommitted(name)
+        attempt.abandon()
     except Exception:  # noqa: BLE001 - the write's own error is the one to report
         pass
 
