@@ -11,66 +11,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import ConfigError, RootLeaseError, UnsupportedOptimizerError
-from .format.extra_state import encode
+from .errors import ConfigError
 from .format.lease import RootLease
 from .format.manifest import CheckpointInfo
 from .format.signing import resolve_key
 from .format.storage import CheckpointStore
 from .loading import load
+from .options import check_optimizer_for_mode, check_options, check_stateful
 from .train.autowindow import AUTO_WINDOW, DEFAULT_MAX_WINDOW, PhaseTimer, make_gap_timer
-from .train.distributed import DistributedRun, broadcast_from_rank_0, is_distributed, set_up_distributed
+from .train.distributed import DistributedRun, is_distributed, set_up_distributed
 from .train.engine import SnapshotEngine
-from .train.gradlog import REPLAYABLE_OPTIMIZERS
 from .train.layout import CheckpointScope, check_optimizer_matches_model
-from .train.lineage import Lineage, new_run_id
+from .train.lineage import Lineage
 from .train.preemption import PreemptionGuard
+from .train.run_start import agreed_run_id, take_root_lease
 from .train.step_hooks import unwrap_optimizer
 from .train.transfer import Copier, make_copier
 from .train.writer_handle import WriterProcess
 from .train.writer_link import DEFAULT_MAX_WRITER_RESTARTS, WriterLink
-
-CONSISTENCY_MODES = ("replay", "stage")
-
-
-def _check_positive_int(name: str, value: Any, meaning: str, allow_none: bool = True) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}={value!r} is invalid; pass an integer >= 1 ({meaning})")
-
-
-def _check_stateful(stateful: dict[str, Any]) -> None:
-    if not isinstance(stateful, dict):
-        raise ConfigError(f"stateful={stateful!r} is invalid; pass a dict mapping names to objects with state_dict()/load_state_dict()")
-    for name, obj in stateful.items():
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"stateful key {name!r} is invalid; use a non-empty string name")
-        for method in ("state_dict", "load_state_dict"):
-            if not callable(getattr(obj, method, None)):
-                raise ConfigError(
-                    f"stateful[{name!r}] is a {type(obj).__name__} without {method}(); pass an object that "
-                    "implements the Stateful protocol (state_dict() and load_state_dict())"
-                )
-        encode(obj.state_dict(), f"stateful[{name!r}].state_dict()")
-
-
-def _check_window(window: Any, max_window: Any) -> None:
-    if window != AUTO_WINDOW:
-        _check_positive_int(
-            "window", window, "the number of optimizer steps the copy is spread over, or 'auto'", allow_none=False
-        )
-    _check_positive_int("max_window", max_window, "the widest window window='auto' may choose", allow_none=False)
-
-
-def _check_optimizer_for_mode(optimizer: torch.optim.Optimizer, window: int | str, consistency: str) -> None:
-    may_replay = window == AUTO_WINDOW or window > 1  # type: ignore[operator]
-    if may_replay and consistency == "replay" and type(optimizer).__name__ not in REPLAYABLE_OPTIMIZERS:
-        raise UnsupportedOptimizerError(
-            f"{type(optimizer).__module__}.{type(optimizer).__qualname__} cannot be replayed: replay needs an "
-            "elementwise, per-tensor update rule (SGD, Adam, AdamW, Adagrad, RMSprop, ...). Use window=1, "
-            "or window>1 or 'auto' with consistency='stage'"
-        )
 
 
 class Checkpointer:
@@ -168,37 +126,27 @@ class Checkpointer:
         lease: bool = True,
         signing_key: str | bytes | None = None,
     ) -> None:
-        _check_window(window, max_window)
-        _check_positive_int("every", every, "checkpoint after every N-th optimizer step, or None")
-        _check_positive_int("keep", keep, "the number of newest committed checkpoints to keep, or None")
-        if isinstance(max_writer_restarts, bool) or not isinstance(max_writer_restarts, int) or max_writer_restarts < 0:
-            raise ConfigError(
-                f"max_writer_restarts={max_writer_restarts!r} is invalid; pass an integer >= 0 (0: a dead writer is raised at once)"
-            )
-        _check_positive_int("max_inflight", max_inflight, "snapshots in flight at once; each costs one state of host memory", allow_none=False)
-        if consistency not in CONSISTENCY_MODES:
-            raise ConfigError(f"consistency={consistency!r} is invalid; use 'replay' or 'stage'")
-        if stage_budget_bytes is not None and (isinstance(stage_budget_bytes, bool) or not isinstance(stage_budget_bytes, int) or stage_budget_bytes < 0):
-            raise ConfigError(f"stage_budget_bytes={stage_budget_bytes!r} is invalid; pass a byte count >= 0 or None")
+        check_options(
+            window=window,
+            max_window=max_window,
+            every=every,
+            keep=keep,
+            max_writer_restarts=max_writer_restarts,
+            max_inflight=max_inflight,
+            consistency=consistency,
+            stage_budget_bytes=stage_budget_bytes,
+            store_class=store_class,
+            collective_timeout_s=collective_timeout_s,
+            agreement_timeout_s=agreement_timeout_s,
+        )
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model is a {type(model).__name__}; pass a torch.nn.Module")
         # Accelerate's and Lightning's wrappers step the torch optimizer they hold: hook and replay that one.
         optimizer = unwrap_optimizer(optimizer)
         check_optimizer_matches_model(model, optimizer)
-        _check_optimizer_for_mode(optimizer, window, consistency)
+        check_optimizer_for_mode(optimizer, window, consistency)
         stateful = dict(stateful or {})
-        _check_stateful(stateful)
-        if not (isinstance(store_class, type) and issubclass(store_class, CheckpointStore)):
-            raise ConfigError(f"store_class={store_class!r} is invalid; pass CheckpointStore or a subclass of it")
-        if store_class.__module__ == "__main__":
-            raise ConfigError(
-                f"store_class {store_class.__qualname__} is defined in __main__, which the writer process cannot "
-                "import; define it in an importable module"
-            )
-
-        for name, value in (("collective_timeout_s", collective_timeout_s), ("agreement_timeout_s", agreement_timeout_s)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"{name}={value!r} is invalid; pass a number of seconds > 0")
+        check_stateful(stateful)
         self._signing_key = resolve_key(signing_key)
         self.path = os.fspath(path)
         self.storage_options = dict(storage_options or {})
@@ -222,7 +170,7 @@ class Checkpointer:
         store = store_class(self.path, self.storage_options)
         store.prepare_root()
         self._store = store
-        self._lineage = Lineage(self._agreed_run_id())
+        self._lineage = Lineage(agreed_run_id(self._distributed))
         self._lease: RootLease | None = None
         self._lineage.note_existing(store.committed_names(), own=set())
         self.model = model
@@ -292,7 +240,7 @@ class Checkpointer:
             raise
         try:
             # Last: a refusal then tears down what was built, and nothing touched the root's checkpoints.
-            self._lease = self._take_lease(store) if lease else None
+            self._lease = take_root_lease(store, self._lineage.run_id, self._distributed) if lease else None
             self._lineage.root_leased = self._lease is not None
         except BaseException:
             self._engine.shut_down(writer_timeout_s=30.0)
@@ -441,30 +389,6 @@ class Checkpointer:
         self._lineage.restored(os.path.basename(info.path.rstrip("/")), info.step, [n for n in committed if n not in own])
         self._lineage.note_existing(committed, own)
         return info
-
-    def _take_lease(self, store: CheckpointStore) -> RootLease | None:
-        """Rank 0 takes the root's lease; in a distributed run every rank raises if it could not."""
-        lease = RootLease(store, self._lineage.run_id)
-        if self._distributed is None:
-            lease.acquire()
-            return lease
-        refusal: str | None = None
-        if self._distributed.scope.rank == 0:
-            try:
-                lease.acquire()
-            except RootLeaseError as e:
-                refusal = str(e)
-        refusal = broadcast_from_rank_0(refusal, self._distributed.group)
-        if refusal is not None:
-            raise RootLeaseError(refusal)
-        return lease if self._distributed.scope.rank == 0 else None
-
-    def _agreed_run_id(self) -> str:
-        """A new run id; in a distributed run, rank 0's, so every rank's manifest section names one run."""
-        run_id = new_run_id()
-        if self._distributed is not None:
-            run_id = str(broadcast_from_rank_0(run_id, self._distributed.group))
-        return run_id
 
     def _check_open(self) -> None:
         if self._closed:

@@ -19,8 +19,10 @@ Each mechanism has one owner: ``StepPoint`` (where the hooks sit), ``RequestQueu
 (pending, deferred and merged requests), ``WriterLink`` (the writer process and its
 replacement), ``StagingArea``, ``GradientLogger``, ``PersistDispatcher`` (sent
 snapshots and answers), ``PlanCache``, ``SlotPool``, ``SnapshotCopies`` and the
-copier (``transfer.py``). The restart rules are in ``restarts.py``, the blocking
-calls in ``blocking.py``; snapshot states are described in ``snapshot.py``.
+copier (``transfer.py``). The engine's other parts are mixins, one concern each:
+starting snapshots (``starts.py``), sending them and reading the writer's answers
+(``completion.py``), the restart rules (``restarts.py``) and the blocking calls
+(``blocking.py``); snapshot states are described in ``snapshot.py``.
 """
 
 from __future__ import annotations
@@ -33,33 +35,33 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ConfigError, WriterDiedError
-from .autowindow import FWD_BWD_END, FWD_BWD_START, OPT_END, OPT_START, PhaseTimer, WindowChoice
+from ..errors import WriterDiedError
+from .autowindow import FWD_BWD_END, FWD_BWD_START, OPT_END, OPT_START, PhaseTimer
 from .blocking import BlockingCalls
+from .completion import SnapshotCompletion
 from .dispatch import PersistDispatcher
 from .gradlog import GradientLogger
-from .layout import CheckpointScope, StateLayout
+from .layout import CheckpointScope
 from .lineage import Lineage
-from .plan import CopyPlan
 from .plan_cache import PlanCache
 from .replay_guard import ReplayMutationGuard
-from .requests import RequestQueue, StartingRequest
+from .requests import RequestQueue
 from .restarts import SnapshotRestarts
-from .slots import HostSlot, SlotPool
+from .slots import SlotPool
 from .snapshot import Snapshot, SnapshotMode, SnapshotState, SnapshotStats
 from .snapshot_copies import SnapshotCopies
 from .staging import StagingArea
+from .starts import SnapshotStarts
 from .step_hooks import StepPoint
 from .transfer import Copier
 from .warnings_text import (
     BOUNDARY_WARNING,
-    WRITER_RESTART_WARNING,
 )
 from .window_policy import WindowPolicy
 from .writer_link import WriterLink
 
 
-class SnapshotEngine(BlockingCalls, SnapshotRestarts):
+class SnapshotEngine(SnapshotStarts, SnapshotCompletion, BlockingCalls, SnapshotRestarts):
     """Drives snapshots from the optimizer's step hooks."""
 
     def __init__(
@@ -243,119 +245,6 @@ class SnapshotEngine(BlockingCalls, SnapshotRestarts):
         self._progress()
         self._raise_pending()
 
-    # ---- preparing and starting snapshots -------------------------------------------
-
-    def _prepare(self) -> None:
-        """Size and allocate the host slots for the widest window, off the critical path."""
-        layout = self.plans.layout()
-        widest = self.windows.widest_window
-        plan = self.plans.plan(layout, widest)
-        replay_possible = self.consistency == SnapshotMode.REPLAY and widest > 1
-        grad_nbytes = GradientLogger.buffer_nbytes(plan, layout) if replay_possible else 0
-        if self.consistency == SnapshotMode.STAGE and self.windows.tuner is None and widest > 1:
-            # A fixed window: an over-budget or unallocatable staging area is known now.
-            self.staging.check(self.staging.needed_bytes(plan, layout), widest, layout.nbytes)
-        self.slots.preallocate(plan.slot_nbytes, grad_nbytes)
-        self._prepared_fingerprint = layout.fingerprint
-
-    def _start_pending(self) -> None:
-        try:
-            self._start_pending_now()
-        except WriterDiedError as e:
-            # The writer died while being told of a buffer or plan: replaced (or raised) by
-            # _raise_pending; the request stays pending and starts at the next chance.
-            self.dispatcher.fail(e)
-
-    def _start_pending_now(self) -> None:
-        if not self.requests.pending:
-            return
-        if self.step_count == 0 and not self.optimizer.state:
-            self.requests.clear()
-            raise ConfigError(
-                "a checkpoint was requested before the first optimizer.step(): the optimizer has no "
-                "state yet, and creating it would change training. Request it after the first step"
-            )
-        if self.requests.answered_at(self.step_count):
-            return
-        if self.distributed:
-            self._wait_until_startable()
-        slot = None
-        if self.slots.may_have_free_slot():  # before any layout work: a fingerprint walks every tensor
-            layout = self.plans.layout()
-            window, choice = self.windows.choose(layout, self.plans, self.staging)
-            plan, plan_id = self.plans.registered(layout, window)
-            grad_nbytes = GradientLogger.buffer_nbytes(plan, layout) if self.windows.mode_for(window) == SnapshotMode.REPLAY else 0
-            slot = self.slots.free_slot(plan.slot_nbytes, grad_nbytes)
-        if slot is None:
-            self.requests.no_free_slot(self._busy_reason())
-            return
-        if self._holds_version(self.step_count):
-            # A deferred request meets a free slot at the very step a snapshot already holds
-            # (a window closed early there): that snapshot answers it; a second would duplicate it.
-            self.requests.answered_by_version(self.step_count)
-            return
-        self._start_snapshot(slot, self.requests.take(self.step_count), layout, plan, plan_id, choice)
-
-    def _holds_version(self, version: int) -> bool:
-        """A snapshot in flight, sent or committed already holds ``version``: a new one would duplicate it."""
-        return (
-            any(s.version == version for s in self._snapshots)
-            or version in self.dispatcher.sent_versions()
-            or any(s.step == version for s in self.dispatcher.stats)
-        )
-
-    def _busy_reason(self) -> str:
-        if self._snapshots:
-            s = self._snapshots[0]
-            return f"the checkpoint requested after step {s.requested_step} was still being copied (window {s.window})"
-        return self.dispatcher.busy_reason()
-
-    def _wait_until_startable(self) -> None:
-        """Distributed: block this hook until a slot is free (and, for "auto", the agreed window is known).
-
-        Ranks receive their writers' answers at different steps, so starting a request
-        "as soon as a slot frees" would start it at different versions on different
-        ranks. Every rank instead closes what is open at this same step and waits: a
-        stall, but the same snapshot everywhere. Size ``every`` (or ``max_inflight``) so
-        the previous checkpoint has committed by then, and it never waits.
-        """
-        must_drain = self.windows.tuner is not None and (self._snapshots or self.dispatcher.in_flight)
-        if not must_drain and (len(self.slots.slots) < self.slots.max_inflight or any(not s.busy for s in self.slots.slots)):
-            return
-        started = time.perf_counter()
-        self._drain(timeout_s=None, start_pending=False)
-        self._slot_wait_s += time.perf_counter() - started  # in the next snapshot's stats
-
-    def _start_snapshot(
-        self,
-        slot: HostSlot,
-        request: StartingRequest,
-        layout: StateLayout,
-        plan: CopyPlan,
-        plan_id: int,
-        choice: WindowChoice | None,
-    ) -> None:
-        s, mode = self.step_count, self.windows.mode_for(plan.window_steps)
-        self._next_request_id += 1
-        self._warn_about_late_hooks()
-        snap = Snapshot.open(self._next_request_id, request, s, mode, slot, plan, plan_id, layout, choice)
-        snap.waited_for_slot_s, self._slot_wait_s = self._slot_wait_s, 0.0
-        views = slot.entry_views(plan, layout)
-        if mode == SnapshotMode.STAGE:
-            for other in self._snapshots:  # the region is overwritten below: drain what still reads it
-                if other.mode == SnapshotMode.STAGE:
-                    self.copies.enqueue_remaining(other, self.step_count, self._hook_serial)
-            # First, so that an over-budget staging area raises before the snapshot is registered.
-            snap.staged_views = self.staging.stage(self.copier, plan, layout, views)
-        if mode == SnapshotMode.REPLAY:
-            snap.replay_log = self.gradients.open(slot, plan, layout, base_step=s)
-        slot.busy = True
-        self._snapshots.append(snap)
-        self.copies.enqueue_group(snap, 0, self.step_count, self._hook_serial)
-        if mode != SnapshotMode.REPLAY or snap.all_enqueued:
-            # Window 1 and stage mode hold version s: every later group was staged above.
-            self.copies.reach_version(snap, s)
-
     # ---- boundaries, GradScaler, layout changes ---------------------------------------
 
     def _close_boundary(self, snap: Snapshot, provisional: bool) -> None:
@@ -369,60 +258,6 @@ class SnapshotEngine(BlockingCalls, SnapshotRestarts):
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(text, stacklevel=5)
-
-    # ---- completion ----------------------------------------------------------------
-
-    def _progress(self) -> None:
-        """Hand landed snapshots to the writer and read its answers. Never blocks."""
-        try:
-            self._send_landed()
-        except WriterDiedError as e:
-            self.dispatcher.fail(e)  # what was sent is persisted again by a new writer
-        self.dispatcher.poll()
-        if self.dispatcher.agreed_window is not None:
-            self.windows.agreed_window = self.dispatcher.agreed_window
-
-    def _send_landed(self) -> None:
-        if self.slots.preallocation_done():
-            self.slots.finish_preallocation()  # announce the buffers a background thread allocated
-        for snap in list(self._snapshots):
-            if snap.state == SnapshotState.LANDING and snap.all_enqueued and all(self.copier.poll(t) for t in snap.tickets):
-                self._snapshots.remove(snap)
-                proposal = self.windows.propose(snap.layout, self.plans, self.staging)
-                stats = self.dispatcher.send(snap, proposed_next_window=proposal)
-                if snap.mode == SnapshotMode.STAGE:
-                    self.staging.release_if_idle(self.copier)
-                self.windows.observe_copies(stats.copied_nbytes, stats.copy_s)
-
-    def _raise_pending(self) -> None:
-        error, self.dispatcher.error = self.dispatcher.error, None
-        if error is None:
-            return
-        if isinstance(error, WriterDiedError):
-            if self._replace_dead_writer(error):
-                # A request the death interrupted starts now, at this same step.
-                self._start_pending()
-                self._progress()
-                self._raise_pending()
-                return
-            # In-flight snapshots are gone with the writer; their slots are unusable.
-            self.dead = error
-            self._snapshots.clear()
-            self.dispatcher.drop_all()
-        raise error
-
-    def _replace_dead_writer(self, error: WriterDiedError) -> bool:
-        """Start a new writer and hand it the host buffers, plans and complete snapshots; False if none may start."""
-        if not self.link.replace():  # hands the new writer the buffers, plans and sent snapshots
-            return False
-        # Snapshots still being copied are dropped: their request may be made again. The
-        # ones sent were complete in host memory and are persisted by the new writer.
-        for snap in self._snapshots:
-            snap.slot.busy = False
-        self.snapshots_dropped += len(self._snapshots)
-        self._snapshots.clear()
-        self._warn_once("writer-restart", WRITER_RESTART_WARNING.format(error=error, limit=self.link.restarts.max_restarts))
-        return True
 
     def _charge(self, started: float) -> None:
         """Add the host time since ``started`` to every snapshot in flight (``hook_host_s``)."""

@@ -1,0 +1,97 @@
+"""Completing snapshots: handing landed ones to the writer, reading its answers, a dead writer.
+
+Nothing here blocks: ``_progress`` runs in every hook and sends what has landed,
+then reads whatever answers have arrived. Errors are raised from ``_raise_pending``
+at the end of a hook, once the hook's own work is done; a dead writer is replaced
+there (``writer_link.py``) while the restart budget lasts.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..errors import WriterDiedError
+from .snapshot import Snapshot, SnapshotMode, SnapshotState
+from .warnings_text import WRITER_RESTART_WARNING
+
+if TYPE_CHECKING:
+    from .dispatch import PersistDispatcher
+    from .plan_cache import PlanCache
+    from .slots import SlotPool
+    from .staging import StagingArea
+    from .transfer import Copier
+    from .window_policy import WindowPolicy
+    from .writer_link import WriterLink
+
+
+class SnapshotCompletion:
+    """The engine's sending and answering (a mixin of ``SnapshotEngine``, which owns these attributes)."""
+
+    copier: Copier
+    dispatcher: PersistDispatcher
+    link: WriterLink
+    plans: PlanCache
+    slots: SlotPool
+    staging: StagingArea
+    windows: WindowPolicy
+    dead: WriterDiedError | None
+    snapshots_dropped: int
+    _snapshots: list[Snapshot]
+
+    if TYPE_CHECKING:  # provided by SnapshotEngine and its other mixins
+
+        def _start_pending(self) -> None: ...
+
+        def _warn_once(self, key: str, text: str) -> None: ...
+
+    def _progress(self) -> None:
+        """Hand landed snapshots to the writer and read its answers. Never blocks."""
+        try:
+            self._send_landed()
+        except WriterDiedError as e:
+            self.dispatcher.fail(e)  # what was sent is persisted again by a new writer
+        self.dispatcher.poll()
+        if self.dispatcher.agreed_window is not None:
+            self.windows.agreed_window = self.dispatcher.agreed_window
+
+    def _send_landed(self) -> None:
+        if self.slots.preallocation_done():
+            self.slots.finish_preallocation()  # announce the buffers a background thread allocated
+        for snap in list(self._snapshots):
+            if snap.state == SnapshotState.LANDING and snap.all_enqueued and all(self.copier.poll(t) for t in snap.tickets):
+                self._snapshots.remove(snap)
+                proposal = self.windows.propose(snap.layout, self.plans, self.staging)
+                stats = self.dispatcher.send(snap, proposed_next_window=proposal)
+                if snap.mode == SnapshotMode.STAGE:
+                    self.staging.release_if_idle(self.copier)
+                self.windows.observe_copies(stats.copied_nbytes, stats.copy_s)
+
+    def _raise_pending(self) -> None:
+        error, self.dispatcher.error = self.dispatcher.error, None
+        if error is None:
+            return
+        if isinstance(error, WriterDiedError):
+            if self._replace_dead_writer(error):
+                # A request the death interrupted starts now, at this same step.
+                self._start_pending()
+                self._progress()
+                self._raise_pending()
+                return
+            # In-flight snapshots are gone with the writer; their slots are unusable.
+            self.dead = error
+            self._snapshots.clear()
+            self.dispatcher.drop_all()
+        raise error
+
+    def _replace_dead_writer(self, error: WriterDiedError) -> bool:
+        """Start a new writer and hand it the host buffers, plans and complete snapshots; False if none may start."""
+        if not self.link.replace():  # hands the new writer the buffers, plans and sent snapshots
+            return False
+        # Snapshots still being copied are dropped: their request may be made again. The
+        # ones sent were complete in host memory and are persisted by the new writer.
+        for snap in self._snapshots:
+            snap.slot.busy = False
+        self.snapshots_dropped += len(self._snapshots)
+        self._snapshots.clear()
+        self._warn_once("writer-restart", WRITER_RESTART_WARNING.format(error=error, limit=self.link.restarts.max_restarts))
+        return True

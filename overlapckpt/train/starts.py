@@ -1,0 +1,171 @@
+"""Starting a snapshot: sizing the host slots, choosing its window and plan, its first copies.
+
+A request starts at the step it was made after, or, when no host slot is free, at
+the first later step that has one (``requests.py`` records the deferral). In a
+distributed run every rank must start it at the same step, so the hook waits for a
+slot instead (``_wait_until_startable``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import ConfigError, WriterDiedError
+from .gradlog import GradientLogger
+from .snapshot import Snapshot, SnapshotMode
+
+if TYPE_CHECKING:
+    from .autowindow import WindowChoice
+    from .dispatch import PersistDispatcher
+    from .layout import StateLayout
+    from .plan import CopyPlan
+    from .plan_cache import PlanCache
+    from .requests import RequestQueue, StartingRequest
+    from .slots import HostSlot, SlotPool
+    from .snapshot_copies import SnapshotCopies
+    from .staging import StagingArea
+    from .transfer import Copier
+    from .window_policy import WindowPolicy
+
+
+class SnapshotStarts:
+    """The engine's starting of snapshots (a mixin of ``SnapshotEngine``, which owns these attributes)."""
+
+    optimizer: torch.optim.Optimizer
+    consistency: SnapshotMode
+    copier: Copier
+    copies: SnapshotCopies
+    dispatcher: PersistDispatcher
+    distributed: bool
+    gradients: GradientLogger
+    plans: PlanCache
+    requests: RequestQueue
+    slots: SlotPool
+    staging: StagingArea
+    windows: WindowPolicy
+    step_count: int
+    _hook_serial: int
+    _next_request_id: int
+    _prepared_fingerprint: int | None
+    _slot_wait_s: float
+    _snapshots: list[Snapshot]
+
+    if TYPE_CHECKING:  # provided by SnapshotEngine and its other mixins
+
+        def _drain(self, timeout_s: float | None, start_pending: bool) -> None: ...
+
+        def _warn_about_late_hooks(self) -> None: ...
+
+    def _prepare(self) -> None:
+        """Size and allocate the host slots for the widest window, off the critical path."""
+        layout = self.plans.layout()
+        widest = self.windows.widest_window
+        plan = self.plans.plan(layout, widest)
+        replay_possible = self.consistency == SnapshotMode.REPLAY and widest > 1
+        grad_nbytes = GradientLogger.buffer_nbytes(plan, layout) if replay_possible else 0
+        if self.consistency == SnapshotMode.STAGE and self.windows.tuner is None and widest > 1:
+            # A fixed window: an over-budget or unallocatable staging area is known now.
+            self.staging.check(self.staging.needed_bytes(plan, layout), widest, layout.nbytes)
+        self.slots.preallocate(plan.slot_nbytes, grad_nbytes)
+        self._prepared_fingerprint = layout.fingerprint
+
+    def _start_pending(self) -> None:
+        try:
+            self._start_pending_now()
+        except WriterDiedError as e:
+            # The writer died while being told of a buffer or plan: replaced (or raised) by
+            # _raise_pending; the request stays pending and starts at the next chance.
+            self.dispatcher.fail(e)
+
+    def _start_pending_now(self) -> None:
+        if not self.requests.pending:
+            return
+        if self.step_count == 0 and not self.optimizer.state:
+            self.requests.clear()
+            raise ConfigError(
+                "a checkpoint was requested before the first optimizer.step(): the optimizer has no "
+                "state yet, and creating it would change training. Request it after the first step"
+            )
+        if self.requests.answered_at(self.step_count):
+            return
+        if self.distributed:
+            self._wait_until_startable()
+        slot = None
+        if self.slots.may_have_free_slot():  # before any layout work: a fingerprint walks every tensor
+            layout = self.plans.layout()
+            window, choice = self.windows.choose(layout, self.plans, self.staging)
+            plan, plan_id = self.plans.registered(layout, window)
+            grad_nbytes = GradientLogger.buffer_nbytes(plan, layout) if self.windows.mode_for(window) == SnapshotMode.REPLAY else 0
+            slot = self.slots.free_slot(plan.slot_nbytes, grad_nbytes)
+        if slot is None:
+            self.requests.no_free_slot(self._busy_reason())
+            return
+        if self._holds_version(self.step_count):
+            # A deferred request meets a free slot at the very step a snapshot already holds
+            # (a window closed early there): that snapshot answers it; a second would duplicate it.
+            self.requests.answered_by_version(self.step_count)
+            return
+        self._start_snapshot(slot, self.requests.take(self.step_count), layout, plan, plan_id, choice)
+
+    def _holds_version(self, version: int) -> bool:
+        """A snapshot in flight, sent or committed already holds ``version``: a new one would duplicate it."""
+        return (
+            any(s.version == version for s in self._snapshots)
+            or version in self.dispatcher.sent_versions()
+            or any(s.step == version for s in self.dispatcher.stats)
+        )
+
+    def _busy_reason(self) -> str:
+        if self._snapshots:
+            s = self._snapshots[0]
+            return f"the checkpoint requested after step {s.requested_step} was still being copied (window {s.window})"
+        return self.dispatcher.busy_reason()
+
+    def _wait_until_startable(self) -> None:
+        """Distributed: block this hook until a slot is free (and, for "auto", the agreed window is known).
+
+        Ranks receive their writers' answers at different steps, so starting a request
+        "as soon as a slot frees" would start it at different versions on different
+        ranks. Every rank instead closes what is open at this same step and waits: a
+        stall, but the same snapshot everywhere. Size ``every`` (or ``max_inflight``) so
+        the previous checkpoint has committed by then, and it never waits.
+        """
+        must_drain = self.windows.tuner is not None and (self._snapshots or self.dispatcher.in_flight)
+        if not must_drain and (len(self.slots.slots) < self.slots.max_inflight or any(not s.busy for s in self.slots.slots)):
+            return
+        started = time.perf_counter()
+        self._drain(timeout_s=None, start_pending=False)
+        self._slot_wait_s += time.perf_counter() - started  # in the next snapshot's stats
+
+    def _start_snapshot(
+        self,
+        slot: HostSlot,
+        request: StartingRequest,
+        layout: StateLayout,
+        plan: CopyPlan,
+        plan_id: int,
+        choice: WindowChoice | None,
+    ) -> None:
+        s, mode = self.step_count, self.windows.mode_for(plan.window_steps)
+        self._next_request_id += 1
+        self._warn_about_late_hooks()
+        snap = Snapshot.open(self._next_request_id, request, s, mode, slot, plan, plan_id, layout, choice)
+        snap.waited_for_slot_s, self._slot_wait_s = self._slot_wait_s, 0.0
+        views = slot.entry_views(plan, layout)
+        if mode == SnapshotMode.STAGE:
+            for other in self._snapshots:  # the region is overwritten below: drain what still reads it
+                if other.mode == SnapshotMode.STAGE:
+                    self.copies.enqueue_remaining(other, self.step_count, self._hook_serial)
+            # First, so that an over-budget staging area raises before the snapshot is registered.
+            snap.staged_views = self.staging.stage(self.copier, plan, layout, views)
+        if mode == SnapshotMode.REPLAY:
+            snap.replay_log = self.gradients.open(slot, plan, layout, base_step=s)
+        slot.busy = True
+        self._snapshots.append(snap)
+        self.copies.enqueue_group(snap, 0, self.step_count, self._hook_serial)
+        if mode != SnapshotMode.REPLAY or snap.all_enqueued:
+            # Window 1 and stage mode hold version s: every later group was staged above.
+            self.copies.reach_version(snap, s)
