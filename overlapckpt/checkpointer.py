@@ -383,12 +383,21 @@ class Checkpointer:
             )
         finally:
             self._engine.install_hooks()
+        self.continued_from(info)
+        return info
+
+    def continued_from(self, info: CheckpointInfo) -> None:
+        """The state now equals checkpoint ``info``, restored by a framework's own resume: continue from it.
+
+        The next update makes version ``info.step + 1``; retention and ``latest`` treat
+        this run as the one that continued from ``info`` (as after ``restore()``).
+        """
+        self._check_open()
         self._engine.continue_from(info.step)
         committed = self._store.committed_names()
         own = {os.path.basename(s.path.rstrip("/")) for s in self._engine.stats if s.path}
         self._lineage.restored(os.path.basename(info.path.rstrip("/")), info.step, [n for n in committed if n not in own])
         self._lineage.note_existing(committed, own)
-        return info
 
     def _check_open(self) -> None:
         if self._closed:

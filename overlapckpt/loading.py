@@ -392,7 +392,11 @@ def _restore_extra_state(extra: dict[str, Any], stateful: dict[str, Any]) -> Non
     saved = extra.get("stateful", {})
     for name, obj in stateful.items():
         obj.load_state_dict(saved[name])
-    rng = extra.get("rng", {})
+    restore_rng(extra.get("rng", {}))
+
+
+def restore_rng(rng: dict[str, Any]) -> None:
+    """Set the RNG states a checkpoint saved (torch's CPU generator, and CUDA's on as many devices)."""
     if "torch_cpu" in rng:
         torch.set_rng_state(rng["torch_cpu"])
     cuda_states = rng.get("torch_cuda")

@@ -1,0 +1,273 @@
+"""Lightning: ``OverlapCheckpoint``, a ``Checkpoint`` callback that checkpoints without stopping training.
+
+Where it sits in Lightning's loop (pytorch-lightning 2.6, ``lightning.pytorch`` alike):
+
+* ``setup``: refuses strategies that bypass torch's step hooks, and wraps the
+  strategy's ``CheckpointIO`` so that ``trainer.fit(ckpt_path=<our directory>)``
+  reads an overlapckpt checkpoint; every other path goes to the wrapped one.
+* ``on_train_start`` (after Lightning restored a resumed run): builds the
+  ``Checkpointer`` on the LightningModule and the torch optimizer inside
+  ``trainer.optimizers[0]``, continuing the resumed version, and restores the RNG states.
+* ``on_before_optimizer_step`` (inside Lightning's closure, after backward and
+  clipping): ``ckpt.before_update()``, the fence right before the update.
+* ``on_train_batch_end``: ``ckpt.step()``, the iteration boundary, where the rest of
+  Lightning's checkpoint is captured (loops, callbacks, LR schedulers, precision
+  plugin, datamodule), then each commit's figures go to ``trainer.loggers``.
+* ``on_train_end``: waits for the checkpoints in flight and closes.
+
+The model's parameters and buffers and the optimizer's state are copied in the
+background like any overlapckpt checkpoint; the rest is Lightning's own
+``dump_checkpoint`` without the tensors, JSON in the manifest, never pickle.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from ..errors import ConfigError
+from ..loading import restore_rng
+from ..reading import CheckpointContents, optimizer_state_by_index, read_checkpoint
+from . import require
+
+_pl = require("lightning")
+Checkpoint = _pl.callbacks.Checkpoint
+CheckpointIO = _pl.plugins.io.CheckpointIO
+
+log = logging.getLogger("overlapckpt.lightning")
+STATE_NAME = "lightning"  # the stateful object under which Lightning's own checkpoint is kept
+# Keys of Lightning's checkpoint dict that are not restored by fit(ckpt_path=...): the tensors
+# (ours), and the hyperparameters (restored by the module's constructor).
+_NOT_KEPT = ("state_dict", "optimizer_states", "hyper_parameters", "hparams_name", "datamodule_hyper_parameters")
+
+
+class _LightningState:
+    """Lightning's checkpoint, less its tensors, as a stateful object: captured at each boundary."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        checkpoint = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        return {k: v for k, v in checkpoint.items() if k not in _NOT_KEPT}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # Never called: a resume goes through Lightning's own restore (_OverlapCheckpointIO).
+        raise ConfigError("resume a Lightning run with trainer.fit(model, ckpt_path=<checkpoint directory or root>)")
+
+
+class _OverlapCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
+    """Reads overlapckpt checkpoints for Lightning's resume; hands everything else to the wrapped CheckpointIO."""
+
+    def __init__(self, inner: Any, callback: OverlapCheckpoint) -> None:
+        super().__init__()
+        self.inner = inner
+        self.callback = callback
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.inner.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.inner.teardown()
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        if not self.callback.holds(path):
+            return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        return self.callback._read_for_resume(str(path))
+
+
+class OverlapCheckpoint(Checkpoint):  # type: ignore[misc, valid-type]
+    """Checkpoint a Lightning run in the background; resume with ``trainer.fit(model, ckpt_path=dirpath)``.
+
+    Args:
+        dirpath: the checkpoint root (a local directory or an fsspec URL such as s3://bucket/prefix).
+        every_n_train_steps: checkpoint after every N-th optimizer step (Lightning's ``global_step``),
+            or None to checkpoint only when ``request()`` is called.
+        window, consistency, keep: as for ``Checkpointer``.
+        save_on_train_end: checkpoint the final state when training ends (unless it is just checkpointed).
+        **checkpointer_options: any other ``Checkpointer`` argument (storage_options, signing_key, ...).
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str],
+        every_n_train_steps: int | None = None,
+        window: int | str = 1,
+        consistency: str = "replay",
+        keep: int | None = None,
+        save_on_train_end: bool = True,
+        **checkpointer_options: Any,
+    ) -> None:
+        super().__init__()
+        if not isinstance(dirpath, (str, os.PathLike)) or not str(dirpath):
+            raise ConfigError(f"dirpath={dirpath!r} is invalid; pass the checkpoint root, a directory path or a URL")
+        for name in ("model", "optimizer", "path", "every", "stateful"):
+            if name in checkpointer_options:
+                raise ConfigError(f"OverlapCheckpoint sets {name!r} itself; remove it from the options")
+        self.dirpath = os.fspath(dirpath)
+        self.every_n_train_steps = every_n_train_steps
+        self.window = window
+        self.consistency = consistency
+        self.keep = keep
+        self.save_on_train_end = save_on_train_end
+        self.checkpointer_options = checkpointer_options
+        self.ckpt: Any = None  # the Checkpointer, from on_train_start to on_train_end
+        self._resumed: CheckpointContents | None = None
+        self._figures: list[dict[str, Any]] = []
+
+    @property
+    def state_key(self) -> str:
+        return "OverlapCheckpoint"  # one per Trainer: a resume into another dirpath finds its state
+
+    # ---- Lightning's hooks ---------------------------------------------------------
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return
+        strategy = trainer.strategy
+        kind = type(strategy).__name__
+        if "DeepSpeed" in kind:
+            raise ConfigError(
+                f"OverlapCheckpoint cannot hook {kind}: DeepSpeed steps its own optimizer and bypasses torch's step "
+                "hooks. Use strategy='ddp' (or 'auto'), or DeepSpeed's own checkpointing"
+            )
+        if kind == "FSDPStrategy":
+            raise ConfigError(
+                "OverlapCheckpoint does not support FSDPStrategy (FSDP1's flat parameters); use "
+                "ModelParallelStrategy (FSDP2, fully_shard) or 'ddp'"
+            )
+        if not isinstance(strategy.checkpoint_io, _OverlapCheckpointIO):
+            strategy.checkpoint_io = _OverlapCheckpointIO(strategy.checkpoint_io, self)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        from ..checkpointer import Checkpointer
+
+        if len(trainer.optimizers) != 1:
+            raise ConfigError(
+                f"OverlapCheckpoint checkpoints one optimizer; configure_optimizers returned {len(trainer.optimizers)}. "
+                "Combine the parameter groups into one optimizer"
+            )
+        options = dict(self.checkpointer_options)
+        # Under DDP torch.distributed is initialized here: the Checkpointer checkpoints with every rank.
+        self.ckpt = Checkpointer(
+            pl_module,
+            trainer.optimizers[0],  # a LightningOptimizer or a torch optimizer: the torch one is hooked
+            self.dirpath,
+            window=self.window,
+            consistency=self.consistency,
+            every=self.every_n_train_steps,
+            keep=self.keep,
+            stateful={STATE_NAME: _LightningState(trainer)},
+            on_commit=self._on_commit,
+            **options,
+        )
+        resumed, self._resumed = self._resumed, None
+        if resumed is not None:
+            self.ckpt.continued_from(resumed.info)
+            log.info("resumed from %s (version %d, global step %d)", resumed.info.path, resumed.info.step, trainer.global_step)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self.ckpt is not None:
+            self.ckpt.before_update()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.ckpt is None:
+            return
+        self.ckpt.step()
+        self._log_figures(trainer)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.ckpt is None:
+            return
+        try:
+            if self.save_on_train_end and self.ckpt.step_count > 0:
+                self.ckpt.request()  # answered by a checkpoint that already holds this version, if any
+                self.ckpt.step()
+            self.ckpt.close()
+        finally:
+            self.ckpt = None
+        self._log_figures(trainer)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self.ckpt is not None:
+            ckpt, self.ckpt = self.ckpt, None
+            ckpt.__exit__(type(exception), exception, None)  # commits what is complete, never raises
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self.ckpt is not None:  # training stopped without on_train_end (an interrupt)
+            ckpt, self.ckpt = self.ckpt, None
+            ckpt.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"dirpath": self.dirpath}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass  # where checkpoints go is this run's setting, not the resumed one's
+
+    # ---- checkpoints ---------------------------------------------------------------
+
+    def request(self) -> None:
+        """Checkpoint the state of the last completed optimizer step (as ``Checkpointer.request``)."""
+        if self.ckpt is None:
+            raise ConfigError("OverlapCheckpoint.request() is for the training loop, between on_train_start and on_train_end")
+        self.ckpt.request()
+
+    def holds(self, path: Any) -> bool:
+        """Whether ``path`` is one of our checkpoints, or a root holding them, rather than a Lightning .ckpt file."""
+        from ..format.manifest import step_of_name
+        from ..format.storage import CheckpointStore
+
+        text = str(path).rstrip("/")
+        if text.endswith(".ckpt"):
+            return False
+        options = self.checkpointer_options.get("storage_options")
+        try:
+            name = text.rsplit("/", 1)[-1]
+            if step_of_name(name) is not None:
+                return CheckpointStore(text.rsplit("/", 1)[0] or "/", options).is_committed(name)
+            return bool(CheckpointStore(text, options).committed_names())
+        except (OSError, ConfigError):
+            return False
+
+    def _read_for_resume(self, path: str) -> dict[str, Any]:
+        """Lightning's checkpoint dict from one of ours: tensors from the shards, the rest from the manifest."""
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        contents = read_checkpoint(
+            path,
+            storage_options=self.checkpointer_options.get("storage_options"),
+            signing_key=self.checkpointer_options.get("signing_key"),
+            rank=rank,
+        )
+        if STATE_NAME not in contents.stateful:
+            raise ConfigError(
+                f"{contents.info.path} was not written by OverlapCheckpoint (it holds no Lightning state); restore it "
+                "with overlapckpt.load(path, model, optimizer) instead"
+            )
+        if contents.optimizer is None:
+            raise ConfigError(f"{contents.info.path} holds no optimizer state, which fit(ckpt_path=...) needs")
+        checkpoint = dict(contents.stateful[STATE_NAME])
+        checkpoint["state_dict"] = contents.model
+        checkpoint["optimizer_states"] = [optimizer_state_by_index(contents.optimizer)]
+        # The RNG states were captured at the end of the batch, before the next epoch's data
+        # loader iterator drew its seed; Lightning's resume builds that iterator after this
+        # restore and before on_train_start, so they are set here, as Lightning restores the rest.
+        restore_rng(contents.rng)
+        self._resumed = contents  # its version is taken up in on_train_start
+        log.info("reading %s for Lightning's resume", contents.info.path)
+        return checkpoint
+
+    def _on_commit(self, figures: dict[str, Any]) -> None:
+        self._figures.append(figures)  # handed to the loggers at the next batch end, in the loop's own order
+
+    def _log_figures(self, trainer: Any) -> None:
+        figures, self._figures = self._figures, []
+        for fig in figures:
+            metrics = {f"overlapckpt/{k}": float(v) for k, v in fig.items() if isinstance(v, (int, float))}
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)

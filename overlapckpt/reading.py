@@ -1,0 +1,112 @@
+"""Reading a committed checkpoint into plain host dicts, without the live model or optimizer.
+
+``load`` restores into live objects. A framework's resume path sometimes needs the
+checkpoint before those exist: Lightning reads the whole checkpoint (model,
+optimizer, loops) before its strategy builds the optimizers. ``read_checkpoint``
+builds the tensors to read into from the checkpoint's own ``.metadata`` (read
+through the allowlist, ``format/safe_read.py``), then runs the same checks as
+``load``: the manifest, every stored byte when ``verify``, the signature with a key,
+and each decoded tensor against the snapshot it was saved from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import CheckpointNotFoundError, ConfigError
+from .format.manifest import METADATA_NAME, CheckpointInfo, step_of_name
+from .format.signing import check_signature, resolve_key
+from .format.storage import CheckpointStore, translate_read_errors
+from .loading import _check_tensor_crcs, _checked_manifest, _per_rank_extra_state, _split_checkpoint_path, read_into, resolve_checkpoint
+
+
+@dataclass
+class CheckpointContents:
+    """What one committed checkpoint holds, in host memory."""
+
+    info: CheckpointInfo
+    model: dict[str, torch.Tensor]  # the model's state dict, by fully qualified name
+    # torch.distributed.checkpoint.state_dict's form: "state" keyed by parameter name, "param_groups"
+    # with parameter names in "params"; optimizer_state_by_index() turns it into torch's own form.
+    optimizer: dict[str, Any] | None
+    stateful: dict[str, Any] = field(default_factory=dict)  # each stateful object's saved state_dict()
+    rng: dict[str, Any] = field(default_factory=dict)  # as saved; restore with loading.restore_rng
+
+
+def read_checkpoint(
+    path: str,
+    *,
+    step: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+    verify: bool = True,
+    signing_key: str | bytes | None = None,
+    rank: int = 0,
+) -> CheckpointContents:
+    """Read checkpoint ``path`` (a checkpoint directory, or the root: ``step``, else the newest) whole, in this process.
+
+    ``rank`` picks whose stateful objects and RNG states to return from a checkpoint that
+    a distributed run wrote (the tensors are the whole, global ones).
+    """
+    store, name = _split_checkpoint_path(path, storage_options)
+    if name is None:
+        name = resolve_checkpoint(store, step)
+    elif step is not None and step_of_name(name) != step:
+        raise ConfigError(f"path {path!r} is the checkpoint of step {step_of_name(name)}, but step={step}; pass one or the other")
+    where = store.checkpoint_url(name)
+    host = _template(store, name)
+    manifest = _checked_manifest(store, name, (0, 1), "skip", verify, host)
+    key = resolve_key(signing_key)
+    if key is not None:
+        with translate_read_errors(where):
+            metadata_bytes = store.read_bytes(name, METADATA_NAME)
+        check_signature(manifest, metadata_bytes, key, where)
+    read_into(store, name, host)
+    if verify:
+        _check_tensor_crcs(manifest, host, where)
+    world = int(manifest.get("world_size", 1))
+    if not 0 <= rank < world:
+        raise ConfigError(f"rank={rank} is not a rank of {where}, which {world} rank(s) wrote; pass 0..{world - 1}")
+    extra = _per_rank_extra_state(manifest, rank)
+    return CheckpointContents(
+        info=CheckpointInfo.from_manifest(manifest, where),
+        model=host.get("model", {}),
+        optimizer=host.get("optimizer"),
+        stateful=dict(extra.get("stateful", {})),
+        rng=dict(extra.get("rng", {})),
+    )
+
+
+def optimizer_state_by_index(by_name: dict[str, Any]) -> dict[str, Any]:
+    """torch's own optimizer state dict (parameters numbered across the groups in order) from the by-name form."""
+    state: dict[int, Any] = {}
+    groups: list[dict[str, Any]] = []
+    index = 0
+    for group in by_name.get("param_groups", []):
+        numbered = []
+        for name in group["params"]:
+            if name in by_name.get("state", {}):
+                state[index] = by_name["state"][name]
+            numbered.append(index)
+            index += 1
+        groups.append({**group, "params": numbered})
+    return {"state": state, "param_groups": groups}
+
+
+def _template(store: CheckpointStore, name: str) -> dict[str, Any]:
+    """Host tensors shaped as the checkpoint's ``.metadata`` describes, nested as they were saved."""
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    with translate_read_errors(f"{store.checkpoint_url(name)}/.metadata"):
+        metadata = store.make_reader(name).read_metadata()
+    if metadata is None or not metadata.state_dict_metadata:
+        raise CheckpointNotFoundError(f"{store.checkpoint_url(name)} holds no state")
+    nested: dict[str, Any] = {}
+    planner_data = metadata.planner_data or {}
+    for key, item in metadata.state_dict_metadata.items():
+        value = torch.empty(tuple(item.size), dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
+        set_element(nested, planner_data.get(key, (key,)), value)
+    return nested
