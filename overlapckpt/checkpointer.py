@@ -17,7 +17,7 @@ from .format.manifest import CheckpointInfo
 from .format.signing import resolve_key
 from .format.storage import CheckpointStore
 from .loading import load
-from .options import check_optimizer_for_mode, check_options, check_stateful
+from .options import check_export_formats, check_optimizer_for_mode, check_options, check_stateful
 from .train.autowindow import AUTO_WINDOW, DEFAULT_MAX_WINDOW, PhaseTimer, make_gap_timer
 from .train.distributed import DistributedRun, is_distributed, set_up_distributed
 from .train.engine import SnapshotEngine
@@ -87,6 +87,9 @@ class Checkpointer:
         on_commit: called in the training process with each commit's figures, a dict with
             units in the names (``time_to_commit_s``, ``state_bytes``, ...), at the hook or
             call that learns of the commit. Exceptions it raises are logged, never raised.
+        export_formats: framework files the writer also writes into each checkpoint, from
+            the same snapshot: ``("hf_trainer",)`` for what Hugging Face's Trainer resumes
+            from (one process, local root; set by ``overlapckpt.hf.OverlapCallback``).
 
     Host buffers are allocated on a background thread as soon as the state's size is known
     (here if the optimizer has state, else right after the first ``optimizer.step()``), so no
@@ -125,6 +128,7 @@ class Checkpointer:
         on_commit: Callable[[dict[str, Any]], None] | None = None,
         lease: bool = True,
         signing_key: str | bytes | None = None,
+        export_formats: tuple[str, ...] = (),
     ) -> None:
         check_options(
             window=window,
@@ -147,6 +151,7 @@ class Checkpointer:
         check_optimizer_for_mode(optimizer, window, consistency)
         stateful = dict(stateful or {})
         check_stateful(stateful)
+        check_export_formats(export_formats, path, process_group)
         self._signing_key = resolve_key(signing_key)
         self.path = os.fspath(path)
         self.storage_options = dict(storage_options or {})
@@ -232,6 +237,7 @@ class Checkpointer:
                 lineage=self._lineage,
                 at_boundary=None if self._preemption is None else self._preemption.at_boundary,
                 on_commit=on_commit,
+                export_formats=tuple(export_formats),
             )
         except BaseException:
             link.close(timeout_s=30.0)  # nothing may outlive a constructor that raised
@@ -386,13 +392,18 @@ class Checkpointer:
         self.continued_from(info)
         return info
 
-    def continued_from(self, info: CheckpointInfo) -> None:
+    def continued_from(self, info: CheckpointInfo | int) -> None:
         """The state now equals checkpoint ``info``, restored by a framework's own resume: continue from it.
 
         The next update makes version ``info.step + 1``; retention and ``latest`` treat
-        this run as the one that continued from ``info`` (as after ``restore()``).
+        this run as the one that continued from ``info`` (as after ``restore()``). An int
+        is a version restored from elsewhere (a framework's own checkpoint): only the
+        count continues.
         """
         self._check_open()
+        if isinstance(info, int):
+            self._engine.continue_from(info)
+            return
         self._engine.continue_from(info.step)
         committed = self._store.committed_names()
         own = {os.path.basename(s.path.rstrip("/")) for s in self._engine.stats if s.path}

@@ -93,3 +93,22 @@ def check_options(
     for name, value in (("collective_timeout_s", collective_timeout_s), ("agreement_timeout_s", agreement_timeout_s)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ConfigError(f"{name}={value!r} is invalid; pass a number of seconds > 0")
+
+
+EXPORT_FORMATS = ("hf_trainer",)
+
+
+def check_export_formats(formats: Any, path: Any, process_group: Any) -> None:
+    """Framework files written next to DCP's: known formats, one process, a local root (the framework reads files)."""
+    import os
+
+    import torch.distributed as dist
+
+    if isinstance(formats, str) or not all(f in EXPORT_FORMATS for f in formats):
+        raise ConfigError(f"export_formats={formats!r} is invalid; pass a tuple of {EXPORT_FORMATS}, or ()")
+    if not formats:
+        return
+    if "://" in os.fspath(path) and not os.fspath(path).startswith("file://"):
+        raise ConfigError(f"export_formats={formats!r} writes files a framework reads from a local directory; {path!r} is not one")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
+        raise ConfigError(f"export_formats={formats!r} is for one process: a rank's writer holds only its share of the state")

@@ -103,6 +103,7 @@ class PersistRequest:
     replay: ReplayLog | None = None  # a replay-mode snapshot: what the writer rolls its groups forward with
     proposed_next_window: int | None = None  # window="auto": this rank's choice for the next checkpoint
     root_leased: bool = False  # this run holds the root's lease: other runs' dead attempts are removed
+    export_formats: tuple[str, ...] = ()  # framework files to write next to DCP's (writer/exports.py)
 
 
 @dataclass

@@ -17,10 +17,13 @@ from typing import Any
 import torch
 
 from .errors import CheckpointNotFoundError, ConfigError
+from .format.entries import optimizer_state_by_index
 from .format.manifest import METADATA_NAME, CheckpointInfo, step_of_name
 from .format.signing import check_signature, resolve_key
 from .format.storage import CheckpointStore, translate_read_errors
 from .loading import _check_tensor_crcs, _checked_manifest, _per_rank_extra_state, _split_checkpoint_path, read_into, resolve_checkpoint
+
+__all__ = ["CheckpointContents", "optimizer_state_by_index", "read_checkpoint"]
 
 
 @dataclass
@@ -77,22 +80,6 @@ def read_checkpoint(
         stateful=dict(extra.get("stateful", {})),
         rng=dict(extra.get("rng", {})),
     )
-
-
-def optimizer_state_by_index(by_name: dict[str, Any]) -> dict[str, Any]:
-    """torch's own optimizer state dict (parameters numbered across the groups in order) from the by-name form."""
-    state: dict[int, Any] = {}
-    groups: list[dict[str, Any]] = []
-    index = 0
-    for group in by_name.get("param_groups", []):
-        numbered = []
-        for name in group["params"]:
-            if name in by_name.get("state", {}):
-                state[index] = by_name["state"][name]
-            numbered.append(index)
-            index += 1
-        groups.append({**group, "params": numbered})
-    return {"state": state, "param_groups": groups}
 
 
 def _template(store: CheckpointStore, name: str) -> dict[str, Any]:

@@ -83,3 +83,19 @@ def check_shapes(expected: dict[str, tuple[int, ...]], target: dict[str, torch.T
                 f"tensor {key!r} has shape {tuple(shape)} in the checkpoint but {tuple(t.shape)} in the "
                 "object being loaded; build the model with the configuration that was saved"
             )
+
+
+def optimizer_state_by_index(by_name: dict[str, Any]) -> dict[str, Any]:
+    """torch's own optimizer state dict (parameters numbered across the groups in order) from the by-name form."""
+    state: dict[int, Any] = {}
+    groups: list[dict[str, Any]] = []
+    index = 0
+    for group in by_name.get("param_groups", []):
+        numbered = []
+        for name in group["params"]:
+            if name in by_name.get("state", {}):
+                state[index] = by_name["state"][name]
+            numbered.append(index)
+            index += 1
+        groups.append({**group, "params": numbered})
+    return {"state": state, "param_groups": groups}

@@ -16,6 +16,7 @@ so one run names every damaged blob.
 from __future__ import annotations
 
 import re
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,8 @@ from .storage import CheckpointStore, translate_read_errors
 # anything else ("../../etc/passwd") is damaged or crafted, and is refused unread.
 DATA_FILE_RE = re.compile(r"__[0-9]+_[0-9]+\.distcp", re.ASCII)
 METADATA_RE = re.compile(r"(__[0-9]+)?\.metadata", re.ASCII)
+# And the framework files a checkpoint may carry (writer/exports.py), by exact name.
+EXPORT_FILE_NAMES = frozenset({"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"})
 
 # One read's size at most: bounds verify's memory, and is large enough that a read
 # costs far more in transfer than in per-call overhead (S3 ranged GETs included).
@@ -111,6 +114,7 @@ def verify_checkpoint(
             str(f): (int(e["nbytes"]), [(str(b["key"]), int(b["offset"]), int(b["length"]), str(b["checksum"])) for b in e["blobs"]])
             for f, e in sums["files"].items()
         }
+        exports = {str(f): (int(e["nbytes"]), int(e["crc32"])) for f, e in manifest.get("exports", {}).items()}
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CorruptCheckpointError(f"the checksums section of {where}/{MANIFEST_NAME} is malformed: {e!r}") from e
     for filename, pattern in [(str(metadata["name"]), METADATA_RE)] + [(f, DATA_FILE_RE) for f in files]:
@@ -118,6 +122,12 @@ def verify_checkpoint(
             raise CorruptCheckpointError(
                 f"{where}/{MANIFEST_NAME} lists the file {filename!r}, which is not a DCP file name: refused unread "
                 "(the manifest is damaged or crafted)"
+            )
+    for filename in exports:
+        if filename not in EXPORT_FILE_NAMES:
+            raise CorruptCheckpointError(
+                f"{where}/{MANIFEST_NAME} lists the export {filename!r}, which is not a framework file overlapckpt writes: "
+                "refused unread (the manifest is damaged or crafted)"
             )
     update = updater(report.algorithm)
     rank, world = share
@@ -129,10 +139,29 @@ def verify_checkpoint(
                     check_signature(manifest, metadata_bytes, signing_key, where)
                 except SignatureError as e:
                     report.problems.append(str(e))
+            for filename, (nbytes, crc) in sorted(exports.items()):
+                _verify_export(store, name, filename, nbytes, crc, report)
         for index, (filename, (nbytes, blobs)) in enumerate(sorted(files.items())):
             if index % world == rank:
                 _verify_file(store, name, filename, nbytes, blobs, update, report)
     return report
+
+
+def _verify_export(store: CheckpointStore, name: str, filename: str, nbytes: int, crc: int, report: VerifyReport) -> None:
+    """A framework file (writer/exports.py): its size and zlib CRC-32, streamed."""
+    report.files += 1
+    if not _regular_file(store, name, filename, report):
+        return
+    checksum, read = 0, 0
+    with store.open_read(name, filename) as f:
+        while chunk := f.read(VERIFY_CHUNK_BYTES):
+            checksum = zlib.crc32(chunk, checksum)
+            read += len(chunk)
+    report.nbytes += read
+    if read != nbytes:
+        report.problems.append(f"{report.path}/{filename} is {read} bytes, the manifest says {nbytes}")
+    elif checksum & 0xFFFFFFFF != crc:
+        report.problems.append(f"checksum mismatch for {report.path}/{filename} (a framework file)")
 
 
 def _verify_metadata(

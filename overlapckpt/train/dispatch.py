@@ -48,8 +48,10 @@ class PersistDispatcher:
         lineage: Lineage,
         on_commit: Callable[[dict[str, Any]], None] | None = None,
         unsolicited_errors: bool = False,
+        export_formats: tuple[str, ...] = (),
     ) -> None:
         self.lineage = lineage
+        self.export_formats = export_formats
         self.on_commit = on_commit
         self.link = link
         link.on_replaced(self._hand_to)
@@ -104,6 +106,7 @@ class PersistDispatcher:
             replay=replay,
             proposed_next_window=proposed_next_window,
             root_leased=self.lineage.root_leased,
+            export_formats=self.export_formats,
         )
         self._sent[snap.request_id] = _Sent(snap, stats, request)
         self.link.writer.send(request)

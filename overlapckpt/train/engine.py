@@ -86,6 +86,7 @@ class SnapshotEngine(SnapshotStarts, SnapshotCompletion, BlockingCalls, Snapshot
         lineage: Lineage,
         at_boundary: Callable[[], None] | None = None,
         on_commit: Callable[[dict[str, Any]], None] | None = None,
+        export_formats: tuple[str, ...] = (),
     ) -> None:
         self.optimizer = optimizer
         self.consistency = SnapshotMode(consistency)
@@ -105,7 +106,9 @@ class SnapshotEngine(SnapshotStarts, SnapshotCompletion, BlockingCalls, Snapshot
         self.staging = StagingArea(device, stage_budget_bytes, keep=keep_staging)
         self.gradients = GradientLogger(optimizer, copier)
         self.copies = SnapshotCopies(optimizer, stateful, copier, self.staging, self.gradients)
-        self.dispatcher = PersistDispatcher(link, self.slots, keep, lineage, on_commit, unsolicited_errors=scope.world_size > 1)
+        self.dispatcher = PersistDispatcher(
+            link, self.slots, keep, lineage, on_commit, unsolicited_errors=scope.world_size > 1, export_formats=export_formats
+        )
         self.step_count = 0
         self._hook_serial = 0
         self._next_request_id = 0

@@ -27,6 +27,7 @@ from ..format.shards import CoveringSavePlanner, LocalShard
 from ..format.signing import sign
 from ..format.storage import BeforeCommit, CheckpointStore
 from ..hostbuf import view_bytes
+from .exports import write_exports
 from .group import WriterGroup
 
 
@@ -92,6 +93,8 @@ def persist_snapshot(
 
     state_dict = build_state_dict(entries, [_part(e, t) for e, t in zip(entries, tensors)], req.small_state)
     try:
+        if req.export_formats:  # one process only (the Checkpointer refuses it distributed): whole tensors
+            manifest["exports"] = write_exports(store, attempt.directory, req.export_formats, state_dict, req.extra_state)
         _save(store, attempt.directory, state_dict, write_manifest, global_shapes, group, signing_key is not None)
         if group is None or group.is_coordinator:
             attempt.publish()  # the commit: every rank's shards are in place (DCP's finish ran after them)

@@ -1,0 +1,146 @@
+"""Stall per checkpoint inside a framework's own loop: OverlapCheckpoint against the framework's synchronous save.
+
+    python benchmarks/frameworks.py [--out benchmarks/results/frameworks] [--width 1024] [--layers 6]
+
+For Lightning: one ``Trainer.fit`` per method on the same model and data, alternated
+twice (A B A B): no checkpoint, Lightning's ``ModelCheckpoint(every_n_train_steps=K,
+save_top_k=-1)`` (``torch.save`` in the loop), and ``OverlapCheckpoint`` at window 1.
+A callback times every training batch (``on_train_batch_start`` to the next one). The
+stall per checkpoint is the sum, over the K steps from a checkpoint step, of (step time
+minus the no-checkpoint run's median step). CPU only here; the same script runs on a GPU.
+Writes ``frameworks.json`` and ``frameworks.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def _lightning_rows(width: int, layers: int, steps: int, every: int) -> list[dict]:
+    import pytorch_lightning as pl
+
+    from overlapckpt.lightning import OverlapCheckpoint
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            return F.mse_loss(self.net(x), x)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    class StepTimer(pl.Callback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.starts.append(time.perf_counter())
+
+        def on_train_end(self, trainer, pl_module):
+            self.starts.append(time.perf_counter())
+
+    def run(method: str, out_dir: str) -> list[float]:
+        pl.seed_everything(0, verbose=False)
+        timer = StepTimer()
+        callbacks: list = [timer]
+        if method == "ModelCheckpoint (torch.save)":
+            callbacks.append(pl.callbacks.ModelCheckpoint(out_dir, every_n_train_steps=every, save_top_k=-1))
+        elif method == "OverlapCheckpoint window=1":
+            callbacks.append(OverlapCheckpoint(out_dir, every_n_train_steps=every, save_on_train_end=False, max_inflight=2))
+        data = TensorDataset(torch.randn(steps * 4, width))
+        trainer = pl.Trainer(
+            max_steps=steps,
+            accelerator="auto",
+            devices=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=method != "none",
+            callbacks=callbacks,
+        )
+        trainer.fit(Module(), DataLoader(data, batch_size=4))
+        return [b - a for a, b in zip(timer.starts, timer.starts[1:])]
+
+    methods = ["none", "ModelCheckpoint (torch.save)", "OverlapCheckpoint window=1"]
+    times: dict[str, list[list[float]]] = {m: [] for m in methods}
+    for _ in range(2):  # alternated: A B C A B C
+        for m in methods:
+            d = tempfile.mkdtemp(prefix="fw-bench-")
+            try:
+                times[m].append(run(m, d))
+            finally:
+                shutil.rmtree(d, ignore_errors=True)
+    base = statistics.median(t for run_times in times["none"] for t in run_times[2:])
+    rows = []
+    nbytes = sum(p.numel() * 4 * 3 for p in nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).parameters())
+    for m in methods:
+        stalls = []
+        for run_times in times[m]:
+            # Step i (1-based) ends at index i-1; a checkpoint after step s is paid in steps s+1..s+every.
+            for s in range(every, steps - every + 1, every):
+                stalls.append(sum(t - base for t in run_times[s : s + every]))
+        rows.append(
+            {
+                "framework": "lightning",
+                "method": m,
+                "median_step_s": statistics.median(t for r in times[m] for t in r[2:]),
+                "stall_per_checkpoint_s": statistics.median(stalls) if stalls else None,
+                "stall_min_max_s": [min(stalls), max(stalls)] if stalls else None,
+                "state_bytes": nbytes,
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="benchmarks/results/frameworks")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--every", type=int, default=15)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = _lightning_rows(args.width, args.layers, args.steps, args.every)
+    os.makedirs(args.out, exist_ok=True)
+    machine = {"host": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    with open(os.path.join(args.out, "frameworks.json"), "w") as f:
+        json.dump({"machine": machine, "rows": rows}, f, indent=1)
+    lines = [
+        f"# Stall per checkpoint in the framework's loop ({machine['date']}, {machine['cpu_count']} CPUs, torch {machine['torch']})",
+        "",
+        f"State: {rows[0]['state_bytes'] / 2**20:.0f} MiB (fp32 parameters and AdamW moments); training on 1 thread; "
+        f"a checkpoint every {args.every} steps; stall = sum over the {args.every} steps from a checkpoint of (step − "
+        "the no-checkpoint run's median step), median over checkpoints and 2 alternated runs.",
+        "",
+        "| framework | method | median step | stall / checkpoint (min–max) |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        stall = "–" if r["stall_per_checkpoint_s"] is None else (
+            f"{r['stall_per_checkpoint_s'] * 1e3:.1f} ms ({r['stall_min_max_s'][0] * 1e3:.1f} – {r['stall_min_max_s'][1] * 1e3:.1f})"
+        )
+        lines.append(f"| {r['framework']} | {r['method']} | {r['median_step_s'] * 1e3:.1f} ms | {stall} |")
+    with open(os.path.join(args.out, "frameworks.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))  # noqa: T201 - a benchmark's report
+
+
+if __name__ == "__main__":
+    main()
