@@ -2,7 +2,8 @@
 
     python benchmarks/frameworks.py [--out benchmarks/results/frameworks] [--width 1024] [--layers 6]
 
-For Lightning: one ``Trainer.fit`` per method on the same model and data, alternated
+For Lightning, and likewise for the Hugging Face Trainer (its own ``save_steps=K``
+checkpoint against ``OverlapCallback``): one ``Trainer.fit`` per method on the same model and data, alternated
 twice (A B A B): no checkpoint, Lightning's ``ModelCheckpoint(every_n_train_steps=K,
 save_top_k=-1)`` (``torch.save`` in the loop), and ``OverlapCheckpoint`` at window 1.
 A callback times every training batch (``on_train_batch_start`` to the next one). The
@@ -77,7 +78,60 @@ def _lightning_rows(width: int, layers: int, steps: int, every: int) -> list[dic
         trainer.fit(Module(), DataLoader(data, batch_size=4))
         return [b - a for a, b in zip(timer.starts, timer.starts[1:])]
 
-    methods = ["none", "ModelCheckpoint (torch.save)", "OverlapCheckpoint window=1"]
+    return _rows("lightning", run, ["none", "ModelCheckpoint (torch.save)", "OverlapCheckpoint window=1"], steps, every, width, layers)
+
+
+def _hf_rows(width: int, layers: int, steps: int, every: int) -> list[dict]:
+    import transformers
+
+    from overlapckpt.hf import OverlapCallback
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+        def forward(self, x, labels=None):
+            return {"loss": F.mse_loss(self.net(x), x)}
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return steps * 4
+
+        def __getitem__(self, i):
+            return {"x": torch.randn(width, generator=torch.Generator().manual_seed(i))}
+
+    class StepTimer(transformers.TrainerCallback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.starts.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            # The last step ends here, before on_train_end, where the callback waits for its commits.
+            if state.global_step == state.max_steps:
+                self.starts.append(time.perf_counter())
+
+    def run(method: str, out_dir: str) -> list[float]:
+        timer = StepTimer()
+        callbacks: list = [timer]
+        sync = method == "Trainer save_steps (synchronous)"
+        if method == "OverlapCallback window=1":
+            callbacks.append(OverlapCallback(os.path.join(out_dir, "overlap"), every_n_steps=every, save_on_train_end=False, max_inflight=2))
+        args = transformers.TrainingArguments(
+            output_dir=out_dir, per_device_train_batch_size=4, max_steps=steps, learning_rate=1e-4,
+            save_strategy="steps" if sync else "no", save_steps=every, save_only_model=False, report_to="none",
+            use_cpu=not torch.cuda.is_available(), disable_tqdm=True, logging_steps=10_000, dataloader_num_workers=0,
+        )
+        trainer = transformers.Trainer(model=Model(), args=args, train_dataset=Data(), callbacks=callbacks)
+        trainer.train()
+        return [b - a for a, b in zip(timer.starts, timer.starts[1:])]
+
+    return _rows("hf", run, ["none", "Trainer save_steps (synchronous)", "OverlapCallback window=1"], steps, every, width, layers)
+
+
+def _rows(framework: str, run, methods: list[str], steps: int, every: int, width: int, layers: int) -> list[dict]:
     times: dict[str, list[list[float]]] = {m: [] for m in methods}
     for _ in range(2):  # alternated: A B C A B C
         for m in methods:
@@ -87,8 +141,8 @@ def _lightning_rows(width: int, layers: int, steps: int, every: int) -> list[dic
             finally:
                 shutil.rmtree(d, ignore_errors=True)
     base = statistics.median(t for run_times in times["none"] for t in run_times[2:])
+    nbytes = layers * (width * width + width) * 4 * 3
     rows = []
-    nbytes = sum(p.numel() * 4 * 3 for p in nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).parameters())
     for m in methods:
         stalls = []
         for run_times in times[m]:
@@ -97,7 +151,7 @@ def _lightning_rows(width: int, layers: int, steps: int, every: int) -> list[dic
                 stalls.append(sum(t - base for t in run_times[s : s + every]))
         rows.append(
             {
-                "framework": "lightning",
+                "framework": framework,
                 "method": m,
                 "median_step_s": statistics.median(t for r in times[m] for t in r[2:]),
                 "stall_per_checkpoint_s": statistics.median(stalls) if stalls else None,
@@ -117,7 +171,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=15)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = _lightning_rows(args.width, args.layers, args.steps, args.every)
+    rows = _lightning_rows(args.width, args.layers, args.steps, args.every) + _hf_rows(args.width, args.layers, args.steps, args.every)
     os.makedirs(args.out, exist_ok=True)
     machine = {"host": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     with open(os.path.join(args.out, "frameworks.json"), "w") as f:
