@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from . import require
+from . import AdapterSettings, finish, require
 
 _transformers = require("hf")
 TrainerCallback = _transformers.TrainerCallback
@@ -88,18 +88,11 @@ class OverlapCallback(TrainerCallback):  # type: ignore[misc, valid-type]
         save_on_train_end: bool = True,
         **checkpointer_options: Any,
     ) -> None:
-        if not isinstance(output_dir, (str, os.PathLike)) or not str(output_dir):
-            raise ConfigError(f"output_dir={output_dir!r} is invalid; pass the checkpoint root, a local directory")
-        for name in ("model", "optimizer", "path", "every", "stateful", "export_formats"):
-            if name in checkpointer_options:
-                raise ConfigError(f"OverlapCallback sets {name!r} itself; remove it from the options")
-        self.output_dir = os.fspath(output_dir)
-        self.every_n_steps = every_n_steps
-        self.window = window
-        self.consistency = consistency
-        self.keep = keep
-        self.save_on_train_end = save_on_train_end
-        self.checkpointer_options = checkpointer_options
+        self.settings = AdapterSettings.checked(
+            "OverlapCallback", "output_dir", output_dir, ("export_formats",), every=every_n_steps, window=window,
+            consistency=consistency, keep=keep, save_on_train_end=save_on_train_end, options=checkpointer_options,
+        )
+        self.output_dir = self.settings.root
         self.ckpt: Any = None
         self._state: _HFState | None = None
         self._figures: dict[str, float] = {}
@@ -129,14 +122,10 @@ class OverlapCallback(TrainerCallback):  # type: ignore[misc, valid-type]
             model,
             optimizer,  # an AcceleratedOptimizer: the torch optimizer inside is hooked
             self.output_dir,
-            window=self.window,
-            consistency=self.consistency,
-            every=self.every_n_steps,
-            keep=self.keep,
             stateful={STATE_NAME: self._state},
             export_formats=("hf_trainer",),
             on_commit=self._on_commit,
-            **self.checkpointer_options,
+            **self.settings.checkpointer_kwargs(),
         )
         if state.global_step > 0:  # the Trainer resumed: continue its step count and lineage
             ours = [i for i in list_checkpoints(self.output_dir) if i.step == state.global_step]
@@ -162,10 +151,7 @@ class OverlapCallback(TrainerCallback):  # type: ignore[misc, valid-type]
         if self.ckpt is None:
             return
         try:
-            if self.save_on_train_end and self.ckpt.step_count > 0:
-                self.ckpt.request()  # answered by a checkpoint that already holds this version, if any
-                self.ckpt.step()
-            self.ckpt.close()
+            finish(self.ckpt, self.settings.save_on_train_end)
         finally:
             self.ckpt = None
 

@@ -29,7 +29,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..loading import restore_rng
 from ..reading import CheckpointContents, optimizer_state_by_index, read_checkpoint
-from . import require
+from . import AdapterSettings, finish, require
 
 _pl = require("lightning")
 Checkpoint = _pl.callbacks.Checkpoint
@@ -103,18 +103,11 @@ class OverlapCheckpoint(Checkpoint):  # type: ignore[misc, valid-type]
         **checkpointer_options: Any,
     ) -> None:
         super().__init__()
-        if not isinstance(dirpath, (str, os.PathLike)) or not str(dirpath):
-            raise ConfigError(f"dirpath={dirpath!r} is invalid; pass the checkpoint root, a directory path or a URL")
-        for name in ("model", "optimizer", "path", "every", "stateful"):
-            if name in checkpointer_options:
-                raise ConfigError(f"OverlapCheckpoint sets {name!r} itself; remove it from the options")
-        self.dirpath = os.fspath(dirpath)
-        self.every_n_train_steps = every_n_train_steps
-        self.window = window
-        self.consistency = consistency
-        self.keep = keep
-        self.save_on_train_end = save_on_train_end
-        self.checkpointer_options = checkpointer_options
+        self.settings = AdapterSettings.checked(
+            "OverlapCheckpoint", "dirpath", dirpath, (), every=every_n_train_steps, window=window, consistency=consistency,
+            keep=keep, save_on_train_end=save_on_train_end, options=checkpointer_options,
+        )
+        self.dirpath = self.settings.root
         self.ckpt: Any = None  # the Checkpointer, from on_train_start to on_train_end
         self._resumed: CheckpointContents | None = None
         self._figures: list[dict[str, Any]] = []
@@ -151,19 +144,14 @@ class OverlapCheckpoint(Checkpoint):  # type: ignore[misc, valid-type]
                 f"OverlapCheckpoint checkpoints one optimizer; configure_optimizers returned {len(trainer.optimizers)}. "
                 "Combine the parameter groups into one optimizer"
             )
-        options = dict(self.checkpointer_options)
         # Under DDP torch.distributed is initialized here: the Checkpointer checkpoints with every rank.
         self.ckpt = Checkpointer(
             pl_module,
             trainer.optimizers[0],  # a LightningOptimizer or a torch optimizer: the torch one is hooked
             self.dirpath,
-            window=self.window,
-            consistency=self.consistency,
-            every=self.every_n_train_steps,
-            keep=self.keep,
             stateful={STATE_NAME: _LightningState(trainer)},
             on_commit=self._on_commit,
-            **options,
+            **self.settings.checkpointer_kwargs(),
         )
         resumed, self._resumed = self._resumed, None
         if resumed is not None:
@@ -184,10 +172,7 @@ class OverlapCheckpoint(Checkpoint):  # type: ignore[misc, valid-type]
         if self.ckpt is None:
             return
         try:
-            if self.save_on_train_end and self.ckpt.step_count > 0:
-                self.ckpt.request()  # answered by a checkpoint that already holds this version, if any
-                self.ckpt.step()
-            self.ckpt.close()
+            finish(self.ckpt, self.settings.save_on_train_end)
         finally:
             self.ckpt = None
         self._log_figures(trainer)
@@ -224,7 +209,7 @@ class OverlapCheckpoint(Checkpoint):  # type: ignore[misc, valid-type]
         text = str(path).rstrip("/")
         if text.endswith(".ckpt"):
             return False
-        options = self.checkpointer_options.get("storage_options")
+        options = self.settings.options.get("storage_options")
         try:
             name = text.rsplit("/", 1)[-1]
             if step_of_name(name) is not None:
@@ -240,8 +225,8 @@ class OverlapCheckpoint(Checkpoint):  # type: ignore[misc, valid-type]
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         contents = read_checkpoint(
             path,
-            storage_options=self.checkpointer_options.get("storage_options"),
-            signing_key=self.checkpointer_options.get("signing_key"),
+            storage_options=self.settings.options.get("storage_options"),
+            signing_key=self.settings.options.get("signing_key"),
             rank=rank,
         )
         if STATE_NAME not in contents.stateful:
