@@ -72,29 +72,30 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     name = resolve_checkpoint(store, args.step)
     m = read_manifest(store, name)
     if args.json:
-        print(json.dumps(m, indent=1, sort_keys=True))
+        print(json.dumps(m.raw, indent=1, sort_keys=True))
         return 0
-    ledger = m.get("ledger") or {}
+    ledger = m.ledger or {}
     print(f"checkpoint   {store.checkpoint_url(name)}")
-    print(f"version      step {m['step']} (requested at step {m['requested_step']}), mode {m['mode']}, window {m['window']}")
-    print(f"state        {len(m['items'])} tensors, {_size(int(m['nbytes']))}; torch {m['torch_version']}; committed {_when(m['created_at'])}")
-    print(f"extra state  {', '.join(m.get('extra_state_index', [])) or '-'}; boundary captured at {ledger.get('boundary')}")
-    ranks = m.get("ranks") or []
-    if ranks:
-        mesh = "x".join(str(d) for d in m.get("mesh_shape", [len(ranks)]))
-        print(f"ranks        {m.get('world_size', len(ranks))} (mesh {mesh}); each wrote its share:")
-        for r in ranks:
-            versions = sorted({g["version"] for g in (r.get("ledger") or {}).get("groups", [])})
-            copied = (r.get("stats") or {}).get("copied_nbytes")
+    print(f"version      step {m.step} (requested at step {m.requested_step}), mode {m.mode}, window {m.window}")
+    print(f"state        {len(m.items)} tensors, {_size(m.nbytes)}; torch {m.torch_version}; committed {_when(m.created_at)}")
+    print(f"extra state  {', '.join(m.extra_state_index) or '-'}; boundary captured at {ledger.get('boundary')}")
+    if m.ranks:
+        mesh = "x".join(str(d) for d in m.mesh_shape)
+        print(f"ranks        {m.world_size} (mesh {mesh}); each wrote its share:")
+        for r in m.ranks:
+            versions = sorted({g["version"] for g in (r.ledger or {}).get("groups", [])})
+            copied = (r.stats or {}).get("copied_nbytes")
             print(
-                f"  rank {r['rank']}: {_size(int(r['nbytes']))} in {len(r['items'])} tensors or shards, groups at versions "
+                f"  rank {r.rank}: {_size(r.nbytes)} in {len(r.items)} tensors or shards, groups at versions "
                 f"{versions}{'' if copied is None else f', copied {_size(int(copied))}'}"
             )
+    if m.exports:
+        print(f"framework    {', '.join(sorted(m.exports))}")
     for g in ledger.get("groups", []):
         landed = g.get("landed_s")
         print(f"  group {g['index']}: {_size(g['nbytes'])} at version {g['version']}, landed {'-' if landed is None else f'{landed * 1000:.1f} ms'} after the request")
     if ledger.get("gradient_steps"):
-        print(f"  gradients logged for steps {', '.join(ledger['gradient_steps'])}; replayed on the CPU to version {m['step']}")
+        print(f"  gradients logged for steps {', '.join(ledger['gradient_steps'])}; replayed on the CPU to version {m.step}")
     if ledger.get("closed_early_at") is not None:
         print(f"  window closed early at step {ledger['closed_early_at']}")
     choice = ledger.get("window_choice")

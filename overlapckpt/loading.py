@@ -22,14 +22,14 @@ from .errors import (
 )
 from .format.entries import check_shapes, flatten_tensors
 from .format.extra_state import decode
-from .format.manifest import METADATA_NAME, CheckpointInfo, checkpoint_name, step_of_name, tensor_crc32
+from .format.manifest import METADATA_NAME, CheckpointInfo, Manifest, checkpoint_name, step_of_name, tensor_crc32
 from .format.safe_read import SafeLoadPlanner
 from .format.signing import check_signature, resolve_key
 from .format.storage import CheckpointStore, dcp_root_cause, is_storage_error, read_error, translate_read_errors
 from .format.verify import describe_problems, read_manifest, verify_checkpoint
 
 
-def _listable(store: CheckpointStore, names: Iterable[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+def _listable(store: CheckpointStore, names: Iterable[str]) -> Iterator[tuple[str, Manifest]]:
     """The committed checkpoints among ``names`` whose manifest reads and passes its checksum.
 
     The one rule behind both ``list_checkpoints`` and ``load(step=None)``: a committed
@@ -278,7 +278,7 @@ def load(
         if key is not None:  # with a key, unsigned and forged checkpoints are refused, whatever verify says
             with translate_read_errors(store.checkpoint_url(name)):
                 metadata_bytes = store.read_bytes(name, METADATA_NAME)
-            check_signature(manifest, metadata_bytes, key, store.checkpoint_url(name))
+            check_signature(manifest.raw, metadata_bytes, key, store.checkpoint_url(name))
     except OverlapCkptError as e:  # raised on every rank below, before any rank reads
         failure = e
     _agree_before_reading(group, failure, name)
@@ -305,7 +305,7 @@ def load(
 
 def _checked_manifest(
     store: CheckpointStore, name: str, share: tuple[int, int], per_rank_state: str, verify: bool, target: dict[str, Any]
-) -> dict[str, Any]:
+) -> Manifest:
     """The manifest of ``name``, once everything that can be checked before reading has passed."""
     where = store.checkpoint_url(name)
     manifest = read_manifest(store, name)
@@ -322,15 +322,15 @@ def _checked_manifest(
 def _checked_fields(
     store: CheckpointStore,
     name: str,
-    manifest: dict[str, Any],
+    manifest: Manifest,
     share: tuple[int, int],
     per_rank_state: str,
     verify: bool,
     target: dict[str, Any],
     where: str,
-) -> dict[str, Any]:
+) -> Manifest:
     world = share[1]
-    saved_world = int(manifest.get("world_size", 1))
+    saved_world = manifest.world_size
     if per_rank_state == "restore" and saved_world != world:
         raise CheckpointMismatchError(
             f"{where} was written by {saved_world} rank(s) and is loaded by {world}: its stateful objects and RNG "
@@ -352,18 +352,18 @@ def _checked_fields(
                 f"reading the checkpoint {where} failed verification: {describe_problems(report)}; restore from an "
                 "older checkpoint (list_checkpoints), or pass verify=False to inspect it"
             )
-    expected = {k: tuple(v["shape"]) for k, v in manifest["items"].items()}
+    expected = {k: v.shape for k, v in manifest.items.items()}
     check_shapes(expected, flatten_tensors(target))
     return manifest
 
 
-def _check_tensor_crcs(manifest: dict[str, Any], host: dict[str, Any], where: str) -> None:
+def _check_tensor_crcs(manifest: Manifest, host: dict[str, Any], where: str) -> None:
     """End to end: whole tensors DCP decoded against the host snapshot that was saved (one-process checkpoints)."""
     for key, t in flatten_tensors(host).items():
-        item = manifest["items"].get(key)
-        if item is None or "crc32" not in item or hasattr(t, "to_local") or list(t.shape) != list(item["shape"]):
+        item = manifest.items.get(key)
+        if item is None or item.crc32 is None or hasattr(t, "to_local") or tuple(t.shape) != item.shape:
             continue  # a shard of a resharded load: its stored bytes were verified above
-        if tensor_crc32(t) != int(item["crc32"]):
+        if tensor_crc32(t) != item.crc32:
             raise CorruptCheckpointError(
                 f"checksum mismatch for {key!r} in {where}: the tensor read back differs from the snapshot "
                 "that was saved, though the stored bytes match their checksums (a serialization fault); "
@@ -371,11 +371,8 @@ def _check_tensor_crcs(manifest: dict[str, Any], host: dict[str, Any], where: st
             )
 
 
-def _per_rank_extra_state(manifest: dict[str, Any], rank: int) -> dict[str, Any]:
-    ranks = manifest.get("ranks")
-    if ranks:
-        return decode(ranks[rank].get("extra_state", {}))
-    return decode(manifest.get("extra_state", {}))
+def _per_rank_extra_state(manifest: Manifest, rank: int) -> dict[str, Any]:
+    return decode(manifest.extra_state_of(rank))
 
 
 def _check_stateful_names(extra: dict[str, Any], stateful: dict[str, Any], where: str) -> None:

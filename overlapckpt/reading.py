@@ -65,11 +65,11 @@ def read_checkpoint(
     if key is not None:
         with translate_read_errors(where):
             metadata_bytes = store.read_bytes(name, METADATA_NAME)
-        check_signature(manifest, metadata_bytes, key, where)
+        check_signature(manifest.raw, metadata_bytes, key, where)
     read_into(store, name, host)
     if verify:
         _check_tensor_crcs(manifest, host, where)
-    world = int(manifest.get("world_size", 1))
+    world = manifest.world_size
     if not 0 <= rank < world:
         raise ConfigError(f"rank={rank} is not a rank of {where}, which {world} rank(s) wrote; pass 0..{world - 1}")
     extra = _per_rank_extra_state(manifest, rank)

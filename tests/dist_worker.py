@@ -355,7 +355,8 @@ def malformed_manifest(source_root: str, root: str) -> dict[str, Any]:
     dist.barrier()
     started = time.monotonic()
     try:
-        load(root, *build("fsdp"), per_rank_state="skip")
+        name = sorted(n for n in os.listdir(root) if n.startswith("step-"))[-1]
+        load(os.path.join(root, name), *build("fsdp"), per_rank_state="skip")
         return {"error_type": None}
     except Exception as e:
         return {"error_type": type(e).__name__, "error": str(e)[:2000], "elapsed_s": time.monotonic() - started}

@@ -195,10 +195,21 @@ def test_a_flipped_lr_loads_silently_without_verification(run, capsys):
         _assert_refused(root, capsys, "'optimizer.param_groups.0.lr'")
 
 
+def test_the_typed_manifest_reads_and_writes_the_same_document(run):
+    root, _ = run
+    raw = (root / STEP3 / MANIFEST_NAME).read_bytes()
+    manifest = parse_manifest(raw, "written")
+    document = json.loads(raw)
+    document.pop("manifest_crc32")
+    assert manifest.to_json() == document  # every field the writer wrote has a typed home
+    assert manifest.checksums is not None and SHARD in manifest.checksums.files
+    assert manifest.items["model.inp.weight"].crc32 is not None
+
+
 def test_every_single_bit_flip_of_the_manifest_fails_its_checksum(run):
     root, _ = run
     raw = (root / STEP3 / MANIFEST_NAME).read_bytes()
-    assert parse_manifest(raw, "clean")["step"] == 3  # precondition: the clean bytes parse
+    assert parse_manifest(raw, "clean").step == 3  # precondition: the clean bytes parse
     buf = bytearray(raw)
     for pos in range(len(buf)):
         for bit in range(8):

@@ -159,11 +159,14 @@ def test_verify_refuses_a_fifo_without_hanging(tmp_path, capsys):
     ids=["world-size", "item-shape", "file-nbytes"],
 )
 def test_wrong_field_types_are_a_named_corrupt_checkpoint(tmp_path, edit):
-    from overlapckpt import CorruptCheckpointError
+    from overlapckpt import CheckpointNotFoundError, CorruptCheckpointError
 
     ckpt = _checkpoint(tmp_path / "root")
     _rewrite_manifest(ckpt, edit)
-    with pytest.raises(CorruptCheckpointError, match=r"malformed"):
+    with pytest.raises(CorruptCheckpointError, match=r"has a malformed field"):
+        load(str(ckpt), *make_run(seed=5)[:2], verify=True)
+    # Asked for the newest, the listing skips it as damaged, with a warning that names the field.
+    with pytest.warns(UserWarning, match="has a malformed field"), pytest.raises(CheckpointNotFoundError, match="damaged manifest"):
         load(str(tmp_path / "root"), *make_run(seed=5)[:2], verify=True)
 
 

@@ -23,7 +23,7 @@ import ctypes
 import json
 import re
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -88,19 +88,276 @@ class CheckpointInfo:
     run_id: str | None = None  # the run that wrote it (None: written before runs had ids)
 
     @classmethod
-    def from_manifest(cls, manifest: dict[str, Any], path: str) -> CheckpointInfo:
+    def from_manifest(cls, manifest: Manifest, path: str) -> CheckpointInfo:
         return cls(
-            step=int(manifest["step"]),
+            step=manifest.step,
             path=path,
-            window=int(manifest["window"]),
-            mode=str(manifest["mode"]),
-            nbytes=int(manifest["nbytes"]),
-            created_at=float(manifest["created_at"]),
-            requested_step=int(manifest["requested_step"]),
-            torch_version=str(manifest["torch_version"]),
-            world_size=int(manifest.get("world_size", 1)),
-            run_id=None if manifest.get("run_id") is None else str(manifest["run_id"]),
+            window=manifest.window,
+            mode=manifest.mode,
+            nbytes=manifest.nbytes,
+            created_at=manifest.created_at,
+            requested_step=manifest.requested_step,
+            torch_version=manifest.torch_version,
+            world_size=manifest.world_size,
+            run_id=manifest.run_id,
         )
+
+
+# ---- the manifest's fields, typed ----------------------------------------------------
+#
+# Each record reads itself from the JSON (``from_json``, raising CorruptCheckpointError
+# that names the field) and writes itself back (``to_json``). The ledger and the stats
+# stay JSON objects here: their types belong to the training side, which the format
+# never imports; the CLI and ckpt.stats read them as dicts.
+
+
+def _field(raw: Any, key: str, kind: type | tuple[type, ...], where: str, default: Any = ...) -> Any:
+    if not isinstance(raw, dict):
+        raise CorruptCheckpointError(f"manifest {where} has a malformed field: an object was expected, not {type(raw).__name__}; the file is damaged")
+    if key not in raw:
+        if default is not ...:
+            return default
+        raise CorruptCheckpointError(f"manifest {where} lacks the field {key!r}; the file is damaged")
+    value = raw[key]
+    # bool is an int subclass: a true/false where a number belongs is damage too.
+    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,))):
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise CorruptCheckpointError(f"manifest {where} has a malformed field {key!r}: {value!r} is not {names}; the file is damaged")
+    return value
+
+
+def _ints(raw: Any, key: str, where: str) -> tuple[int, ...]:
+    values = _field(raw, key, list, where)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise CorruptCheckpointError(f"manifest {where} has a malformed field {key!r}: {values!r} is not a list of integers; the file is damaged")
+    return tuple(values)
+
+
+_NUMBER = (int, float)
+
+
+@dataclass(frozen=True)
+class ItemRecord:
+    """One tensor (or, in a rank's section, one part of a tensor)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    crc32: int | None = None  # of the host snapshot; absent for the global items of a distributed checkpoint
+    offset: tuple[int, ...] | None = None  # a rank's part: where it sits in the global tensor
+
+    @classmethod
+    def from_json(cls, raw: Any, where: str) -> ItemRecord:
+        return cls(
+            dtype=_field(raw, "dtype", str, where, ""),
+            shape=_ints(raw, "shape", where),
+            crc32=_field(raw, "crc32", int, where, None),
+            offset=_ints(raw, "offset", where) if isinstance(raw, dict) and "offset" in raw else None,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape)}
+        if self.crc32 is not None:
+            out["crc32"] = self.crc32
+        if self.offset is not None:
+            out["offset"] = list(self.offset)
+        return out
+
+
+@dataclass(frozen=True)
+class BlobRecord:
+    key: str
+    offset: int
+    length: int
+    checksum: str  # 8 hex digits, of the algorithm ChecksumsRecord names
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    nbytes: int
+    blobs: tuple[BlobRecord, ...]  # in offset order, tiling the file
+
+
+@dataclass(frozen=True)
+class ChecksumsRecord:
+    """The checksum of every stored byte: each shard's blobs, and ``.metadata``'s exact bytes."""
+
+    algorithm: str
+    metadata_name: str
+    metadata_nbytes: int
+    metadata_checksum: str
+    files: dict[str, FileRecord]
+
+    @classmethod
+    def from_json(cls, raw: Any, where: str) -> ChecksumsRecord:
+        metadata = _field(raw, "metadata", dict, where)
+        files = {}
+        for name, entry in _field(raw, "files", dict, where).items():
+            blobs = []
+            for blob in _field(entry, "blobs", list, f"{where} ({name})"):
+                at = f"{where} ({name})"
+                blobs.append(
+                    BlobRecord(_field(blob, "key", str, at), _field(blob, "offset", int, at), _field(blob, "length", int, at), _field(blob, "checksum", str, at))
+                )
+            files[str(name)] = FileRecord(nbytes=_field(entry, "nbytes", int, f"{where} ({name})"), blobs=tuple(blobs))
+        return cls(
+            algorithm=_field(raw, "algorithm", str, where),
+            metadata_name=_field(metadata, "name", str, where),
+            metadata_nbytes=_field(metadata, "nbytes", int, where),
+            metadata_checksum=_field(metadata, "checksum", str, where),
+            files=files,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "algorithm": self.algorithm,
+            "files": {
+                name: {
+                    "nbytes": f.nbytes,
+                    "blobs": [{"key": b.key, "offset": b.offset, "length": b.length, "checksum": b.checksum} for b in f.blobs],
+                }
+                for name, f in sorted(self.files.items())
+            },
+            "metadata": {"name": self.metadata_name, "nbytes": self.metadata_nbytes, "checksum": self.metadata_checksum},
+        }
+
+
+@dataclass(frozen=True)
+class ExportRecord:
+    """A framework file written next to DCP's (writer/exports.py): its size and zlib CRC-32."""
+
+    nbytes: int
+    crc32: int
+
+
+@dataclass(frozen=True)
+class RankSection:
+    """What one rank of a distributed checkpoint wrote: its parts, its per-rank state, its own ledger."""
+
+    rank: int
+    nbytes: int
+    items: dict[str, ItemRecord]
+    extra_state: dict[str, Any]  # tagged JSON (extra_state.py): stateful objects and RNG states
+    ledger: dict[str, Any] | None = None
+    stats: dict[str, Any] | None = None
+
+    @classmethod
+    def from_json(cls, raw: Any, where: str) -> RankSection:
+        return cls(
+            rank=_field(raw, "rank", int, where),
+            nbytes=_field(raw, "nbytes", int, where),
+            items={str(k): ItemRecord.from_json(v, f"{where} ({k})") for k, v in _field(raw, "items", dict, where).items()},
+            extra_state=_field(raw, "extra_state", dict, where, {}),
+            ledger=_field(raw, "ledger", (dict, type(None)), where, None),
+            stats=_field(raw, "stats", (dict, type(None)), where, None),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "nbytes": self.nbytes,
+            "items": {k: v.to_json() for k, v in self.items.items()},
+            "extra_state": self.extra_state,
+            "ledger": self.ledger,
+            "stats": self.stats,
+        }
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """``overlapckpt.json``, typed: read by :func:`parse_manifest`, written with :meth:`to_json` and :func:`dump_manifest`."""
+
+    format_version: int
+    step: int  # the version it holds
+    requested_step: int
+    mode: str
+    window: int
+    nbytes: int  # tensor bytes, every rank's share
+    created_at: float
+    torch_version: str
+    items: dict[str, ItemRecord]
+    world_size: int = 1
+    mesh_shape: tuple[int, ...] = (1,)
+    run_id: str | None = None
+    restored_from: str | None = None
+    checksums: ChecksumsRecord | None = None  # None only in format 1 (not verifiable)
+    exports: dict[str, ExportRecord] = field(default_factory=dict)
+    extra_state: dict[str, Any] = field(default_factory=dict)  # one process: tagged JSON; distributed: per rank
+    extra_state_index: tuple[str, ...] = ()
+    ranks: tuple[RankSection, ...] = ()
+    ledger: dict[str, Any] | None = None
+    stats: dict[str, Any] | None = None
+    # The JSON as read, for what is checked on the exact document (the signature, inspect --json).
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def extra_state_of(self, rank: int) -> dict[str, Any]:
+        """The tagged-JSON stateful objects and RNG states that ``rank`` wrote."""
+        if self.ranks:
+            if not 0 <= rank < len(self.ranks):
+                raise CorruptCheckpointError(f"the manifest has {len(self.ranks)} rank sections; rank {rank} has none")
+            return self.ranks[rank].extra_state
+        return self.extra_state
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any], where: str) -> Manifest:
+        version = _field(raw, "format_version", int, where)
+        checksums = raw.get("checksums")
+        step = _field(raw, "step", int, where)
+        return cls(
+            format_version=version,
+            step=step,
+            requested_step=_field(raw, "requested_step", int, where, step),
+            mode=_field(raw, "mode", str, where),
+            window=_field(raw, "window", int, where),
+            nbytes=_field(raw, "nbytes", int, where),
+            created_at=float(_field(raw, "created_at", _NUMBER, where)),
+            torch_version=_field(raw, "torch_version", str, where, "unknown"),
+            items={str(k): ItemRecord.from_json(v, f"{where} ({k})") for k, v in _field(raw, "items", dict, where).items()},
+            world_size=_field(raw, "world_size", int, where, 1),
+            mesh_shape=_ints(raw, "mesh_shape", where) if "mesh_shape" in raw else (1,),
+            run_id=_field(raw, "run_id", (str, type(None)), where, None),
+            restored_from=_field(raw, "restored_from", (str, type(None)), where, None),
+            checksums=None if checksums is None else ChecksumsRecord.from_json(checksums, f"{where} (checksums)"),
+            exports={
+                str(k): ExportRecord(_field(v, "nbytes", int, where), _field(v, "crc32", int, where))
+                for k, v in _field(raw, "exports", dict, where, {}).items()
+            },
+            extra_state=_field(raw, "extra_state", dict, where, {}),
+            extra_state_index=tuple(str(k) for k in _field(raw, "extra_state_index", list, where, [])),
+            ranks=tuple(RankSection.from_json(r, f"{where} (rank section {i})") for i, r in enumerate(_field(raw, "ranks", list, where, []))),
+            ledger=_field(raw, "ledger", (dict, type(None)), where, None),
+            stats=_field(raw, "stats", (dict, type(None)), where, None),
+            raw=raw,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON document (checksums and exports as they are at the time; the signature is added by signing.py)."""
+        out: dict[str, Any] = {
+            "format_version": self.format_version,
+            "step": self.step,
+            "requested_step": self.requested_step,
+            "mode": self.mode,
+            "window": self.window,
+            "nbytes": self.nbytes,
+            "created_at": self.created_at,
+            "torch_version": self.torch_version,
+            "items": {k: v.to_json() for k, v in self.items.items()},
+            "world_size": self.world_size,
+            "mesh_shape": list(self.mesh_shape),
+            "run_id": self.run_id,
+            "restored_from": self.restored_from,
+            "ledger": self.ledger,
+            "stats": self.stats,
+            "extra_state_index": list(self.extra_state_index),
+        }
+        if self.ranks:
+            out["ranks"] = [r.to_json() for r in self.ranks]
+        else:
+            out["extra_state"] = self.extra_state
+        if self.checksums is not None:
+            out["checksums"] = self.checksums.to_json()
+        if self.exports:
+            out["exports"] = {k: {"nbytes": v.nbytes, "crc32": v.crc32} for k, v in self.exports.items()}
+        return out
 
 
 def dump_manifest(manifest: dict[str, Any]) -> bytes:
@@ -131,7 +388,7 @@ def _check_self_checksum(raw: bytes, where: str) -> bool:
     return True
 
 
-def parse_manifest(raw: bytes, where: str) -> dict[str, Any]:
+def parse_manifest(raw: bytes, where: str) -> Manifest:
     """Check the manifest's own checksum, parse it, and sanity-check it; CorruptCheckpointError naming ``where``."""
     self_checked = _check_self_checksum(raw, where)
     try:
@@ -150,8 +407,6 @@ def parse_manifest(raw: bytes, where: str) -> dict[str, Any]:
         )
     if version >= 2 and not self_checked:
         raise CorruptCheckpointError(f"manifest {where} lacks its {SELF_CHECKSUM_FIELD!r} field; the file is damaged")
-    required = ("step", "window", "mode", "nbytes", "items", "created_at") + (("checksums",) if version >= 2 else ())
-    for key in required:
-        if key not in manifest:
-            raise CorruptCheckpointError(f"manifest {where} lacks the field {key!r}; the file is damaged")
-    return manifest
+    if version >= 2 and "checksums" not in manifest:
+        raise CorruptCheckpointError(f"manifest {where} lacks the field 'checksums'; the file is damaged")
+    return Manifest.from_json(manifest, where)

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError, SignatureError
 from .checksum import hex32, updater
-from .manifest import LEGACY_FORMAT_VERSION, MANIFEST_NAME, parse_manifest
+from .manifest import LEGACY_FORMAT_VERSION, MANIFEST_NAME, Manifest, parse_manifest
 from .signing import check_signature
 from .storage import CheckpointStore, translate_read_errors
 
@@ -56,7 +56,7 @@ class VerifyReport:
         return not self.problems
 
 
-def read_manifest(store: CheckpointStore, name: str) -> dict[str, Any]:
+def read_manifest(store: CheckpointStore, name: str) -> Manifest:
     """The manifest of committed checkpoint ``name``, checked against its own checksum.
 
     CorruptCheckpointError if it is missing, damaged or unparsable; CheckpointReadError
@@ -76,7 +76,7 @@ def read_manifest(store: CheckpointStore, name: str) -> dict[str, Any]:
 def verify_checkpoint(
     store: CheckpointStore,
     name: str,
-    manifest: dict[str, Any] | None = None,
+    manifest: Manifest | None = None,
     share: tuple[int, int] = (0, 1),
     signing_key: bytes | None = None,
 ) -> VerifyReport:
@@ -96,27 +96,17 @@ def verify_checkpoint(
     where = store.checkpoint_url(name)
     if manifest is None:
         manifest = read_manifest(store, name)
-    report = VerifyReport(path=where, step=int(manifest["step"]))
-    if int(manifest["format_version"]) == LEGACY_FORMAT_VERSION:
+    report = VerifyReport(path=where, step=manifest.step)
+    sums = manifest.checksums
+    if manifest.format_version == LEGACY_FORMAT_VERSION or sums is None:
         raise CorruptCheckpointError(
             f"{where} was written by overlapckpt format {LEGACY_FORMAT_VERSION}, whose manifest has no checksums of "
             "the stored bytes, so it cannot be verified; load it with verify=False"
         )
-    try:
-        sums = manifest["checksums"]
-        report.algorithm = str(sums["algorithm"])
-        metadata: dict[str, Any] = {
-            "name": str(sums["metadata"]["name"]),
-            "nbytes": int(sums["metadata"]["nbytes"]),
-            "checksum": str(sums["metadata"]["checksum"]),
-        }
-        files = {
-            str(f): (int(e["nbytes"]), [(str(b["key"]), int(b["offset"]), int(b["length"]), str(b["checksum"])) for b in e["blobs"]])
-            for f, e in sums["files"].items()
-        }
-        exports = {str(f): (int(e["nbytes"]), int(e["crc32"])) for f, e in manifest.get("exports", {}).items()}
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CorruptCheckpointError(f"the checksums section of {where}/{MANIFEST_NAME} is malformed: {e!r}") from e
+    report.algorithm = sums.algorithm
+    metadata: dict[str, Any] = {"name": sums.metadata_name, "nbytes": sums.metadata_nbytes, "checksum": sums.metadata_checksum}
+    files = {f: (e.nbytes, [(b.key, b.offset, b.length, b.checksum) for b in e.blobs]) for f, e in sums.files.items()}
+    exports = {f: (e.nbytes, e.crc32) for f, e in manifest.exports.items()}
     for filename, pattern in [(str(metadata["name"]), METADATA_RE)] + [(f, DATA_FILE_RE) for f in files]:
         if not pattern.fullmatch(filename):
             raise CorruptCheckpointError(
@@ -136,7 +126,7 @@ def verify_checkpoint(
             metadata_bytes = _verify_metadata(store, name, metadata, update, report)
             if signing_key is not None and metadata_bytes is not None:
                 try:
-                    check_signature(manifest, metadata_bytes, signing_key, where)
+                    check_signature(manifest.raw, metadata_bytes, signing_key, where)
                 except SignatureError as e:
                     report.problems.append(str(e))
             for filename, (nbytes, crc) in sorted(exports.items()):

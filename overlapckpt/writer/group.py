@@ -35,6 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import RankDisagreementError
+from ..format.manifest import RankSection
 from ..protocol import WriterGroupSpec
 from .claims import ClaimBoard
 
@@ -76,7 +77,7 @@ class WriterGroup:
     def missing_claim(self) -> RankDisagreementError | None:
         return self.claims.missing_claim()
 
-    def gather_sections(self, section: dict[str, Any]) -> list[dict[str, Any]] | None:
+    def gather_sections(self, section: RankSection) -> list[RankSection] | None:
         """Every rank's manifest section on the coordinator (None elsewhere)."""
         out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
         dist.gather_object(section, out, dst=0, group=self.group)

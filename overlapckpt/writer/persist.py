@@ -22,7 +22,19 @@ from ..format.attempts import Attempt, new_attempt_id
 from ..format.blobsums import StoredChecksums
 from ..format.entries import TensorEntry, build_state_dict
 from ..format.extra_state import encode
-from ..format.manifest import FORMAT_VERSION, MANIFEST_NAME, CheckpointInfo, dump_manifest, parse_manifest, tensor_crc32
+from ..format.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    CheckpointInfo,
+    ChecksumsRecord,
+    ExportRecord,
+    ItemRecord,
+    Manifest,
+    RankSection,
+    dump_manifest,
+    parse_manifest,
+    tensor_crc32,
+)
 from ..format.shards import CoveringSavePlanner, LocalShard
 from ..format.signing import sign
 from ..format.storage import BeforeCommit, CheckpointStore
@@ -57,22 +69,22 @@ def persist_snapshot(
         replay_to_version(entries, tensors, req.replay, buffers[req.replay.grad_buffer_id])
     # Per local part: the CRC-32 of the host snapshot, checked against what DCP decodes at load.
     parts = {
-        e.key: {
-            "crc32": tensor_crc32(t),
-            "dtype": _dtype_name(e.dtype),
-            "shape": list(e.shape),
-            "offset": list(e.global_offset or (0,) * len(e.shape)),
-        }
+        e.key: ItemRecord(
+            dtype=_dtype_name(e.dtype),
+            shape=tuple(e.shape),
+            crc32=tensor_crc32(t),
+            offset=tuple(e.global_offset or (0,) * len(e.shape)),
+        )
         for e, t in zip(entries, tensors)
     }
-    section = {
-        "rank": 0 if group is None else group.rank,
-        "nbytes": sum(e.nbytes for e in entries),
-        "items": parts,
-        "extra_state": encode(req.extra_state, "extra_state"),
-        "ledger": req.ledger,
-        "stats": req.stats,
-    }
+    section = RankSection(
+        rank=0 if group is None else group.rank,
+        nbytes=sum(e.nbytes for e in entries),
+        items=parts,
+        extra_state=encode(req.extra_state, "extra_state"),
+        ledger=req.ledger,
+        stats=req.stats,
+    )
     if store.is_committed(req.name):
         raise CheckpointExistsError(
             f"checkpoint {store.checkpoint_url(req.name)} is already committed; overlapckpt never "
@@ -82,19 +94,24 @@ def persist_snapshot(
     sections = [section] if group is None else group.gather_sections(section)
     manifest = _manifest(req, entries, global_shapes, sections, group)
 
+    exports: dict[str, ExportRecord] = {}
+
     def write_manifest(checksums: StoredChecksums) -> None:
         # Called by DCP's finish() on the coordinator with the checksums every rank computed
         # of the blobs it stored, and of .metadata's bytes, right before .metadata appears.
-        manifest["checksums"] = checksums.to_json()
-        manifest["created_at"] = time.time()
+        where = store.checkpoint_url(req.name)
+        document = dataclasses.replace(
+            manifest, checksums=ChecksumsRecord.from_json(checksums.to_json(), where), exports=exports, created_at=time.time()
+        ).to_json()
         if signing_key is not None:
-            sign(manifest, checksums.metadata_bytes, signing_key)
-        store.write_manifest(attempt.directory, dump_manifest(manifest))
+            sign(document, checksums.metadata_bytes, signing_key)
+        store.write_manifest(attempt.directory, dump_manifest(document))
 
     state_dict = build_state_dict(entries, [_part(e, t) for e, t in zip(entries, tensors)], req.small_state)
     try:
         if req.export_formats:  # one process only (the Checkpointer refuses it distributed): whole tensors
-            manifest["exports"] = write_exports(store, attempt.directory, req.export_formats, state_dict, req.extra_state)
+            written = write_exports(store, attempt.directory, req.export_formats, state_dict, req.extra_state)
+            exports.update({name: ExportRecord(**sums) for name, sums in written.items()})
         _save(store, attempt.directory, state_dict, write_manifest, global_shapes, group, signing_key is not None)
         if group is None or group.is_coordinator:
             attempt.publish()  # the commit: every rank's shards are in place (DCP's finish ran after them)
@@ -171,8 +188,8 @@ def apply_retention(store: CheckpointStore, just_committed: str, run_id: str, ke
             manifest = parse_manifest(store.read_bytes(name, MANIFEST_NAME), store.checkpoint_url(name))
         except Exception:
             continue  # a damaged or unreadable manifest: not provably this run's, so kept
-        if manifest.get("run_id") == run_id:
-            mine.append((float(manifest.get("created_at", 0.0)), name))
+        if manifest.run_id == run_id:
+            mine.append((manifest.created_at, name))
     mine.sort()
     removed = []
     for _, name in mine[: max(0, len(mine) - keep)]:
@@ -193,11 +210,12 @@ def _manifest(
     req: p.PersistRequest,
     entries: list[TensorEntry],
     global_shapes: dict[str, tuple[int, ...]],
-    sections: list[dict[str, Any]] | None,
+    sections: list[RankSection] | None,
     group: WriterGroup | None,
-) -> dict[str, Any]:
+) -> Manifest:
+    """The manifest less its checksums (known at DCP's finish). Not the coordinator: only what CheckpointInfo needs."""
     world_size = 1 if group is None else group.world_size
-    manifest: dict[str, Any] = {
+    common: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "step": req.step,
         "requested_step": req.requested_step,
@@ -206,31 +224,24 @@ def _manifest(
         "torch_version": torch.__version__,
         "created_at": time.time(),
         "world_size": world_size,
-        "mesh_shape": [1] if group is None else list(group.spec.mesh_shape),
+        "mesh_shape": (1,) if group is None else tuple(group.spec.mesh_shape),
         "ledger": req.ledger,
         "stats": req.stats,
         "run_id": req.run_id,
         "restored_from": req.restored_from,
+        "extra_state_index": tuple(sorted(req.extra_state.keys())),
     }
-    if sections is None:  # not the coordinator: only what CheckpointInfo needs
-        manifest["nbytes"] = sum(e.nbytes for e in entries)
-        return manifest
-    manifest["nbytes"] = sum(int(s["nbytes"]) for s in sections)
+    if sections is None:
+        return Manifest(nbytes=sum(e.nbytes for e in entries), items={}, **common)
+    nbytes = sum(s.nbytes for s in sections)
     if world_size == 1:
         (only,) = sections
-        manifest["items"] = {
-            e.key: {"crc32": only["items"][e.key]["crc32"], "dtype": _dtype_name(e.dtype), "shape": list(e.shape)}
-            for e in entries
-        }
-        manifest["extra_state"] = only["extra_state"]
-        manifest["extra_state_index"] = sorted(req.extra_state.keys())
-        return manifest
+        items = {e.key: ItemRecord(dtype=_dtype_name(e.dtype), shape=tuple(e.shape), crc32=only.items[e.key].crc32) for e in entries}
+        return Manifest(nbytes=nbytes, items=items, extra_state=only.extra_state, **common)
     # The tensors of the whole checkpoint, by global shape; each rank's parts and their CRC-32s in its section.
-    dtype_of = {key: part["dtype"] for s in sections for key, part in s["items"].items()}
-    manifest["items"] = {key: {"dtype": dtype_of.get(key, ""), "shape": list(shape)} for key, shape in global_shapes.items()}
-    manifest["ranks"] = sections
-    manifest["extra_state_index"] = sorted(req.extra_state.keys())
-    return manifest
+    dtype_of = {key: part.dtype for s in sections for key, part in s.items.items()}
+    items = {key: ItemRecord(dtype=dtype_of.get(key, ""), shape=tuple(shape)) for key, shape in global_shapes.items()}
+    return Manifest(nbytes=nbytes, items=items, ranks=tuple(sections), **common)
 
 
 def _save(
@@ -256,3 +267,4 @@ def _save(
             dcp.save(state_dict, storage_writer=writer, planner=planner, no_dist=True)
     else:
         dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=group.group)
+
