@@ -28,39 +28,27 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from overlapckpt import Checkpointer, list_checkpoints, load  # noqa: E402
 
+from helpers import StatefulSampler, TinyNet  # noqa: E402
+
 STEPS = 7
 REQUEST_AT = 3
 WIDTH = 255  # odd: FSDP2 shards dim 0 unevenly (128 and 127 rows on 2 ranks)
 FEATURES = 64
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(FEATURES, WIDTH)
-        self.norm = nn.BatchNorm1d(WIDTH)  # a buffer the forward mutates
-        self.drop = nn.Dropout(0.2)  # per-rank RNG matters on resume
-        self.out = nn.Linear(WIDTH, FEATURES)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.drop(torch.relu(self.norm(self.inp(x)))))
+def Net() -> TinyNet:  # noqa: N802 - the model's name in these tests
+    """The shared TinyNet, wide and odd: FSDP2 shards dim 0 unevenly; BatchNorm and dropout as in every test."""
+    return TinyNet(width=WIDTH, features=FEATURES, outputs=FEATURES, dropout=0.2)
 
 
-class Sampler:
+class Sampler(StatefulSampler):
     """Per-rank data with its own generator: state that a resume must restore per rank."""
 
     def __init__(self, rank: int) -> None:
-        self.generator = torch.Generator().manual_seed(1000 + rank)
+        super().__init__(seed=1000 + rank, features=FEATURES, outputs=FEATURES)
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.randn(16, FEATURES, generator=self.generator)
-        return x, x * 2.0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.generator.set_state(state["generator"])
+        return self.next_batch(16)
 
 
 def build(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import copy
+import os
+import select
+import subprocess
+import time
 from typing import Any
 
 import torch
@@ -12,12 +16,12 @@ from torch import nn
 class TinyNet(nn.Module):
     """Linear layers, BatchNorm (a buffer that forward mutates) and dropout."""
 
-    def __init__(self, width: int = 16) -> None:
+    def __init__(self, width: int = 16, features: int = 8, outputs: int = 4, dropout: float = 0.1) -> None:
         super().__init__()
-        self.inp = nn.Linear(8, width)
+        self.inp = nn.Linear(features, width)
         self.norm = nn.BatchNorm1d(width)
-        self.drop = nn.Dropout(0.1)
-        self.out = nn.Linear(width, 4)
+        self.drop = nn.Dropout(dropout)
+        self.out = nn.Linear(width, outputs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.drop(torch.relu(self.norm(self.inp(x)))))
@@ -26,14 +30,15 @@ class TinyNet(nn.Module):
 class StatefulSampler:
     """A data source with its own generator and position: state a resume must restore."""
 
-    def __init__(self, seed: int = 1234) -> None:
+    def __init__(self, seed: int = 1234, features: int = 8, outputs: int = 4) -> None:
         self.generator = torch.Generator().manual_seed(seed)
         self.position = 0
+        self.features, self.outputs = features, outputs
 
     def next_batch(self, n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
         self.position += 1
-        x = torch.randn(n, 8, generator=self.generator)
-        return x, x[:, :4] * 2.0
+        x = torch.randn(n, self.features, generator=self.generator)
+        return x, x[:, : self.outputs] * 2.0
 
     def state_dict(self) -> dict[str, Any]:
         return {"generator": self.generator.get_state(), "position": self.position}
@@ -137,3 +142,44 @@ def tensors_that_differ(expected: tuple[dict, dict], model, opt) -> list[str]:
             if torch.is_tensor(v) and (k not in live_o.get(pid, {}) or not torch.equal(v, live_o[pid][k])):
                 out.append(f"optimizer.{pid}.{k}")
     return out
+
+
+def scaled_train_step(model, opt, sched, sampler, scaler) -> None:
+    """One GradScaler step (the optimizer's fused path when it has one), then the scheduler."""
+    x, y = sampler.next_batch()
+    opt.zero_grad(set_to_none=True)
+    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    scaler.step(opt)  # a fused optimizer: GradScaler hands it grad_scale and found_inf
+    scaler.update()
+    sched.step()
+
+
+def read_fifo_line(path: str, timeout_s: float) -> str:
+    """The first line written into FIFO ``path``, or TimeoutError after ``timeout_s`` (no sleeps: select)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        deadline = time.monotonic() + timeout_s
+        data = b""
+        while not data.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            readable, _, _ = select.select([fd], [], [], max(0.0, remaining))
+            if not readable:
+                raise TimeoutError(f"nothing arrived on {path} within {timeout_s} s")
+            data += os.read(fd, 64)
+        return data.decode()
+    finally:
+        os.close(fd)
+
+
+def read_child_line(child: subprocess.Popen, timeout_s: float) -> str:
+    """The child's next stdout line (a binary pipe), or AssertionError if none comes within ``timeout_s``."""
+    fd = child.stdout.fileno()
+    deadline = time.monotonic() + timeout_s
+    line = b""
+    while not line.endswith(b"\n"):
+        readable, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        assert readable, f"the child printed no whole line within {timeout_s} s (so far {line!r})"
+        byte = os.read(fd, 1)  # one byte at a time: nothing is buffered past the line
+        assert byte, f"the child closed its output (so far {line!r})"
+        line += byte
+    return line.decode()

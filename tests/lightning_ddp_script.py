@@ -16,9 +16,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 
 import pytorch_lightning as pl  # noqa: E402
-from test_lightning import TinyModule, _loader  # noqa: E402
 
 from overlapckpt.lightning import OverlapCheckpoint  # noqa: E402
+
+from lightning_support import TinyModule, tiny_loader  # noqa: E402
 
 
 def fit(out: str, max_epochs: int, callbacks: list, ckpt_path: str | None = None) -> TinyModule:
@@ -37,7 +38,7 @@ def fit(out: str, max_epochs: int, callbacks: list, ckpt_path: str | None = None
         default_root_dir=out,
         callbacks=callbacks,
     )
-    trainer.fit(model, _loader(), ckpt_path=ckpt_path)
+    trainer.fit(model, tiny_loader(), ckpt_path=ckpt_path)
     return model
 
 

@@ -132,7 +132,7 @@ def test_a_post_hook_registered_after_the_checkpointer_is_named(tmp_path):
 
 
 def test_grad_scaler_first_seen_inside_an_open_replay_window_restarts_it(tmp_path):
-    from test_multistep import _scaled_step
+    from helpers import scaled_train_step
 
     def run(ckpt_factory=None):
         model, opt, sched, sampler = make_run(fused=True)
@@ -143,7 +143,7 @@ def test_grad_scaler_first_seen_inside_an_open_replay_window_restarts_it(tmp_pat
             if it <= 4:
                 train_step(model, opt, sched, sampler)  # no GradScaler yet
             else:
-                _scaled_step(model, opt, sched, sampler, scaler)
+                scaled_train_step(model, opt, sched, sampler, scaler)
             states[it] = snapshot(model, opt)
             if ckpt is not None:
                 if it == 3:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import signal
 import subprocess
 import time
@@ -15,25 +14,9 @@ from overlapckpt import Checkpointer, CheckpointWriteError, WriterDiedError, lis
 from overlapckpt.train.transfer import CpuCopier
 
 from fakes import BLOCK_FIFO_ENV, FAIL_AT_ENV, ONLY_NAME_ENV, BlockingStore, FailingStore
-from helpers import assert_state_equal, make_run, snapshot, train_step
+from helpers import assert_state_equal, make_run, read_fifo_line, snapshot, train_step
 
 LIVENESS_BOUND_S = 10.0
-
-
-def _read_fifo(path: str, timeout_s: float) -> str:
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        deadline = time.monotonic() + timeout_s
-        data = b""
-        while not data.endswith(b"\n"):
-            remaining = deadline - time.monotonic()
-            readable, _, _ = select.select([fd], [], [], max(0.0, remaining))
-            if not readable:
-                raise TimeoutError(f"nothing arrived on {path} within {timeout_s} s")
-            data += os.read(fd, 64)
-        return data.decode()
-    finally:
-        os.close(fd)
 
 
 def test_writer_killed_while_persisting(tmp_path, monkeypatch):
@@ -56,7 +39,7 @@ def test_writer_killed_while_persisting(tmp_path, monkeypatch):
             train_step(model, opt, sched, sampler)
         ckpt.request()  # step 4: the writer hangs in its first shard write
         ckpt.step()  # the iteration boundary: the snapshot is complete and goes to the writer
-        pid = int(_read_fifo(fifo, timeout_s=120))
+        pid = int(read_fifo_line(fifo, timeout_s=120))
         assert pid == ckpt.writer_pid
         os.kill(pid, signal.SIGKILL)
         started = time.monotonic()

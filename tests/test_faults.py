@@ -7,16 +7,14 @@ import select
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
-from test_failures import _read_fifo
 
 from overlapckpt import Checkpointer, WriterDiedError, list_checkpoints, load
 from overlapckpt.train.transfer import CpuCopier
 
 from fakes import BLOCK_FIFO_ENV, BLOCK_ONCE_MARKER_ENV, ONLY_NAME_ENV, BlockingOnceStore
-from helpers import assert_state_equal, make_run, train_step, twin_states
+from helpers import assert_state_equal, make_run, read_child_line, read_fifo_line, train_step, twin_states
 
 STEPS = 9
 
@@ -58,7 +56,7 @@ def test_a_killed_writer_is_replaced_and_later_checkpoints_are_exact(tmp_path, m
                     ckpt.request()  # the dropped one asked again
                 ckpt.step()
                 if moment == "mid-persist" and it == 3:
-                    _read_fifo(str(fifo), timeout_s=120)  # the writer is inside the shard write of step 3
+                    read_fifo_line(str(fifo), timeout_s=120)  # the writer is inside the shard write of step 3
                     killed.append(_kill_writer(ckpt))
             infos = ckpt.wait(timeout_s=120)
         finally:
@@ -86,20 +84,6 @@ def test_restarts_are_bounded_then_the_death_is_raised(tmp_path):
                 train_step(model, opt, sched, sampler)
             with pytest.raises(WriterDiedError):
                 ckpt.request()
-
-
-def _readline(child: subprocess.Popen, timeout_s: float) -> str:
-    """The child's next stdout line (a binary pipe), or AssertionError if none comes within ``timeout_s``."""
-    fd = child.stdout.fileno()
-    deadline = time.monotonic() + timeout_s
-    line = b""
-    while not line.endswith(b"\n"):
-        readable, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        assert readable, f"the child printed no whole line within {timeout_s} s (so far {line!r})"
-        byte = os.read(fd, 1)  # one byte at a time: nothing is buffered past the line
-        assert byte, f"the child closed its output (so far {line!r})"
-        line += byte
-    return line.decode()
 
 
 def _wait_for_exit(pid: int, timeout_s: float) -> bool:
@@ -130,8 +114,8 @@ def test_a_killed_training_process_leaves_no_files_and_no_writer(tmp_path, momen
         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
     )
     try:
-        writer_pid = int(_readline(child, 120).split()[1])
-        assert _readline(child, 120).strip() == f"at {moment}"
+        writer_pid = int(read_child_line(child, 120).split()[1])
+        assert read_child_line(child, 120).strip() == f"at {moment}"
         os.kill(child.pid, signal.SIGKILL)
         assert child.wait(timeout=30) == -signal.SIGKILL
     finally:

@@ -9,7 +9,7 @@ import torch
 
 from overlapckpt import Checkpointer, ConfigError, UnsupportedOptimizerError, load
 
-from helpers import assert_state_equal, make_run, snapshot, train_step
+from helpers import assert_state_equal, make_run, scaled_train_step, snapshot, train_step
 
 REQUEST_AT = 3
 
@@ -200,28 +200,19 @@ def test_reading_state_of_a_frozen_parameter_does_not_restart_the_window(tmp_pat
     assert not [w for w in recwarn if "gained state" in str(w.message)]
 
 
-def _scaled_step(model, opt, sched, sampler, scaler) -> None:
-    x, y = sampler.next_batch()
-    opt.zero_grad(set_to_none=True)
-    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
-    scaler.step(opt)  # a fused optimizer: GradScaler hands it grad_scale and found_inf
-    scaler.update()
-    sched.step()
-
-
 def test_grad_scaler_with_a_fused_optimizer_falls_back_to_window_1(tmp_path):
     twin_model, twin_opt, twin_sched, twin_sampler = make_run(fused=True)
     twin_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     twin = {}
     for it in range(1, 8):
-        _scaled_step(twin_model, twin_opt, twin_sched, twin_sampler, twin_scaler)
+        scaled_train_step(twin_model, twin_opt, twin_sched, twin_sampler, twin_scaler)
         twin[it] = snapshot(twin_model, twin_opt)
     model, opt, sched, sampler = make_run(fused=True)  # seeds again: the same dropout masks as the twin
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     with pytest.warns(UserWarning, match=r"GradScaler drives this optimizer's fused step.*use window=1 instead"):
         with Checkpointer(model, opt, tmp_path, window=4, consistency="replay", stateful={"sched": sched}) as ckpt:
             for it in range(1, 8):
-                _scaled_step(model, opt, sched, sampler, scaler)
+                scaled_train_step(model, opt, sched, sampler, scaler)
                 if it == REQUEST_AT:
                     ckpt.request()
                 ckpt.step()

@@ -11,11 +11,10 @@ import time
 
 import pytest
 import torch
-from test_faults import _readline
 
 from overlapckpt import Checkpointer, list_checkpoints, load
 
-from helpers import assert_state_equal, make_run, train_step, twin_states
+from helpers import assert_state_equal, make_run, read_child_line, train_step, twin_states
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "preempt_script.py")
 
@@ -42,9 +41,9 @@ def test_sigterm_in_a_replay_window_commits_the_current_step_and_exits_with_the_
     )
     try:
         if how in ("outside", "process-group"):
-            assert _readline(child, 120).strip() == "step 1"
+            assert read_child_line(child, 120).strip() == "step 1"
             for expected in range(2, 5):
-                assert _readline(child, 120).strip() == f"step {expected}"
+                assert read_child_line(child, 120).strip() == f"step {expected}"
             # At step 4 the window opened at 3 is half copied; the loop waits for our answer.
             signalled = time.monotonic()
             for _ in range(2):  # twice: the second is ignored while saving
