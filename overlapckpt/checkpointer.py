@@ -348,7 +348,7 @@ class Checkpointer:
     @property
     def deferrals(self) -> int:
         """Requests that had to wait for a free host slot."""
-        return self._engine.requests.deferrals
+        return self._engine.deferrals
 
     @property
     def step_count(self) -> int:
@@ -357,12 +357,12 @@ class Checkpointer:
 
     @property
     def writer_pid(self) -> int:
-        return self._engine.link.writer.pid
+        return self._engine.writer_pid
 
     @property
     def writer_restarts(self) -> int:
         """Times a dead writer process was replaced by a new one."""
-        return self._engine.link.restarts.count
+        return self._engine.writer_restarts
 
     @property
     def snapshots_dropped(self) -> int:

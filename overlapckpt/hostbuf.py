@@ -21,6 +21,7 @@ import errno
 import os
 import tempfile
 import uuid
+from typing import Any
 
 import torch
 
@@ -135,3 +136,21 @@ def view_bytes(buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: tup
         numel *= d
     raw = buffer[offset : offset + numel * itemsize]
     return raw.view(dtype).reshape(shape)
+
+
+def exact_view(buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """``view_bytes``, as a tensor whose storage is exactly its own bytes of ``buffer`` (no copy).
+
+    DCP's writer clones any tensor whose storage is larger than the tensor (so that
+    ``torch.save`` does not write the whole storage), and every plain view into a host
+    slot is one: 72 ms per 96 MiB on one core. A storage made over just these bytes
+    (``torch.frombuffer`` on the slot's memory) is written in place.
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    flat: Any = buffer.numpy()  # the mapped bytes, shared with ``buffer`` (kept alive through it)
+    return torch.frombuffer(memoryview(flat)[offset : offset + numel * itemsize], dtype=dtype).view(shape)

@@ -273,6 +273,18 @@ class SnapshotEngine(SnapshotStarts, SnapshotCompletion, BlockingCalls, Snapshot
         """Committed checkpoints' figures, in commit order."""
         return self.dispatcher.stats
 
+    @property
+    def deferrals(self) -> int:
+        return self.requests.deferrals
+
+    @property
+    def writer_pid(self) -> int:
+        return self.link.writer.pid
+
+    @property
+    def writer_restarts(self) -> int:
+        return self.link.restarts.count
+
     def continue_from(self, step: int) -> None:
         """After a restore: the next update makes version ``step + 1``."""
         self.step_count = step

@@ -38,7 +38,7 @@ from ..format.manifest import (
 from ..format.shards import CoveringSavePlanner, LocalShard
 from ..format.signing import sign
 from ..format.storage import BeforeCommit, CheckpointStore
-from ..hostbuf import view_bytes
+from ..hostbuf import exact_view
 from .exports import write_exports
 from .group import WriterGroup
 
@@ -62,7 +62,8 @@ def persist_snapshot(
         # Before any work: a rank that disagrees must not leave the others in a collective.
         sequence = group.agree({"name": req.name, "version": req.step, "requested": req.requested_step})
     slot = buffers[req.buffer_id]
-    tensors = [view_bytes(slot, off, e.dtype, e.shape) for e, off in zip(entries, offsets)]
+    # Exact-storage views: DCP writes them in place instead of cloning each (hostbuf.exact_view).
+    tensors = [exact_view(slot, off, e.dtype, e.shape) for e, off in zip(entries, offsets)]
     if req.replay is not None:
         from .replay import replay_to_version
 
