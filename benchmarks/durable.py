@@ -20,13 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import tempfile
 import time
 
 import torch
+from harness import init_single_rank_group
+from measure import machine_description
 from torch import nn
 
 
@@ -84,22 +85,6 @@ def _raw_write_s(nbytes: int, path: str) -> float:
     return time.perf_counter() - started
 
 
-def _single_rank_group() -> None:
-    """DCP's PROCESS checkpointer needs a process group, even for one rank (overlapckpt sees one rank: not distributed)."""
-    import socket
-
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mib", type=int, default=768)
@@ -112,7 +97,7 @@ def main() -> None:
 
     from overlapckpt import list_checkpoints, load
 
-    _single_rank_group()
+    init_single_rank_group()  # DCP's PROCESS checkpointer needs one even for one rank; overlapckpt then sees one rank
     model, opt = _model(args.mib)
     nbytes = sum(p.numel() * 4 * 3 for p in model.parameters())
     base = tempfile.mkdtemp(dir=args.dir, prefix="durable-")
@@ -142,13 +127,13 @@ def main() -> None:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     raw = statistics.median(times["raw write"])
-    machine = {"host": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    machine = machine_description(torch.device("cpu"))
     result = {"machine": machine, "state_bytes": nbytes, "times_s": times, "loads_s": loads, "writer_peak_rss_mib": writer_rss}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "durable.json"), "w") as f:
         json.dump(result, f, indent=1)
     lines = [
-        f"# Time to durable ({machine['date']}, {machine['cpu_count']} CPUs, torch {machine['torch']}, {nbytes / 2**20:.0f} MiB of AdamW state)",
+        f"# Time to durable ({machine['date_utc']}, {machine['cpu_count']} CPUs, torch {machine['torch']}, {nbytes / 2**20:.0f} MiB of AdamW state)",
         "",
         "| method | request→durable, median (min–max) | share of raw bandwidth |",
         "|---|---|---|",

@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import tempfile
 import time
 
 import torch
+from measure import machine_description
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -173,11 +173,11 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = _lightning_rows(args.width, args.layers, args.steps, args.every) + _hf_rows(args.width, args.layers, args.steps, args.every)
     os.makedirs(args.out, exist_ok=True)
-    machine = {"host": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    machine = machine_description(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     with open(os.path.join(args.out, "frameworks.json"), "w") as f:
         json.dump({"machine": machine, "rows": rows}, f, indent=1)
     lines = [
-        f"# Stall per checkpoint in the framework's loop ({machine['date']}, {machine['cpu_count']} CPUs, torch {machine['torch']})",
+        f"# Stall per checkpoint in the framework's loop ({machine['date_utc']}, {machine['cpu_count']} CPUs, torch {machine['torch']})",
         "",
         f"State: {rows[0]['state_bytes'] / 2**20:.0f} MiB (fp32 parameters and AdamW moments); training on 1 thread; "
         f"a checkpoint every {args.every} steps; stall = sum over the {args.every} steps from a checkpoint of (step − "

@@ -47,7 +47,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_single_rank_group() -> None:
+def init_single_rank_group() -> None:
     """DCP's PROCESS checkpointer needs a process group, even for one rank."""
     import torch.distributed as dist
 
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "throughput_checkpoints": args.throughput_checkpoints,
     }
     if any(m.name.startswith("dcp_async_process") for m in methods):
-        _init_single_rank_group()
+        init_single_rank_group()
 
     if not cuda:
         # Background work (DCP's thread or process, overlapckpt's writer) needs a core; on a

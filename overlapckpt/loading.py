@@ -170,6 +170,32 @@ def _split_checkpoint_path(path: str, storage_options: dict[str, Any] | None) ->
     return CheckpointStore(path, storage_options), None
 
 
+def checkpoint_at(path: str, step: int | None, storage_options: dict[str, Any] | None) -> tuple[CheckpointStore, str]:
+    """(the root's store, the checkpoint's name): ``path`` is one checkpoint directory, or the root (``step``, else the newest)."""
+    store, name = _split_checkpoint_path(path, storage_options)
+    if name is None:
+        return store, resolve_checkpoint(store, step)
+    if step is not None and step_of_name(name) != step:
+        raise ConfigError(f"path {path!r} is the checkpoint of step {step_of_name(name)}, but step={step}; pass one or the other")
+    return store, name
+
+
+def check_signed(store: CheckpointStore, name: str, manifest: Manifest, signing_key: str | bytes | None) -> None:
+    """With a key (``signing_key`` or the environment), refuse unsigned and forged checkpoints, whatever verify says."""
+    key = resolve_key(signing_key)
+    if key is None:
+        return
+    with translate_read_errors(store.checkpoint_url(name)):
+        metadata_bytes = store.read_bytes(name, METADATA_NAME)
+    check_signature(manifest.raw, metadata_bytes, key, store.checkpoint_url(name))
+
+
+def holds_checkpoints(path: str, storage_options: dict[str, Any] | None) -> bool:
+    """Whether ``path`` is a committed checkpoint directory, or a root with at least one committed checkpoint."""
+    store, name = _split_checkpoint_path(path, storage_options)
+    return name is not None or bool(store.committed_names())
+
+
 def _world(process_group: Any) -> tuple[Any, int, int]:
     """(the group to load with, or None in one process; this rank; the world size)."""
     import torch.distributed as dist
@@ -268,17 +294,9 @@ def load(
     failure: BaseException | None = None
     name: str | None = None
     try:
-        store, name = _split_checkpoint_path(path, storage_options)
-        if name is None:
-            name = resolve_checkpoint(store, step)
-        elif step is not None and step_of_name(name) != step:
-            raise ConfigError(f"path {path!r} is the checkpoint of step {step_of_name(name)}, but step={step}; pass one or the other")
+        store, name = checkpoint_at(path, step, storage_options)
         manifest = _checked_manifest(store, name, (rank, world), per_rank_state, verify, target)
-        key = resolve_key(signing_key)
-        if key is not None:  # with a key, unsigned and forged checkpoints are refused, whatever verify says
-            with translate_read_errors(store.checkpoint_url(name)):
-                metadata_bytes = store.read_bytes(name, METADATA_NAME)
-            check_signature(manifest.raw, metadata_bytes, key, store.checkpoint_url(name))
+        check_signed(store, name, manifest, signing_key)
     except OverlapCkptError as e:  # raised on every rank below, before any rank reads
         failure = e
     _agree_before_reading(group, failure, name)

@@ -9,6 +9,7 @@ import torch
 from .errors import ConfigError, UnsupportedOptimizerError
 from .format.extra_state import encode
 from .format.storage import CheckpointStore
+from .protocol import EXPORT_FORMATS
 from .train.autowindow import AUTO_WINDOW
 from .train.gradlog import REPLAYABLE_OPTIMIZERS
 
@@ -93,9 +94,6 @@ def check_options(
     for name, value in (("collective_timeout_s", collective_timeout_s), ("agreement_timeout_s", agreement_timeout_s)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ConfigError(f"{name}={value!r} is invalid; pass a number of seconds > 0")
-
-
-EXPORT_FORMATS = ("hf_trainer",)
 
 
 def check_export_formats(formats: Any, path: Any, process_group: Any) -> None:

@@ -83,6 +83,9 @@ class SetPlanRequest:
     global_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
+EXPORT_FORMATS = ("hf_trainer",)  # framework files the writer can write next to DCP's (writer/exports.py)
+
+
 @dataclass
 class PersistRequest:
     request_id: int

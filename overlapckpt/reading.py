@@ -18,10 +18,9 @@ import torch
 
 from .errors import CheckpointNotFoundError, ConfigError
 from .format.entries import optimizer_state_by_index
-from .format.manifest import METADATA_NAME, CheckpointInfo, step_of_name
-from .format.signing import check_signature, resolve_key
+from .format.manifest import CheckpointInfo
 from .format.storage import CheckpointStore, translate_read_errors
-from .loading import _check_tensor_crcs, _checked_manifest, _per_rank_extra_state, _split_checkpoint_path, read_into, resolve_checkpoint
+from .loading import _check_tensor_crcs, _checked_manifest, _per_rank_extra_state, check_signed, checkpoint_at, read_into
 
 __all__ = ["CheckpointContents", "optimizer_state_by_index", "read_checkpoint"]
 
@@ -53,19 +52,11 @@ def read_checkpoint(
     ``rank`` picks whose stateful objects and RNG states to return from a checkpoint that
     a distributed run wrote (the tensors are the whole, global ones).
     """
-    store, name = _split_checkpoint_path(path, storage_options)
-    if name is None:
-        name = resolve_checkpoint(store, step)
-    elif step is not None and step_of_name(name) != step:
-        raise ConfigError(f"path {path!r} is the checkpoint of step {step_of_name(name)}, but step={step}; pass one or the other")
+    store, name = checkpoint_at(path, step, storage_options)
     where = store.checkpoint_url(name)
     host = _template(store, name)
     manifest = _checked_manifest(store, name, (0, 1), "skip", verify, host)
-    key = resolve_key(signing_key)
-    if key is not None:
-        with translate_read_errors(where):
-            metadata_bytes = store.read_bytes(name, METADATA_NAME)
-        check_signature(manifest.raw, metadata_bytes, key, where)
+    check_signed(store, name, manifest, signing_key)
     read_into(store, name, host)
     if verify:
         _check_tensor_crcs(manifest, host, where)

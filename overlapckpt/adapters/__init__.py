@@ -64,3 +64,8 @@ def finish(ckpt: Any, save_on_train_end: bool) -> None:
         ckpt.request()
         ckpt.step()
     ckpt.close()
+
+
+def metric_figures(figures: dict[str, Any]) -> dict[str, float]:
+    """One commit's figures as a framework's loggers take them: numbers only, under ``overlapckpt/``."""
+    return {f"overlapckpt/{k}": float(v) for k, v in figures.items() if isinstance(v, (int, float))}

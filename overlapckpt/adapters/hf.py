@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from . import AdapterSettings, finish, require
+from . import AdapterSettings, finish, metric_figures, require
 
 _transformers = require("hf")
 TrainerCallback = _transformers.TrainerCallback
@@ -163,7 +163,7 @@ class OverlapCallback(TrainerCallback):  # type: ignore[misc, valid-type]
 
     def _on_commit(self, figures: dict[str, Any]) -> None:
         # The latest commit's figures, for the next on_log (one value per name and step).
-        self._figures = {f"overlapckpt/{k}": float(v) for k, v in figures.items() if isinstance(v, (int, float))}
+        self._figures = metric_figures(figures)
 
 
 def _calling_callback_list(callback: Any) -> list[Any] | None:

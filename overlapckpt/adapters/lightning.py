@@ -29,7 +29,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..loading import restore_rng
 from ..reading import CheckpointContents, optimizer_state_by_index, read_checkpoint
-from . import AdapterSettings, finish, require
+from . import AdapterSettings, finish, metric_figures, require
 
 _pl = require("lightning")
 Checkpoint = _pl.callbacks.Checkpoint
@@ -203,19 +203,14 @@ class OverlapCheckpoint(Checkpoint):  # type: ignore[misc, valid-type]
 
     def holds(self, path: Any) -> bool:
         """Whether ``path`` is one of our checkpoints, or a root holding them, rather than a Lightning .ckpt file."""
-        from ..format.manifest import step_of_name
-        from ..format.storage import CheckpointStore
+        from ..loading import holds_checkpoints
 
         text = str(path).rstrip("/")
         if text.endswith(".ckpt"):
             return False
-        options = self.settings.options.get("storage_options")
         try:
-            name = text.rsplit("/", 1)[-1]
-            if step_of_name(name) is not None:
-                return CheckpointStore(text.rsplit("/", 1)[0] or "/", options).is_committed(name)
-            return bool(CheckpointStore(text, options).committed_names())
-        except (OSError, ConfigError):
+            return holds_checkpoints(text, self.settings.options.get("storage_options"))
+        except (OSError, ConfigError):  # CheckpointReadError is an OSError
             return False
 
     def _read_for_resume(self, path: str) -> dict[str, Any]:
@@ -253,6 +248,6 @@ class OverlapCheckpoint(Checkpoint):  # type: ignore[misc, valid-type]
     def _log_figures(self, trainer: Any) -> None:
         figures, self._figures = self._figures, []
         for fig in figures:
-            metrics = {f"overlapckpt/{k}": float(v) for k, v in fig.items() if isinstance(v, (int, float))}
+            metrics = metric_figures(fig)
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)

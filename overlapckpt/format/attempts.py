@@ -46,6 +46,14 @@ _ATTEMPT_RE = re.compile(r"(step-[0-9]{9,}(?:-[0-9a-f]{8})?)\.attempt-([0-9a-f]{
 log = logging.getLogger("overlapckpt.attempts")
 
 
+def already_committed(store: CheckpointStore, name: str) -> CheckpointExistsError:
+    """The one refusal to write over a committed checkpoint."""
+    return CheckpointExistsError(
+        f"checkpoint {store.checkpoint_url(name)} is already committed; overlapckpt never "
+        "overwrites a committed checkpoint: use a new path, or delete it first"
+    )
+
+
 def new_attempt_id(run_id: str) -> str:
     """An attempt's id: this run's first 8 hex digits, then 8 random ones."""
     return f"{run_id[:8]}-{secrets.token_hex(4)}"
@@ -131,10 +139,7 @@ class Attempt:
     # ---- helpers ------------------------------------------------------------------
 
     def _exists(self) -> CheckpointExistsError:
-        return CheckpointExistsError(
-            f"checkpoint {self.store.checkpoint_url(self.name)} is already committed; overlapckpt never "
-            "overwrites a committed checkpoint: use a new path, or delete it first"
-        )
+        return already_committed(self.store, self.name)
 
     def _claim_record(self) -> bytes:
         return json.dumps(

@@ -24,6 +24,7 @@ import io
 import json
 import struct
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -31,8 +32,8 @@ import torch
 from ..errors import ConfigError
 from ..format.entries import optimizer_state_by_index
 from ..format.storage import CheckpointStore
+from ..protocol import EXPORT_FORMATS
 
-EXPORT_FORMATS = ("hf_trainer",)
 HF_STATE_NAME = "hf"  # the stateful object the Hugging Face adapter captures at each boundary
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -54,17 +55,16 @@ def write_exports(
     return written
 
 
-def _hf_trainer_files(state_dict: dict[str, Any], extra_state: dict[str, Any]) -> list[tuple[str, bytes]]:
+def _hf_trainer_files(state_dict: dict[str, Any], extra_state: dict[str, Any]) -> Iterator[tuple[str, bytes]]:
+    """Each file's bytes, built only when it is written: one file in memory at a time."""
     hf = extra_state.get("stateful", {}).get(HF_STATE_NAME)
     if hf is None:
         raise ConfigError("export 'hf_trainer' needs the Hugging Face adapter's state; use overlapckpt.hf.OverlapCallback")
-    return [
-        ("model.safetensors", safetensors_bytes(state_dict["model"])),
-        ("optimizer.pt", _torch_save(optimizer_state_by_index(_owned(state_dict["optimizer"])))),
-        ("scheduler.pt", _torch_save(hf["lr_scheduler"])),
-        ("rng_state.pth", _torch_save(_rng_file(hf["rng"]))),
-        ("trainer_state.json", (json.dumps(hf["trainer_state"], indent=2, sort_keys=True) + "\n").encode("utf-8")),
-    ]
+    yield "model.safetensors", safetensors_bytes(state_dict["model"])
+    yield "optimizer.pt", _torch_save(optimizer_state_by_index(_owned(state_dict["optimizer"])))
+    yield "scheduler.pt", _torch_save(hf["lr_scheduler"])
+    yield "rng_state.pth", _torch_save(_rng_file(hf["rng"]))
+    yield "trainer_state.json", (json.dumps(hf["trainer_state"], indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
 def safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:

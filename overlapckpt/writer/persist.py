@@ -18,7 +18,7 @@ import torch
 
 from .. import protocol as p
 from ..errors import CheckpointExistsError
-from ..format.attempts import Attempt, new_attempt_id
+from ..format.attempts import Attempt, already_committed, new_attempt_id
 from ..format.blobsums import StoredChecksums
 from ..format.entries import TensorEntry, build_state_dict
 from ..format.extra_state import encode
@@ -87,10 +87,7 @@ def persist_snapshot(
         stats=req.stats,
     )
     if store.is_committed(req.name):
-        raise CheckpointExistsError(
-            f"checkpoint {store.checkpoint_url(req.name)} is already committed; overlapckpt never "
-            "overwrites a committed checkpoint: use a new path, or delete it first"
-        )
+        raise already_committed(store, req.name)
     attempt = _begin_attempt(store, group, req)
     sections = [section] if group is None else group.gather_sections(section)
     manifest = _manifest(req, entries, global_shapes, sections, group)
