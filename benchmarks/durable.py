@@ -1,18 +1,29 @@
 """Time to durable, writer memory and load time: overlapckpt against dcp.async_save PROCESS and stock dcp.load.
 
-    python benchmarks/durable.py [--mib 768] [--repeats 3] [--dir DIR] [--out benchmarks/results/durable]
+    python benchmarks/durable.py [--mib 768] [--repeats 3] [--disk DIR] [--tmpfs DIR]
+                                 [--scale-mib 205,512,1024,2048] [--writer-threads 1,2]
+                                 [--out benchmarks/results/durable]
 
-One process holds AdamW state of about ``--mib`` MiB (8 linear layers, parameters
-and both moments). Alternated per repeat, on the same directory with fsync on:
+One process holds AdamW state of about ``--mib`` MiB (8 linear layers, parameters and
+both moments); between two checkpoints an optimizer step changes all of it. On each
+storage (a directory on the local disk, and one on tmpfs), with fsync on:
 
-- overlapckpt, window 1: ``request()`` to the commit (``wait``);
-- ``dcp.async_save(..., async_checkpointer_type=PROCESS)``: the call to its future's result;
+- overlapckpt, window 1: ``request()`` to the commit, from one ``Checkpointer`` kept
+  open, as in a job (its writer process and host slot exist already);
+- ``dcp.async_save(..., async_checkpointer_type=PROCESS)``: the call to its future's
+  result, DCP's checkpoint process kept between saves as DCP keeps it;
 - the raw figure: one file of the same bytes written and fsynced.
 
-Then loads of the same checkpoint with a warm page cache: ``load(verify=True)``,
-``load(verify=False)`` and stock ``dcp.load``. It reports the writer's peak RSS
-(``VmHWM`` of the writer process) and the share of the raw write's bandwidth.
-Writes ``durable.json`` and ``durable.md`` under ``--out``.
+The three alternate per repeat. The first checkpoint of each method is reported apart
+("cold": it starts the helper process and allocates its memory). Reported: the median
+of the later ones, the share of the raw write's bandwidth, the writer's and DCP's
+process peak RSS (``VmHWM``), and the training process's RSS added by the Checkpointer.
+
+Then, on disk: loads of the same checkpoint with a warm page cache, alternated:
+``load(verify=True)``, ``load(verify=False)`` and stock ``dcp.load`` into the same
+kind of objects; and the scale run: time to durable and writer RSS from
+``--scale-mib``'s smallest to largest state, plotted in ``scale.svg``.
+Writes ``durable.json``, ``durable.md`` and ``scale.svg`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -24,59 +35,100 @@ import shutil
 import statistics
 import tempfile
 import time
+from typing import Any
 
 import torch
 from harness import init_single_rank_group
 from measure import machine_description
 from torch import nn
 
+MIB = 2**20
+
 
 def _model(mib: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    width = int((mib * 2**20 / 4 / 3 / 8) ** 0.5)  # 8 square layers, fp32, parameter + 2 AdamW moments
+    width = int((mib * MIB / 4 / 3 / 8) ** 0.5)  # 8 square layers, fp32, parameter + 2 AdamW moments
     model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(8)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model(torch.randn(2, width)).sum().backward()
-    opt.step()  # the moments exist
+    opt.step()  # the moments exist; the gradients stay, so each later step changes every byte
     return model, opt
 
 
-def _vm_hwm_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
+def _state_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() * 3 for p in model.parameters())
+
+
+def _status_mib(pid: int | str, field: str) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return float("nan")
 
 
-def _overlapckpt_s(model, opt, root: str) -> tuple[float, float]:
-    from overlapckpt import Checkpointer
+class _Overlapckpt:
+    """One Checkpointer for the whole run, as a training job keeps it."""
 
-    with Checkpointer(model, opt, root, lease=False) as ckpt:
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, root: str, writer_threads: int | None) -> None:
+        from overlapckpt import Checkpointer
+
+        self.opt = opt
+        rss_before = _status_mib("self", "VmRSS")
+        self.ckpt = Checkpointer(model, opt, root, lease=False, keep=2, writer_threads=writer_threads)
+        self.cold_s = self.save_s()
+        self.trainer_extra_rss_mib = _status_mib("self", "VmRSS") - rss_before  # the host slot, mostly
+
+    def save_s(self) -> float:
+        self.opt.step()
+        self.ckpt.step()  # the boundary of that step
         started = time.perf_counter()
-        ckpt.request()
-        ckpt.step()
-        ckpt.wait(timeout_s=600)
-        seconds = time.perf_counter() - started
-        rss = _vm_hwm_mib(ckpt.writer_pid)
-    return seconds, rss
+        self.ckpt.request()
+        self.ckpt.step()
+        self.ckpt.wait(timeout_s=900)
+        return time.perf_counter() - started
+
+    def close(self) -> float:
+        peak = _status_mib(self.ckpt.writer_pid, "VmHWM")
+        self.ckpt.close()
+        return peak
 
 
-def _async_save_s(model, opt, path: str) -> float:
+def _async_checkpointer_type() -> Any:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     kind = getattr(dcp, "AsyncCheckpointerType", None)
     if kind is None:
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType as kind  # type: ignore[no-redef]
+    return kind
+
+
+def _dcp_save_s(model: nn.Module, opt: torch.optim.Optimizer, path: str) -> float:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    opt.step()
     msd, osd = get_state_dict(model, opt)
     started = time.perf_counter()
-    future = dcp.async_save({"model": msd, "optimizer": osd}, checkpoint_id=path, async_checkpointer_type=kind.PROCESS)
+    future = dcp.async_save({"model": msd, "optimizer": osd}, checkpoint_id=path, async_checkpointer_type=_async_checkpointer_type().PROCESS)
     future.result()
     return time.perf_counter() - started
 
 
+def _dcp_daemon_pid() -> int | None:
+    """DCP's checkpoint process (torch keeps one per training process), where this torch names it."""
+    try:
+        from torch.distributed.checkpoint import _async_process_executor as executor
+    except ImportError:
+        return None
+    process = getattr(getattr(executor, "_CHECKPOINT_PROCESS", None), "_save_process", None)
+    return getattr(process, "pid", None)
+
+
 def _raw_write_s(nbytes: int, path: str) -> float:
-    data = torch.empty(nbytes, dtype=torch.uint8).numpy()
+    data = torch.ones(nbytes, dtype=torch.uint8).numpy()  # touched: the source is in memory, as the state is
     started = time.perf_counter()
     with open(path, "wb") as f:
         f.write(memoryview(data))
@@ -85,68 +137,224 @@ def _raw_write_s(nbytes: int, path: str) -> float:
     return time.perf_counter() - started
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--mib", type=int, default=768)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary directory)")
-    parser.add_argument("--out", default="benchmarks/results/durable")
-    args = parser.parse_args()
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _storage_run(model: nn.Module, opt: torch.optim.Optimizer, base: str, repeats: int, writer_threads: int | None) -> dict[str, Any]:
+    """Cold and steady times to durable of the three methods on one storage, alternated."""
+    nbytes = _state_bytes(model)
+    shutil.rmtree(base, ignore_errors=True)
+    os.makedirs(base)
+    ours = _Overlapckpt(model, opt, os.path.join(base, "ours"), writer_threads)
+    steady: dict[str, list[float]] = {"overlapckpt window=1": [], "dcp.async_save PROCESS": [], "raw write": []}
+    dcp_cold = None
+    dcp_was_running = _dcp_daemon_pid() is not None  # DCP keeps its process: only the run's first save starts it
+    try:
+        for i in range(repeats + 1):
+            dcp_s = _dcp_save_s(model, opt, os.path.join(base, f"dcp-{i}"))
+            shutil.rmtree(os.path.join(base, f"dcp-{i - 1}"), ignore_errors=True)  # keep one, as ours keeps two
+            raw_s = _raw_write_s(nbytes, os.path.join(base, "raw"))
+            if i == 0:
+                dcp_cold = None if dcp_was_running else dcp_s
+                continue
+            steady["overlapckpt window=1"].append(ours.save_s())
+            steady["dcp.async_save PROCESS"].append(dcp_s)
+            steady["raw write"].append(raw_s)
+    finally:
+        writer_peak = ours.close()
+    return {
+        "state_bytes": nbytes,
+        "writer_threads": writer_threads,
+        "steady_s": steady,
+        "cold_s": {"overlapckpt window=1": ours.cold_s, "dcp.async_save PROCESS": dcp_cold},
+        "writer_peak_rss_mib": writer_peak,
+        "trainer_extra_rss_mib": ours.trainer_extra_rss_mib,
+        "dcp_daemon_peak_rss_mib": _status_mib(_dcp_daemon_pid() or "none", "VmHWM"),
+    }
+
+
+def _load_run(root: str, mib: int, repeats: int) -> dict[str, list[float]]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from overlapckpt import list_checkpoints, load
 
+    path = list_checkpoints(root)[-1].path
+    loads: dict[str, list[float]] = {"load(verify=True)": [], "load(verify=False)": [], "stock dcp.load": []}
+    fresh, fresh_opt = _model(mib)
+    load(path, fresh, fresh_opt)  # warms the page cache
+    for _ in range(repeats):
+        for verify in (True, False):
+            started = time.perf_counter()
+            load(path, fresh, fresh_opt, verify=verify)
+            loads[f"load(verify={verify})"].append(time.perf_counter() - started)
+        started = time.perf_counter()
+        msd, osd = get_state_dict(fresh, fresh_opt)
+        dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=path)
+        set_state_dict(fresh, fresh_opt, model_state_dict=msd, optim_state_dict=osd)
+        loads["stock dcp.load"].append(time.perf_counter() - started)
+    return loads
+
+
+def _svg_plot(title: str, ylabel: str, series: dict[str, list[tuple[float, float]]]) -> str:
+    """A line chart of ``series`` (name -> [(GiB of state, value)]), as standalone SVG."""
+    width, height, left, bottom, top, right = 560, 320, 60, 40, 30, 170
+    xs = [x for points in series.values() for x, _ in points]
+    ys = [y for points in series.values() for _, y in points]
+    x_max, y_max = max(xs) * 1.05, max(ys) * 1.1
+    plot_w, plot_h = width - left - right, height - top - bottom
+
+    def at(x: float, y: float) -> tuple[float, float]:
+        return left + x / x_max * plot_w, top + plot_h - y / y_max * plot_h
+
+    colours = ["#d62728", "#1f77b4", "#7f7f7f", "#2ca02c"]
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="11">',
+        f'<text x="{left}" y="18" font-size="13">{title}</text>',
+        f'<line x1="{left}" y1="{top + plot_h}" x2="{left + plot_w}" y2="{top + plot_h}" stroke="black"/>',
+        f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}" stroke="black"/>',
+        f'<text x="{left + plot_w / 2}" y="{height - 6}" text-anchor="middle">state (GiB)</text>',
+        f'<text x="14" y="{top + plot_h / 2}" transform="rotate(-90 14 {top + plot_h / 2})" text-anchor="middle">{ylabel}</text>',
+    ]
+    for i in range(5):
+        x, y = x_max * i / 4, y_max * i / 4
+        px, _ = at(x, 0)
+        _, py = at(0, y)
+        parts.append(f'<text x="{px}" y="{top + plot_h + 14}" text-anchor="middle">{x:.2f}</text>')
+        parts.append(f'<text x="{left - 4}" y="{py + 4}" text-anchor="end">{y:.1f}</text>')
+    for n, (name, points) in enumerate(series.items()):
+        colour = colours[n % len(colours)]
+        path = " ".join(f"{'M' if i == 0 else 'L'}{at(x, y)[0]:.1f},{at(x, y)[1]:.1f}" for i, (x, y) in enumerate(sorted(points)))
+        parts.append(f'<path d="{path}" fill="none" stroke="{colour}" stroke-width="2"/>')
+        for x, y in points:
+            cx, cy = at(x, y)
+            parts.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="3" fill="{colour}"/>')
+        parts.append(f'<text x="{left + plot_w + 10}" y="{top + 14 + 16 * n}" fill="{colour}">{name}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def _report(result: dict[str, Any]) -> str:
+    machine, lines = result["machine"], []
+    lines.append(
+        f"# Time to durable ({machine['date_utc']}, {machine['cpu_count']} CPUs, torch {machine['torch']}, "
+        f"{result['mib']} MiB of AdamW state, commit {machine.get('git_commit')})"
+    )
+    for storage, run in result["storages"].items():
+        raw = _median(run["steady_s"]["raw write"])
+        lines += ["", f"## {storage} ({run['dir']}), writer threads {run['writer_threads'] or 'default'}", ""]
+        lines += ["| method | request→durable, median (min–max) | share of raw bandwidth | first checkpoint (cold) |", "|---|---|---|---|"]
+        for name, ts in run["steady_s"].items():
+            cold = run["cold_s"].get(name)
+            cold_text = "–" if cold is None else f"{cold:.2f} s"
+            lines.append(f"| {name} | {_median(ts):.2f} s ({min(ts):.2f}–{max(ts):.2f}) | {raw / _median(ts):.0%} | {cold_text} |")
+        ratio = _median(run["steady_s"]["overlapckpt window=1"]) / _median(run["steady_s"]["dcp.async_save PROCESS"])
+        state_mib = run["state_bytes"] / MIB
+        lines += [
+            "",
+            f"overlapckpt / dcp.async_save: {ratio:.2f}×. Peak RSS: overlapckpt's writer {run['writer_peak_rss_mib']:.0f} MiB "
+            f"({run['writer_peak_rss_mib'] / state_mib:.2f}× the state; the goal 1.2× + 512 MiB is "
+            f"{1.2 * state_mib + 512:.0f} MiB), DCP's checkpoint process {run['dcp_daemon_peak_rss_mib']:.0f} MiB; "
+            f"the training process gained {run['trainer_extra_rss_mib']:.0f} MiB with the Checkpointer (its host slot).",
+        ]
+    for threads, figures in result.get("writer_threads_sweep", {}).items():
+        lines.append(f"\nwriter_threads={threads}: " + ", ".join(f"{k} {v:.2f} s" for k, v in figures.items()))
+    loads = result["loads_s"]
+    lines += ["", "## Loads (page cache warm, local disk)", "", "| load | median (min–max) | × stock dcp.load |", "|---|---|---|"]
+    stock = _median(loads["stock dcp.load"])
+    for name, ts in loads.items():
+        lines.append(f"| {name} | {_median(ts):.2f} s ({min(ts):.2f}–{max(ts):.2f}) | {_median(ts) / stock:.2f}× |")
+    lines.append(
+        f"\nThe cost of verification: {_median(loads['load(verify=True)']) - _median(loads['load(verify=False)']):+.2f} s "
+        "(verify=True minus verify=False)."
+    )
+    lines += ["", "## Scale (local disk, steady state)", "", "| state | overlapckpt | dcp.async_save PROCESS | raw write | writer peak RSS |", "|---|---|---|---|---|"]
+    for row in result["scale"]:
+        lines.append(
+            f"| {row['state_bytes'] / 2**30:.2f} GiB | {row['overlapckpt_s']:.2f} s | {row['dcp_s']:.2f} s | {row['raw_s']:.2f} s | "
+            f"{row['writer_peak_rss_mib']:.0f} MiB ({row['writer_peak_rss_mib'] * MIB / row['state_bytes']:.2f}×) |"
+        )
+    lines.append("\n![time to durable and writer RSS by state size](scale.svg)")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mib", type=int, default=768)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--disk", default=None, help="a directory on the local disk (default: the system's temporary directory)")
+    parser.add_argument("--tmpfs", default="/dev/shm", help="a directory on tmpfs ('' skips it)")
+    parser.add_argument("--scale-mib", default="205,512,1024,2048", help="state sizes of the scale run ('' skips it)")
+    parser.add_argument("--writer-threads", default="", help="also time overlapckpt on disk at each of these writer_threads")
+    parser.add_argument("--out", default="benchmarks/results/durable")
+    args = parser.parse_args()
+
     init_single_rank_group()  # DCP's PROCESS checkpointer needs one even for one rank; overlapckpt then sees one rank
     model, opt = _model(args.mib)
-    nbytes = sum(p.numel() * 4 * 3 for p in model.parameters())
-    base = tempfile.mkdtemp(dir=args.dir, prefix="durable-")
-    times: dict[str, list[float]] = {"overlapckpt window=1": [], "dcp.async_save PROCESS": [], "raw write": []}
-    writer_rss: list[float] = []
+    disk = tempfile.mkdtemp(dir=args.disk, prefix="durable-")
+    storages = {"local disk": disk}
+    if args.tmpfs:
+        storages["tmpfs"] = tempfile.mkdtemp(dir=args.tmpfs, prefix="durable-")
+    result: dict[str, Any] = {"machine": machine_description(torch.device("cpu")), "mib": args.mib, "storages": {}}
     try:
-        for i in range(args.repeats):
-            seconds, rss = _overlapckpt_s(model, opt, os.path.join(base, f"ours-{i}"))
-            times["overlapckpt window=1"].append(seconds)
-            writer_rss.append(rss)
-            times["dcp.async_save PROCESS"].append(_async_save_s(model, opt, os.path.join(base, f"dcp-{i}")))
-            times["raw write"].append(_raw_write_s(nbytes, os.path.join(base, f"raw-{i}")))
-        ours = list_checkpoints(os.path.join(base, "ours-0"))[-1].path
-        loads: dict[str, list[float]] = {"load(verify=True)": [], "load(verify=False)": [], "stock dcp.load": []}
-        for _ in range(args.repeats):
-            for verify in (True, False):
-                fresh, fresh_opt = _model(args.mib)
-                started = time.perf_counter()
-                load(ours, fresh, fresh_opt, verify=verify)
-                loads[f"load(verify={verify})"].append(time.perf_counter() - started)
-            fresh, fresh_opt = _model(args.mib)
-            started = time.perf_counter()
-            msd, osd = get_state_dict(fresh, fresh_opt)
-            dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=ours)
-            set_state_dict(fresh, fresh_opt, model_state_dict=msd, optim_state_dict=osd)
-            loads["stock dcp.load"].append(time.perf_counter() - started)
+        for storage, base in storages.items():
+            run = _storage_run(model, opt, os.path.join(base, "run"), args.repeats, None)
+            result["storages"][storage] = {"dir": base, **run}
+        result["loads_s"] = _load_run(os.path.join(disk, "run", "ours"), args.mib, args.repeats)
+        if args.writer_threads:
+            result["writer_threads_sweep"] = {}
+            for threads in _ints(args.writer_threads):
+                for storage, base in storages.items():
+                    run = _storage_run(model, opt, os.path.join(base, "run"), args.repeats, threads)
+                    result["writer_threads_sweep"][f"{threads} ({storage})"] = {
+                        name: _median(ts) for name, ts in run["steady_s"].items()
+                    }
+        del model, opt
+        result["scale"] = []
+        for mib in _ints(args.scale_mib):
+            model, opt = _model(mib)
+            run = _storage_run(model, opt, os.path.join(disk, "run"), 2, None)
+            result["scale"].append(
+                {
+                    "state_bytes": run["state_bytes"],
+                    "overlapckpt_s": _median(run["steady_s"]["overlapckpt window=1"]),
+                    "dcp_s": _median(run["steady_s"]["dcp.async_save PROCESS"]),
+                    "raw_s": _median(run["steady_s"]["raw write"]),
+                    "writer_peak_rss_mib": run["writer_peak_rss_mib"],
+                }
+            )
+            del model, opt
     finally:
-        shutil.rmtree(base, ignore_errors=True)
-    raw = statistics.median(times["raw write"])
-    machine = machine_description(torch.device("cpu"))
-    result = {"machine": machine, "state_bytes": nbytes, "times_s": times, "loads_s": loads, "writer_peak_rss_mib": writer_rss}
+        for base in storages.values():
+            shutil.rmtree(base, ignore_errors=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "durable.json"), "w") as f:
         json.dump(result, f, indent=1)
-    lines = [
-        f"# Time to durable ({machine['date_utc']}, {machine['cpu_count']} CPUs, torch {machine['torch']}, {nbytes / 2**20:.0f} MiB of AdamW state)",
-        "",
-        "| method | request→durable, median (min–max) | share of raw bandwidth |",
-        "|---|---|---|",
-    ]
-    for name, ts in times.items():
-        lines.append(f"| {name} | {statistics.median(ts):.2f} s ({min(ts):.2f}–{max(ts):.2f}) | {raw / statistics.median(ts):.0%} |")
-    lines += ["", f"overlapckpt writer peak RSS: {statistics.median(writer_rss):.0f} MiB ({statistics.median(writer_rss) * 2**20 / nbytes:.2f}× the state)", ""]
-    lines += ["| load (page cache warm) | median (min–max) |", "|---|---|"]
-    for name, ts in loads.items():
-        lines.append(f"| {name} | {statistics.median(ts):.2f} s ({min(ts):.2f}–{max(ts):.2f}) |")
+    report = _report(result)
     with open(os.path.join(args.out, "durable.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))  # noqa: T201 - a benchmark's report
+        f.write(report)
+    if result["scale"]:
+        gib = [row["state_bytes"] / 2**30 for row in result["scale"]]
+        times = _svg_plot(
+            "Time to durable (local disk, steady state)",
+            "seconds",
+            {
+                "overlapckpt W=1": list(zip(gib, [r["overlapckpt_s"] for r in result["scale"]])),
+                "dcp.async_save PROCESS": list(zip(gib, [r["dcp_s"] for r in result["scale"]])),
+                "raw write": list(zip(gib, [r["raw_s"] for r in result["scale"]])),
+            },
+        )
+        rss = _svg_plot("Writer peak RSS", "GiB", {"overlapckpt writer": list(zip(gib, [r["writer_peak_rss_mib"] / 1024 for r in result["scale"]])), "state": list(zip(gib, gib))})
+        with open(os.path.join(args.out, "scale.svg"), "w") as f:
+            f.write(times)
+        with open(os.path.join(args.out, "scale-rss.svg"), "w") as f:
+            f.write(rss)
+    print(report)  # noqa: T201 - a benchmark's report
 
 
 if __name__ == "__main__":

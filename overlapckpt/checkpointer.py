@@ -129,6 +129,7 @@ class Checkpointer:
         lease: bool = True,
         signing_key: str | bytes | None = None,
         export_formats: tuple[str, ...] = (),
+        writer_threads: int | None = None,
     ) -> None:
         check_options(
             window=window,
@@ -142,6 +143,7 @@ class Checkpointer:
             store_class=store_class,
             collective_timeout_s=collective_timeout_s,
             agreement_timeout_s=agreement_timeout_s,
+            writer_threads=writer_threads,
         )
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model is a {type(model).__name__}; pass a torch.nn.Module")
@@ -192,6 +194,7 @@ class Checkpointer:
                 (store_class.__module__, store_class.__qualname__),
                 group=None if self._distributed is None else self._distributed.writer_spec,
                 signing_key=self._signing_key,
+                writer_threads=writer_threads,
             )
 
         if save_on_signal and self._distributed is not None:

@@ -22,10 +22,11 @@ from .errors import (
 )
 from .format.entries import check_shapes, flatten_tensors
 from .format.extra_state import decode
-from .format.manifest import METADATA_NAME, CheckpointInfo, Manifest, checkpoint_name, step_of_name, tensor_crc32
+from .format.manifest import METADATA_NAME, CheckpointInfo, Manifest, checkpoint_name, step_of_name
 from .format.safe_read import SafeLoadPlanner
 from .format.signing import check_signature, resolve_key
 from .format.storage import CheckpointStore, dcp_root_cause, is_storage_error, read_error, translate_read_errors
+from .format.verified_read import ExpectedSums
 from .format.verify import describe_problems, read_manifest, verify_checkpoint
 
 
@@ -100,16 +101,28 @@ def resolve_checkpoint(store: CheckpointStore, step: int | None, skip_damaged: b
     return latest if latest in matching else (checkpoint_name(step) if checkpoint_name(step) in matching else matching[-1])
 
 
-def read_into(store: CheckpointStore, name: str, host: dict[str, Any], process_group: Any = None) -> None:
+def read_into(
+    store: CheckpointStore, name: str, host: dict[str, Any], process_group: Any = None, manifest: Manifest | None = None
+) -> None:
     """Fill host tensors from checkpoint ``name`` with DCP (collectively with ``process_group`` when given).
 
-    CheckpointReadError if storage fails, CorruptCheckpointError if the bytes cannot
-    be decoded.
+    With ``manifest``, every blob is checked as it is read, and every decoded tensor
+    against the snapshot it was saved from (``format/verified_read.py``).
+    CheckpointReadError if storage fails, CorruptCheckpointError if the bytes are
+    damaged or cannot be decoded.
     """
     import torch.distributed.checkpoint as dcp
 
     where = store.checkpoint_url(name)
     reader = store.make_reader(name)
+    if manifest is not None:
+        expect = getattr(reader, "expect", None)
+        if expect is None:
+            raise ConfigError(
+                f"{type(store).__name__}.make_reader returned a {type(reader).__name__}, which cannot check blobs as it "
+                "reads; build it with format.verified_read.verified_reader_class, or load with verify=False"
+            )
+        expect(ExpectedSums.from_manifest(manifest, where))
     try:
         with translate_read_errors(f"{where}/.metadata"):
             reader.read_metadata()  # through the allowlist, and raised with its type (DCP would stringify it)
@@ -123,7 +136,7 @@ def read_into(store: CheckpointStore, name: str, host: dict[str, Any], process_g
         raise
     except BaseException as e:  # DCP's CheckpointException derives from BaseException
         cause = dcp_root_cause(e)
-        if isinstance(cause, UnsafeCheckpointError):
+        if isinstance(cause, (UnsafeCheckpointError, CorruptCheckpointError)):
             raise cause from e
         if is_storage_error(cause):
             raise read_error(f"the checkpoint {where}", cause) from cause
@@ -268,9 +281,11 @@ def load(
     checkpoint) or one checkpoint directory (``CheckpointInfo.path``). The checkpoint
     is read into host memory and checked first (shapes, then per-item checksums when
     ``verify``), so a mismatched or corrupt checkpoint raises before any live object
-    changes. With ``verify``, every stored byte is checked against the manifest's
-    checksums first (CorruptCheckpointError naming the file and blob), and each
-    decoded tensor against the CRC-32 of the snapshot it was saved from. Storage
+    changes. With ``verify``, ``.metadata`` and every shard's size are checked first,
+    then every blob read is checked against the manifest's checksums as it arrives,
+    before it is decoded (CorruptCheckpointError naming the file and blob), and each
+    decoded tensor against the checksum of the snapshot it was saved from: one read.
+    (``overlapckpt verify`` checks every stored byte, blobs this load does not read too.) Storage
     failures raise CheckpointReadError, never CorruptCheckpointError.
 
     Under torch.distributed, ``load`` is collective (every rank calls it) and reshards
@@ -305,9 +320,7 @@ def load(
     host = _empty_like_on_cpu(target)
     if name is None:  # every rank agreed above that nothing failed, so the name was resolved
         raise CheckpointNotFoundError(f"no checkpoint under {path!r} to load")
-    read_into(store, name, host, group)
-    if verify:
-        _check_tensor_crcs(manifest, host, where)
+    read_into(store, name, host, group, manifest if verify else None)
 
     extra = _per_rank_extra_state(manifest, rank) if per_rank_state == "restore" else {}
     if per_rank_state == "restore":
@@ -356,16 +369,17 @@ def _checked_fields(
             "per_rank_state='skip' to restore model and optimizer only"
         )
     if verify:
-        # Every stored byte against the checksums taken as it was written, before DCP
-        # decodes a blob: integrity (a flipped bit, a truncated shard), not authenticity,
-        # since whoever can write the files can recompute CRCs. What keeps a crafted file
-        # from running code is the reading itself (safe_read.py), with or without verify.
-        # This reads the shards once here and once more in DCP's load below: twice the
-        # reads, for a refusal that never leaves a half-loaded state and names the damaged
-        # blob. Each rank of a distributed load verifies a 1/N share of the files; a rank
-        # that finds damage fails, and the agreement below makes every rank raise.
-        report = verify_checkpoint(store, name, manifest, share)
+        # Before reading: .metadata's bytes, and every shard's kind and size (each rank of a
+        # distributed load checks a 1/N share of the files; a rank that finds damage fails,
+        # and the agreement below makes every rank raise). The blobs are checked as they
+        # are read, once, in read_into (format/verified_read.py). This is integrity (a
+        # flipped bit, a truncated shard), not authenticity: whoever can write the files can
+        # recompute CRCs. What keeps a crafted file from running code is the reading itself
+        # (safe_read.py), with or without verify.
+        report = verify_checkpoint(store, name, manifest, share, read_blobs=False)
         if not report.ok:
+            # The detailed account (which blob a truncation cuts): read everything, once, on failure only.
+            report = verify_checkpoint(store, name, manifest, share)
             raise CorruptCheckpointError(
                 f"reading the checkpoint {where} failed verification: {describe_problems(report)}; restore from an "
                 "older checkpoint (list_checkpoints), or pass verify=False to inspect it"
@@ -373,20 +387,6 @@ def _checked_fields(
     expected = {k: v.shape for k, v in manifest.items.items()}
     check_shapes(expected, flatten_tensors(target))
     return manifest
-
-
-def _check_tensor_crcs(manifest: Manifest, host: dict[str, Any], where: str) -> None:
-    """End to end: whole tensors DCP decoded against the host snapshot that was saved (one-process checkpoints)."""
-    for key, t in flatten_tensors(host).items():
-        item = manifest.items.get(key)
-        if item is None or item.crc32 is None or hasattr(t, "to_local") or tuple(t.shape) != item.shape:
-            continue  # a shard of a resharded load: its stored bytes were verified above
-        if tensor_crc32(t) != item.crc32:
-            raise CorruptCheckpointError(
-                f"checksum mismatch for {key!r} in {where}: the tensor read back differs from the snapshot "
-                "that was saved, though the stored bytes match their checksums (a serialization fault); "
-                "restore from an older checkpoint (list_checkpoints) or pass verify=False to inspect it"
-            )
 
 
 def _per_rank_extra_state(manifest: Manifest, rank: int) -> dict[str, Any]:

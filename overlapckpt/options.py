@@ -69,11 +69,15 @@ def check_options(
     store_class: Any,
     collective_timeout_s: Any,
     agreement_timeout_s: Any,
+    writer_threads: Any = None,
 ) -> None:
     """The Checkpointer's plain arguments (the model, optimizer and stateful objects are checked with them)."""
     check_window(window, max_window)
     check_positive_int("every", every, "checkpoint after every N-th optimizer step, or None")
     check_positive_int("keep", keep, "the number of newest committed checkpoints to keep, or None")
+    check_positive_int(
+        "writer_threads", writer_threads, "the writer process's threads (replay kernels, one shard file each), or None for the default"
+    )
     if isinstance(max_writer_restarts, bool) or not isinstance(max_writer_restarts, int) or max_writer_restarts < 0:
         raise ConfigError(
             f"max_writer_restarts={max_writer_restarts!r} is invalid; pass an integer >= 0 (0: a dead writer is raised at once)"

@@ -59,6 +59,7 @@ class InitRequest:
     store_class: tuple[str, str]  # (module, qualified name) of a CheckpointStore subclass
     group: WriterGroupSpec | None = None  # in a distributed run: the writers' group to join
     signing_key: bytes | None = None  # sign each manifest (format/signing.py); over the local socket pair only
+    writer_threads: int | None = None  # the writer's threads (None: writer.process.writer_thread_count())
 
 
 @dataclass

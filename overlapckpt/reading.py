@@ -20,7 +20,7 @@ from .errors import CheckpointNotFoundError, ConfigError
 from .format.entries import optimizer_state_by_index
 from .format.manifest import CheckpointInfo
 from .format.storage import CheckpointStore, translate_read_errors
-from .loading import _check_tensor_crcs, _checked_manifest, _per_rank_extra_state, check_signed, checkpoint_at, read_into
+from .loading import _checked_manifest, _per_rank_extra_state, check_signed, checkpoint_at, read_into
 
 __all__ = ["CheckpointContents", "optimizer_state_by_index", "read_checkpoint"]
 
@@ -57,9 +57,7 @@ def read_checkpoint(
     host = _template(store, name)
     manifest = _checked_manifest(store, name, (0, 1), "skip", verify, host)
     check_signed(store, name, manifest, signing_key)
-    read_into(store, name, host)
-    if verify:
-        _check_tensor_crcs(manifest, host, where)
+    read_into(store, name, host, manifest=manifest if verify else None)
     world = manifest.world_size
     if not 0 <= rank < world:
         raise ConfigError(f"rank={rank} is not a rank of {where}, which {world} rank(s) wrote; pass 0..{world - 1}")

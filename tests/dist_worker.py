@@ -287,25 +287,47 @@ def scenario_fsdp(out: str) -> dict[str, Any]:
     return result
 
 
+def read_manifest_json(path: str) -> dict[str, Any]:
+    with open(os.path.join(path, "overlapckpt.json")) as f:
+        return json.load(f)
+
+
 def verify_share(root: str) -> dict[str, Any]:
-    """load(verify=True): the bytes this rank's verification read (the test sums them), then a flipped bit."""
+    """load(verify=True): the bytes this rank's checks read (the test sums them), then a flipped bit."""
+    import overlapckpt.format.verified_read as verified_read
     import overlapckpt.loading as loading
 
-    reports = []
-    real = loading.verify_checkpoint
+    reports: list[dict[str, int]] = []
+    blobs_read: list[tuple[str, int, int]] = []
+    real_verify, real_blob = loading.verify_checkpoint, verified_read._checked_blob
 
-    def recording(*args: Any, **kwargs: Any) -> Any:  # the real verification, its report kept for the test
-        report = real(*args, **kwargs)
+    def recording(*args: Any, **kwargs: Any) -> Any:  # the real pre-read check, its report kept for the test
+        report = real_verify(*args, **kwargs)
         reports.append({"nbytes": report.nbytes, "files": report.files})
         return report
 
+    def recording_blob(stream: Any, relative_path: str, info: Any, expected: Any) -> bytes:  # the real blob check
+        blob = real_blob(stream, relative_path, info, expected)
+        blobs_read.append((relative_path, int(info.offset), len(blob)))
+        return blob
+
     loading.verify_checkpoint = recording
+    verified_read._checked_blob = recording_blob
     try:
         info = list_checkpoints(root)[-1]
         model, opt = build("fsdp")
         load(info.path, model, opt, per_rank_state="skip", verify=True)
-        out: dict[str, Any] = {"reports": list(reports), "stored": {n: os.path.getsize(os.path.join(info.path, n)) for n in os.listdir(info.path)}}
-        # A flipped bit in rank 1's share: every rank refuses, naming it.
+        out: dict[str, Any] = {
+            "reports": list(reports),
+            "blobs_read": list(blobs_read),
+            "blobs_stored": [
+                (f, b["offset"], b["length"])
+                for f, e in read_manifest_json(info.path)["checksums"]["files"].items()
+                for b in e["blobs"]
+            ],
+            "stored": {n: os.path.getsize(os.path.join(info.path, n)) for n in os.listdir(info.path)},
+        }
+        # A flipped bit in rank 1's shard: every rank refuses, naming it.
         dist.barrier()
         if dist.get_rank() == 0:
             target = os.path.join(info.path, "__1_0.distcp")
@@ -323,7 +345,8 @@ def verify_share(root: str) -> dict[str, Any]:
             out["flipped"] = {"error_type": type(e).__name__, "error": str(e)[:2000], "elapsed_s": time.monotonic() - started}
         return out
     finally:
-        loading.verify_checkpoint = real
+        loading.verify_checkpoint = real_verify
+        verified_read._checked_blob = real_blob
 
 
 def malformed_manifest(source_root: str, root: str) -> dict[str, Any]:

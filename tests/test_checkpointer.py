@@ -11,6 +11,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from overlapckpt import Checkpointer, list_checkpoints, load
+from overlapckpt.format.storage import CheckpointStore
+from overlapckpt.format.verify import verify_checkpoint
 
 from helpers import assert_state_equal, make_run, snapshot, states_differ, train_step
 
@@ -50,6 +52,28 @@ def test_stock_dcp_load_reads_the_same_tensors(tmp_path):
         (info,) = ckpt.wait(timeout_s=120)
 
     # The stock recipe, with no overlapckpt code.
+    fresh_model, fresh_opt, _, _ = make_run(seed=7)
+    msd, osd = get_state_dict(fresh_model, fresh_opt)
+    dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=info.path)
+    set_state_dict(fresh_model, fresh_opt, model_state_dict=msd, optim_state_dict=osd)
+    assert_state_equal(ref_model, ref_opt, fresh_model, fresh_opt)
+
+
+def test_writer_threads_write_a_shard_file_each_and_stock_dcp_reads_them(tmp_path):
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path, writer_threads=2) as ckpt:
+        train_step(model, opt, sched, sampler)
+        ckpt.request()
+        ref_model, ref_opt = snapshot(model, opt)
+        ckpt.step()
+        (info,) = ckpt.wait(timeout_s=120)
+    assert sorted(f for f in os.listdir(info.path) if f.endswith(".distcp")) == ["__0_0.distcp", "__0_1.distcp"]
+    manifest = json.loads((tmp_path / "step-000000001" / "overlapckpt.json").read_text())
+    assert sorted(manifest["checksums"]["files"]) == ["__0_0.distcp", "__0_1.distcp"]  # both files' every byte
+    assert verify_checkpoint(CheckpointStore(str(tmp_path)), "step-000000001").ok
+    fresh_model, fresh_opt, _, _ = make_run(seed=7)
+    load(info.path, fresh_model, fresh_opt)
+    assert_state_equal(ref_model, ref_opt, fresh_model, fresh_opt)
     fresh_model, fresh_opt, _, _ = make_run(seed=7)
     msd, osd = get_state_dict(fresh_model, fresh_opt)
     dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=info.path)

@@ -284,14 +284,23 @@ def test_cli_shows_the_ranks_and_verify_checks_every_ranks_shards(fsdp_results, 
             f.write(byte)
 
 
-def test_distributed_verification_reads_about_one_checkpoint_and_a_flip_fails_every_rank(fsdp_results):
+def test_distributed_verification_reads_each_stored_byte_once_and_a_flip_fails_every_rank(fsdp_results):
     results, _ = fsdp_results
     shares = [r["verify_share"] for r in results]
     stored = shares[0]["stored"]
-    total = sum(v for n, v in stored.items() if n.endswith(".distcp")) + stored[".metadata"]
-    read = [s["reports"][0]["nbytes"] for s in shares]
-    assert sum(read) == total, (read, stored)  # every stored byte read once across the ranks, not once per rank
-    assert [s["reports"][0]["files"] for s in shares] == [1, 1]  # each rank one of the two shard files
+    shards = sum(v for n, v in stored.items() if n.endswith(".distcp"))
+    # Before reading: .metadata on rank 0 only, and each rank the size of one of the two shard files.
+    assert [s["reports"][0]["nbytes"] for s in shares] == [stored[".metadata"], 0]
+    assert [s["reports"][0]["files"] for s in shares] == [1, 1]
+    # Then each blob checked as it arrives, once per rank that needs it: every stored blob by some
+    # rank, none twice by one, and about one checkpoint in all (each rank's own shards, plus the
+    # few small items every rank needs, such as param_groups), not one per rank.
+    stored_blobs = {tuple(b) for b in shares[0]["blobs_stored"]}
+    read = [[tuple(b) for b in s["blobs_read"]] for s in shares]
+    assert all(len(r) == len(set(r)) for r in read)
+    assert set(read[0]) | set(read[1]) == stored_blobs
+    shared = set(read[0]) & set(read[1])
+    assert sum(n for _, _, n in shared) < shards // 10, shared
     for rank, s in enumerate(shares):
         flipped = s["flipped"]
         assert flipped is not None and flipped["error_type"] == "CorruptCheckpointError", (rank, flipped)

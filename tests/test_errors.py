@@ -28,6 +28,7 @@ from helpers import TinyNet, make_run, train_step
         ({"window": "fast"}, r"window='fast' is invalid; pass an integer >= 1 \(.*, or 'auto'\)"),
         ({"window": "auto", "max_window": 0}, r"max_window=0 is invalid; pass an integer >= 1"),
         ({"keep": 0}, r"keep=0 is invalid; pass an integer >= 1"),
+        ({"writer_threads": 0}, r"writer_threads=0 is invalid; pass an integer >= 1 \(the writer process's threads"),
         ({"every": 0}, r"every=0 is invalid"),
         ({"window": 2, "consistency": "exact"}, r"consistency='exact' is invalid; use 'replay' or 'stage'"),
     ],

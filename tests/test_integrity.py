@@ -37,7 +37,7 @@ from overlapckpt.format import verify as verify_module
 from overlapckpt.format.blobsums import ChecksummingStream, FileSegments, attach_checksums
 from overlapckpt.format.checksum import ALGORITHM_ENV, CRC32, CRC32C
 from overlapckpt.format.extra_state import tensor_bytes
-from overlapckpt.format.manifest import MANIFEST_NAME, parse_manifest
+from overlapckpt.format.manifest import MANIFEST_NAME, dump_manifest, parse_manifest
 from overlapckpt.format.storage import CheckpointStore
 from overlapckpt.format.verify import read_manifest, verify_checkpoint
 
@@ -203,7 +203,9 @@ def test_the_typed_manifest_reads_and_writes_the_same_document(run):
     document.pop("manifest_crc32")
     assert manifest.to_json() == document  # every field the writer wrote has a typed home
     assert manifest.checksums is not None and SHARD in manifest.checksums.files
-    assert manifest.items["model.inp.weight"].crc32 is not None
+    item = manifest.items["model.inp.weight"]
+    assert item.checksum is not None and item.crc32 is None  # format 3: in the checkpoint's algorithm
+    assert manifest.format_version == 3
 
 
 def test_every_single_bit_flip_of_the_manifest_fails_its_checksum(run):
@@ -523,3 +525,119 @@ def test_missing_manifest_is_corrupt_and_skipped(run):
     (root / STEP1 / MANIFEST_NAME).unlink()
     with pytest.warns(UserWarning), pytest.raises(CheckpointNotFoundError, match="damaged manifest"):
         load(str(root), *_fresh())
+
+
+def _rewrite_manifest(root: Path, edit) -> None:
+    """Edit the manifest's document and write it back with a valid self-checksum: the damage is past it."""
+    path = root / STEP3 / MANIFEST_NAME
+    document = json.loads(path.read_bytes())
+    document.pop("manifest_crc32")
+    edit(document)
+    path.write_bytes(dump_manifest(document))
+
+
+def test_a_serialization_fault_is_caught_end_to_end(run, capsys):
+    # The stored bytes match their checksums, but what they decode to is not the snapshot
+    # that was saved: only the per-tensor checksum of the host snapshot sees it.
+    root, refs = run
+
+    def wrong_weight_sum(document: dict[str, Any]) -> None:
+        item = document["items"]["model.inp.weight"]
+        item["checksum"] = f"{int(item['checksum'], 16) ^ 1:08x}"
+
+    _rewrite_manifest(root, wrong_weight_sum)
+    model, opt = _fresh()
+    before = model.inp.weight.detach().clone()
+    with pytest.raises(CorruptCheckpointError, match=r"'model.inp.weight': the tensor read back differs from the snapshot"):
+        load(str(root), model, opt, step=3)
+    assert torch.equal(model.inp.weight, before)  # refused before anything changed
+    load(str(root), model, opt, step=3, verify=False)  # the bytes themselves are fine
+    assert_state_equal(*refs[3], model, opt)
+
+
+def test_format_2_tensor_crcs_still_verify(run, capsys):
+    # Checkpoints written before format 3 carry zlib CRC-32s as integers: they load, verified.
+    root, refs = run
+    model, opt = _fresh()
+    load(str(root), model, opt, step=3, verify=False)
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from overlapckpt.format.entries import flatten_tensors
+    from overlapckpt.format.manifest import tensor_crc32
+
+    msd, osd = get_state_dict(model, opt)
+    crcs = {k: tensor_crc32(t) for k, t in flatten_tensors({"model": msd, "optimizer": osd}).items()}
+
+    def as_format_2(document: dict[str, Any]) -> None:
+        document["format_version"] = 2
+        for key, item in document["items"].items():
+            del item["checksum"]
+            item["crc32"] = crcs[key] ^ (1 if key == "model.out.bias" else 0)
+
+    _rewrite_manifest(root, as_format_2)
+    with pytest.raises(CorruptCheckpointError, match=r"'model.out.bias': the tensor read back differs"):
+        load(str(root), *_fresh(), step=3)
+    _rewrite_manifest(root, lambda d: d["items"]["model.out.bias"].update(crc32=crcs["model.out.bias"]))
+    model, opt = _fresh()
+    load(str(root), model, opt, step=3)
+    assert_state_equal(*refs[3], model, opt)
+
+
+class _CountingStream:
+    def __init__(self, raw: Any, counts: list[tuple[int, int]]) -> None:
+        self._raw, self._counts = raw, counts
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._raw.seek(offset, whence)
+
+    def read(self, n: int = -1) -> bytes:
+        at = self._raw.tell()
+        data = self._raw.read(n)
+        self._counts.append((at, len(data)))
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+
+class ReadCountingStore(CheckpointStore):
+    """Records every read of a shard by DCP's reader (its file system's streams), and every verify read."""
+
+    shard_reads: list[tuple[int, int]]
+
+    def make_reader(self, name: str) -> Any:
+        reader = super().make_reader(name)
+        fs, counts = reader.fs, self.shard_reads
+
+        class CountingFs:
+            @contextmanager
+            def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+                with fs.create_stream(path, mode) as raw:
+                    yield _CountingStream(raw, counts) if str(path).endswith(".distcp") else raw
+
+            def __getattr__(self, attr: str) -> Any:
+                return getattr(fs, attr)
+
+        reader.fs = CountingFs()
+        return reader
+
+    @contextmanager
+    def open_read(self, name: str, filename: str) -> Iterator[BinaryIO]:
+        raise AssertionError(f"load read {filename} outside DCP's reader: a second pass")
+        yield  # pragma: no cover
+
+
+def test_a_verified_load_reads_each_stored_byte_once(run, monkeypatch):
+    from overlapckpt import loading
+
+    root, refs = run
+    store = ReadCountingStore(str(root))
+    store.shard_reads = []
+    monkeypatch.setattr(loading, "checkpoint_at", lambda path, step, options: (store, STEP3))
+    model, opt = _fresh()
+    load(str(root), model, opt, step=3)
+    assert_state_equal(*refs[3], model, opt)
+    # Every blob read once, whole, and nothing else: the shard's bytes exactly once.
+    spans = sorted(store.shard_reads)
+    assert spans == sorted((b["offset"], b["length"]) for b in _blobs(root))
+    assert sum(n for _, n in spans) == (root / STEP3 / SHARD).stat().st_size

@@ -3,15 +3,16 @@
 Written by the writer process strictly before DCP's ``.metadata`` (the commit
 marker), so every committed checkpoint has one. JSON, never pickle.
 
-What it covers (format 2):
+What it covers (format 3):
 
 - ``checksums``: the checksum of every blob DCP stored, by file, offset and length
   (tensor data, serialized non-tensor items such as ``param_groups``, and
   torch.save's framing: the blobs tile each shard), and of ``.metadata``'s exact
   bytes; the algorithm is named there (see :mod:`overlapckpt.checksum`);
-- ``items``: a CRC-32 per tensor of the host snapshot, checked after a load against
-  the tensors DCP decoded: end to end, it catches a serializer that stored the
-  wrong bytes, which checksums of the stored bytes cannot;
+- ``items``: a checksum per tensor of the host snapshot (``checksum``, in the
+  algorithm ``checksums`` names; format 2 wrote zlib's CRC-32 as ``crc32``), checked
+  at load against the tensor DCP decoded: end to end, it catches a serializer that
+  stored the wrong bytes, which checksums of the stored bytes cannot;
 - ``manifest_crc32``: zlib's CRC-32 of this file's exact bytes, with the field's
   own 8 hex digits read as zeros. Always CRC-32, so any reader can check the
   manifest, whatever package computed the blob checksums.
@@ -29,11 +30,14 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpointError
+from .checksum import hex32, updater
 
 MANIFEST_NAME = "overlapckpt.json"
 METADATA_NAME = ".metadata"
 LATEST_NAME = "latest"
-FORMAT_VERSION = 2  # 2: stored-byte checksums and the manifest's own checksum
+# 2: stored-byte checksums and the manifest's own checksum; 3: tensor checksums in the
+# checkpoint's algorithm (CRC32C: 4x zlib's CRC-32, the writer's second pass over the state).
+FORMAT_VERSION = 3
 LEGACY_FORMAT_VERSION = 1  # tensor CRC-32s only; readable, not verifiable
 SELF_CHECKSUM_FIELD = "manifest_crc32"
 # With sort_keys and indent=1, a top-level field starts a line with exactly one space,
@@ -60,16 +64,24 @@ def step_of_name(name: str) -> int | None:
     return None if match is None else int(match.group(1))
 
 
-def tensor_crc32(t: torch.Tensor) -> int:
-    """CRC-32 of a CPU tensor's bytes, read in place (no copy for contiguous tensors)."""
+def _in_place(t: torch.Tensor) -> Any:
+    """A CPU tensor's bytes as a buffer, read in place (no copy for contiguous tensors)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")
     t = t.contiguous()
     nbytes = t.numel() * t.element_size()
-    if nbytes == 0:
-        return 0
-    return zlib.crc32((ctypes.c_char * nbytes).from_address(t.data_ptr()))
+    return (ctypes.c_char * nbytes).from_address(t.data_ptr()) if nbytes else b""
+
+
+def tensor_crc32(t: torch.Tensor) -> int:
+    """zlib's CRC-32 of a CPU tensor's bytes: the tensor checksum of format 2 manifests."""
+    return zlib.crc32(_in_place(t))
+
+
+def tensor_checksum(t: torch.Tensor, algorithm: str) -> str:
+    """The checksum of a CPU tensor's bytes in ``algorithm`` (8 hex digits), read in place."""
+    return hex32(updater(algorithm)(_in_place(t), 0))
 
 
 @dataclass(frozen=True)
@@ -142,8 +154,11 @@ class ItemRecord:
 
     dtype: str
     shape: tuple[int, ...]
-    crc32: int | None = None  # of the host snapshot; absent for the global items of a distributed checkpoint
+    crc32: int | None = None  # format 2: zlib's CRC-32 of the host snapshot
     offset: tuple[int, ...] | None = None  # a rank's part: where it sits in the global tensor
+    # format 3: of the host snapshot, in the algorithm of the manifest's checksums (8 hex
+    # digits); absent for the global items of a distributed checkpoint (its parts have them)
+    checksum: str | None = None
 
     @classmethod
     def from_json(cls, raw: Any, where: str) -> ItemRecord:
@@ -152,12 +167,15 @@ class ItemRecord:
             shape=_ints(raw, "shape", where),
             crc32=_field(raw, "crc32", int, where, None),
             offset=_ints(raw, "offset", where) if isinstance(raw, dict) and "offset" in raw else None,
+            checksum=_field(raw, "checksum", str, where, None),
         )
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape)}
         if self.crc32 is not None:
             out["crc32"] = self.crc32
+        if self.checksum is not None:
+            out["checksum"] = self.checksum
         if self.offset is not None:
             out["offset"] = list(self.offset)
         return out

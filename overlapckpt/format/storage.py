@@ -44,6 +44,9 @@ from .blobsums import ChecksummingFileSystem, FileSegments, StoredChecksums, att
 from .checksum import default_algorithm
 from .manifest import LATEST_NAME, MANIFEST_NAME, METADATA_NAME, step_of_name
 from .safe_read import SafeFileSystemReader, safe_reader_class
+from .verified_read import verified_reader_class
+
+_VerifiedLocalReader = verified_reader_class(SafeFileSystemReader)
 
 
 def is_storage_error(e: BaseException) -> bool:
@@ -350,23 +353,28 @@ class CheckpointStore:
 
     # ---- DCP storage plugins ---------------------------------------------------
 
-    def make_writer(self, name: str, before_commit: BeforeCommit, wants_metadata_bytes: bool = False) -> StorageWriter:
+    def make_writer(self, name: str, before_commit: BeforeCommit, wants_metadata_bytes: bool = False, thread_count: int = 1) -> StorageWriter:
         """A DCP storage writer into directory ``name`` under the root (an attempt's, ``attempts.py``): it
         checksums every blob it stores and calls ``before_commit`` with those checksums (and ``.metadata``'s)
-        right before ``.metadata`` appears."""
+        right before ``.metadata`` appears. ``thread_count``: DCP writes that many shard files at once."""
         if self.is_local:
             os.makedirs(self._join(name), exist_ok=True)
             return _manifest_before_commit(FileSystemWriter)(
-                self._join(name), before_commit=before_commit, wants_metadata_bytes=wants_metadata_bytes
+                self._join(name), before_commit=before_commit, wants_metadata_bytes=wants_metadata_bytes, thread_count=thread_count
             )
         writer_cls, _ = _fsspec_dcp_classes()
         return _manifest_before_commit(writer_cls)(
-            self.checkpoint_url(name), before_commit=before_commit, wants_metadata_bytes=wants_metadata_bytes, **self.storage_options
+            self.checkpoint_url(name),
+            before_commit=before_commit,
+            wants_metadata_bytes=wants_metadata_bytes,
+            thread_count=thread_count,
+            **self.storage_options,
         )
 
     def make_reader(self, name: str) -> StorageReader:
-        """A DCP storage reader whose ``.metadata`` is unpickled by an allowlist (``safe_read.py``)."""
+        """A DCP storage reader whose ``.metadata`` is unpickled by an allowlist (``safe_read.py``), and
+        whose blobs are checked as they are read once its ``expect()`` is called (``verified_read.py``)."""
         if self.is_local:
-            return SafeFileSystemReader(self._join(name))
+            return _VerifiedLocalReader(self._join(name))
         _, reader_cls = _fsspec_dcp_classes()
-        return safe_reader_class(reader_cls)(self.checkpoint_url(name), **self.storage_options)
+        return verified_reader_class(safe_reader_class(reader_cls))(self.checkpoint_url(name), **self.storage_options)

@@ -79,6 +79,7 @@ def verify_checkpoint(
     manifest: Manifest | None = None,
     share: tuple[int, int] = (0, 1),
     signing_key: bytes | None = None,
+    read_blobs: bool = True,
 ) -> VerifyReport:
     """Verify every stored byte of checkpoint ``name`` against its manifest, blob by blob.
 
@@ -86,7 +87,10 @@ def verify_checkpoint(
     ``world_size``-th shard file, and ``.metadata`` on rank 0), so that the ranks of a
     distributed load together read the checkpoint about once; their outcomes are
     combined by the caller. ``signing_key``: check the signature too, with the same read
-    of ``.metadata`` (rank 0; the CLI verifies as one rank).
+    of ``.metadata`` (rank 0; the CLI verifies as one rank). ``read_blobs=False``: check
+    ``.metadata`` and each shard's kind and size only, not its blobs, and not the framework
+    files: what ``load`` checks before its one read, which checks each blob as it arrives
+    (``verified_read.py``).
 
     Raises CorruptCheckpointError when the manifest itself is damaged or cannot be
     verified, CheckpointReadError when storage cannot be read, and ConfigError when the
@@ -129,12 +133,29 @@ def verify_checkpoint(
                     check_signature(manifest.raw, metadata_bytes, signing_key, where)
                 except SignatureError as e:
                     report.problems.append(str(e))
-            for filename, (nbytes, crc) in sorted(exports.items()):
+            for filename, (nbytes, crc) in sorted(exports.items()) if read_blobs else ():
                 _verify_export(store, name, filename, nbytes, crc, report)
         for index, (filename, (nbytes, blobs)) in enumerate(sorted(files.items())):
-            if index % world == rank:
+            if index % world != rank:
+                continue
+            if read_blobs:
                 _verify_file(store, name, filename, nbytes, blobs, update, report)
+            else:
+                _check_file_size(store, name, filename, nbytes, report)
     return report
+
+
+def _check_file_size(store: CheckpointStore, name: str, filename: str, nbytes: int, report: VerifyReport) -> None:
+    report.files += 1
+    if not _regular_file(store, name, filename, report):
+        return
+    stored_nbytes = store.file_size(name, filename)
+    if stored_nbytes != nbytes:
+        report.problems.append(_size_problem(report.path, filename, stored_nbytes, nbytes))
+
+
+def _size_problem(where: str, filename: str, stored_nbytes: int, nbytes: int) -> str:
+    return f"{where}/{filename} is {stored_nbytes} bytes, the manifest says {nbytes} (truncated or extended)"
 
 
 def _verify_export(store: CheckpointStore, name: str, filename: str, nbytes: int, crc: int, report: VerifyReport) -> None:
@@ -186,9 +207,7 @@ def _verify_file(
         raise CorruptCheckpointError(f"the manifest of {report.path} lists blobs of {filename} that do not add up to its {nbytes} bytes")
     stored_nbytes = store.file_size(name, filename)
     if stored_nbytes != nbytes:
-        report.problems.append(
-            f"{report.path}/{filename} is {stored_nbytes} bytes, the manifest says {nbytes} (truncated or extended)"
-        )
+        report.problems.append(_size_problem(report.path, filename, stored_nbytes, nbytes))
     position = 0
     with store.open_read(name, filename) as f:
         for key, offset, length, expected in sorted(blobs, key=lambda b: b[1]):

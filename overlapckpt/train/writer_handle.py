@@ -72,6 +72,7 @@ class WriterProcess:
         startup_timeout_s: float = 120.0,
         group: Any = None,
         signing_key: bytes | None = None,
+        writer_threads: int | None = None,
     ) -> None:
         self.startup_timeout_s = startup_timeout_s
         parent_sock, child_sock = socket.socketpair()
@@ -102,7 +103,8 @@ class WriterProcess:
             p.InitRequest(
                 # Where the store class's module may live; "" (the cwd) is never searched.
                 sys_path=[entry for entry in sys.path if entry],
-                root=root, storage_options=storage_options, store_class=store_class, group=group, signing_key=signing_key
+                root=root, storage_options=storage_options, store_class=store_class, group=group, signing_key=signing_key,
+                writer_threads=writer_threads,
             )
         )
 

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from .. import protocol as p
-from ..errors import CheckpointExistsError
+from ..errors import CheckpointExistsError, CheckpointWriteError
 from ..format.attempts import Attempt, already_committed, new_attempt_id
 from ..format.blobsums import StoredChecksums
+from ..format.checksum import default_algorithm
 from ..format.entries import TensorEntry, build_state_dict
 from ..format.extra_state import encode
 from ..format.manifest import (
@@ -33,7 +34,7 @@ from ..format.manifest import (
     RankSection,
     dump_manifest,
     parse_manifest,
-    tensor_crc32,
+    tensor_checksum,
 )
 from ..format.shards import CoveringSavePlanner, LocalShard
 from ..format.signing import sign
@@ -56,6 +57,7 @@ def persist_snapshot(
     buffers: dict[int, torch.Tensor],
     req: p.PersistRequest,
     signing_key: bytes | None = None,
+    write_threads: int = 1,
 ) -> p.CommittedResponse:
     started = time.perf_counter()
     if group is not None:
@@ -68,12 +70,14 @@ def persist_snapshot(
         from .replay import replay_to_version
 
         replay_to_version(entries, tensors, req.replay, buffers[req.replay.grad_buffer_id])
-    # Per local part: the CRC-32 of the host snapshot, checked against what DCP decodes at load.
+    # Per local part: the checksum of the host snapshot, checked against what DCP decodes at
+    # load. The same algorithm as the stored bytes' (the storage writer's default_algorithm()).
+    algorithm = default_algorithm()
     parts = {
         e.key: ItemRecord(
             dtype=_dtype_name(e.dtype),
             shape=tuple(e.shape),
-            crc32=tensor_crc32(t),
+            checksum=tensor_checksum(t, algorithm),
             offset=tuple(e.global_offset or (0,) * len(e.shape)),
         )
         for e, t in zip(entries, tensors)
@@ -98,6 +102,11 @@ def persist_snapshot(
         # Called by DCP's finish() on the coordinator with the checksums every rank computed
         # of the blobs it stored, and of .metadata's bytes, right before .metadata appears.
         where = store.checkpoint_url(req.name)
+        if checksums.algorithm != algorithm:
+            raise CheckpointWriteError(
+                f"the shards of {where} were checksummed with {checksums.algorithm!r} and its tensors with {algorithm!r}; "
+                "a store's make_writer must use format.checksum.default_algorithm()"
+            )
         document = dataclasses.replace(
             manifest, checksums=ChecksumsRecord.from_json(checksums.to_json(), where), exports=exports, created_at=time.time()
         ).to_json()
@@ -110,7 +119,7 @@ def persist_snapshot(
         if req.export_formats:  # one process only (the Checkpointer refuses it distributed): whole tensors
             written = write_exports(store, attempt.directory, req.export_formats, state_dict, req.extra_state)
             exports.update({name: ExportRecord(**sums) for name, sums in written.items()})
-        _save(store, attempt.directory, state_dict, write_manifest, global_shapes, group, signing_key is not None)
+        _save(store, attempt.directory, state_dict, write_manifest, global_shapes, group, signing_key is not None, write_threads)
         if group is None or group.is_coordinator:
             attempt.publish()  # the commit: every rank's shards are in place (DCP's finish ran after them)
     except BaseException:
@@ -234,7 +243,7 @@ def _manifest(
     nbytes = sum(s.nbytes for s in sections)
     if world_size == 1:
         (only,) = sections
-        items = {e.key: ItemRecord(dtype=_dtype_name(e.dtype), shape=tuple(e.shape), crc32=only.items[e.key].crc32) for e in entries}
+        items = {e.key: ItemRecord(dtype=_dtype_name(e.dtype), shape=tuple(e.shape), checksum=only.items[e.key].checksum) for e in entries}
         return Manifest(nbytes=nbytes, items=items, extra_state=only.extra_state, **common)
     # The tensors of the whole checkpoint, by global shape; each rank's parts and their CRC-32s in its section.
     dtype_of = {key: part.dtype for s in sections for key, part in s.items.items()}
@@ -250,12 +259,15 @@ def _save(
     global_shapes: dict[str, tuple[int, ...]],
     group: WriterGroup | None,
     wants_metadata_bytes: bool = False,
+    write_threads: int = 1,
 ) -> None:
     import torch.distributed.checkpoint as dcp
 
-    # Only a signature needs .metadata's bytes; a store subclass written for make_writer(name,
-    # before_commit) keeps working when nothing is signed.
-    extra = {"wants_metadata_bytes": True} if wants_metadata_bytes else {}
+    # Only a signature needs .metadata's bytes, and only more than one thread a thread count;
+    # a store subclass written for make_writer(name, before_commit) keeps working without them.
+    extra: dict[str, Any] = {"wants_metadata_bytes": True} if wants_metadata_bytes else {}
+    if write_threads > 1:
+        extra["thread_count"] = write_threads
     writer = store.make_writer(name, before_commit=write_manifest, **extra)
     planner = CoveringSavePlanner(global_shapes)
     if group is None:

@@ -31,8 +31,9 @@ _IDLE_CHECK_S = 0.5
 
 
 class _WriterState:
-    def __init__(self, store: CheckpointStore, group: WriterGroup | None, signing_key: bytes | None = None) -> None:
+    def __init__(self, store: CheckpointStore, group: WriterGroup | None, signing_key: bytes | None = None, threads: int = 1) -> None:
         self.signing_key = signing_key
+        self.threads = threads
         self.store = store
         self.group = group
         self.buffers: dict[int, torch.Tensor] = {}
@@ -41,7 +42,8 @@ class _WriterState:
     def persist(self, req: p.PersistRequest) -> p.CommittedResponse:
         plan = self.plans[req.plan_id]
         return persist_snapshot(
-            self.store, self.group, plan.entries, plan.offsets, plan.global_shapes, self.buffers, req, self.signing_key
+            self.store, self.group, plan.entries, plan.offsets, plan.global_shapes, self.buffers, req, self.signing_key,
+            write_threads=self.threads,
         )
 
 
@@ -82,7 +84,9 @@ def serve(conn: Connection, fd_sock: socket.socket) -> None:
         sys.path[:] = init.sys_path
         # Joining the writers' group blocks until every rank's writer has joined (or times out).
         group = WriterGroup(init.group) if init.group is not None else None
-        state = _WriterState(_load_store(init), group, init.signing_key)
+        threads = init.writer_threads or writer_thread_count()
+        torch.set_num_threads(threads)  # the replay's optimizer kernels
+        state = _WriterState(_load_store(init), group, init.signing_key, threads)
     except BaseException as e:
         _send(conn, _error_response(None, e))
         return
@@ -137,8 +141,11 @@ def _serve_requests(conn: Connection, fd_sock: socket.socket, state: _WriterStat
 # the writer's checksums and serialization stalled training steps by 0.4-0.9 s
 # (benchmarks/, tiny size); the commit takes longer instead, which costs nothing.
 WRITER_NICE_INCREMENT = 10
-# Replay and checksums use at most a quarter of the cores this process may run on
-# (1 to 4 threads), leaving the rest to training and its data loaders.
+# The writer's default threads (Checkpointer(writer_threads=) overrides it): at most a
+# quarter of the cores this process may run on (1 to 4), leaving the rest to training
+# and its data loaders. They run the replay's optimizer kernels, and DCP writes one
+# shard file per thread. Measured (benchmarks/durable.py --writer-threads, 768 MiB on
+# the 2-core machine): see docs/benchmarks.md; on 2 cores the default is 1.
 WRITER_MAX_THREADS = 4
 
 
@@ -191,7 +198,7 @@ def main(argv: list[str]) -> None:
         os.nice(WRITER_NICE_INCREMENT)
     except OSError:
         pass  # not permitted here: run at the training process's priority
-    torch.set_num_threads(writer_thread_count())
+    torch.set_num_threads(1)  # until InitRequest says how many (serve)
     _skip_zip_crc()
     # The host buffers' descriptors arrive as ancillary data on the same socket.
     fd_sock = socket.socket(fileno=os.dup(fd))

@@ -1,0 +1,216 @@
+"""One read of every blob a load needs, each checked as it arrives: DCP's reader with the manifest's checksums.
+
+Runs in the process that loads (the training process). ``load(verify=True)`` used to
+read the shards twice: once to verify every blob, once more in DCP's reader to decode
+them, then a third pass to check the decoded tensors. Here each blob is read once into
+memory, its checksum compared with the manifest's before anything decodes it, then
+decoded (weights only) and the decoded tensor compared with the checksum of the host
+snapshot it was saved from; only then is it copied into the tensor being loaded.
+
+Blobs are read on several threads (the file reads, the checksums and the copies
+release the GIL). A blob several reads need (a resharded load) is read once.
+
+What is checked, and what is not:
+
+- every blob this load reads, before it is decoded, and every whole tensor (or rank
+  part) decoded, against the host snapshot;
+- before reading (``verify_checkpoint(read_blobs=False)``): the manifest,
+  ``.metadata``'s bytes, and every shard's kind and size;
+- blobs that no rank of this load reads (the optimizer's, when ``optimizer=None``) are
+  not read: ``overlapckpt verify`` reads every stored byte.
+
+A failure raises CorruptCheckpointError inside DCP's ``read_data``; DCP hands it to
+every rank, and ``load`` raises it before any live object changes.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CorruptCheckpointError
+from .checksum import CRC32, hex32, updater
+from .manifest import Manifest, tensor_checksum
+
+# Threads that read and check blobs in a load: training is not running then, so up to 8
+# cores (a page-cache read, a CRC32C and a copy each release the GIL).
+MAX_READ_THREADS = 8
+# Blobs of one file are read in batches of about this size, one open file per batch:
+# large enough that small blobs (param_groups, step counters) share an open, small
+# enough that a shard's large tensors spread over the threads.
+READ_BATCH_BYTES = 32 << 20
+
+
+def read_thread_count() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_READ_THREADS, cores))
+
+
+@dataclass(frozen=True)
+class TensorSum:
+    """The checksum of one tensor (or rank part) of the host snapshot that was saved."""
+
+    shape: tuple[int, ...]
+    algorithm: str
+    checksum: str
+
+
+@dataclass(frozen=True)
+class ExpectedSums:
+    """What a checkpoint's blobs and tensors must hash to, from its (self-checked) manifest."""
+
+    where: str  # the checkpoint's path or URL, for messages
+    algorithm: str
+    blobs: dict[tuple[str, int, int], tuple[str, str]]  # (file, offset, length) -> (key, checksum)
+    tensors: dict[tuple[str, tuple[int, ...]], TensorSum]  # (fqn, offset in the global tensor) -> its sum
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest, where: str) -> ExpectedSums:
+        sums = manifest.checksums
+        if sums is None:
+            raise CorruptCheckpointError(f"{where} has no checksums of its stored bytes; load it with verify=False")
+        blobs = {(name, b.offset, b.length): (b.key, b.checksum) for name, f in sums.files.items() for b in f.blobs}
+        tensors: dict[tuple[str, tuple[int, ...]], TensorSum] = {}
+        parts = [(key, item) for key, item in manifest.items.items()]
+        parts += [(key, item) for section in manifest.ranks for key, item in section.items.items()]
+        for key, item in parts:
+            if item.checksum is not None:
+                algorithm, checksum = sums.algorithm, item.checksum
+            elif item.crc32 is not None:  # format 2: zlib's CRC-32 as an integer
+                algorithm, checksum = CRC32, hex32(item.crc32)
+            else:
+                continue
+            offset = tuple(item.offset) if item.offset is not None else (0,) * len(item.shape)
+            tensors[(key, offset)] = TensorSum(tuple(item.shape), algorithm, checksum)
+        return cls(where=where, algorithm=sums.algorithm, blobs=blobs, tensors=tensors)
+
+
+def _refusal(where: str, problem: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"reading the checkpoint {where} failed verification: {problem}; restore from an older checkpoint "
+        "(list_checkpoints), or pass verify=False to inspect it"
+    )
+
+
+def verified_reader_class(base: type) -> type:
+    """``base`` (a DCP file-system reader) whose ``read_data`` checks each blob once ``expect()`` was called."""
+
+    class VerifiedReader(base):
+        _expected: ExpectedSums | None = None
+        _threads: int = 1
+
+        def expect(self, expected: ExpectedSums, threads: int | None = None) -> None:
+            self._expected = expected
+            self._threads = threads or read_thread_count()
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            if self._expected is None:
+                return super().read_data(plan, planner)
+            from torch.futures import Future
+
+            # The blobs this plan needs, each once, in file order; the reads that want each.
+            wanted: dict[Any, list[Any]] = {}
+            for read_item in plan.items:
+                wanted.setdefault(read_item.storage_index, []).append(read_item)
+            by_file: dict[str, list[tuple[Any, Any]]] = {}
+            for index, reads in wanted.items():
+                info = self.storage_data[index]
+                by_file.setdefault(str(info.relative_path), []).append((info, reads))
+            batches: list[tuple[str, list[tuple[Any, Any]]]] = []
+            for relative_path, blobs in sorted(by_file.items()):
+                batch: list[tuple[Any, Any]] = []
+                size = 0
+                for info, reads in sorted(blobs, key=lambda b: int(b[0].offset)):
+                    batch.append((info, reads))
+                    size += int(info.length)
+                    if size >= READ_BATCH_BYTES:
+                        batches.append((relative_path, batch))
+                        batch, size = [], 0
+                if batch:
+                    batches.append((relative_path, batch))
+            lock = threading.Lock()  # the planner's methods are not written for threads
+            expected = self._expected
+            if len(batches) <= 1 or self._threads == 1:
+                for relative_path, batch in batches:
+                    self._read_batch(relative_path, batch, planner, lock, expected)
+            else:
+                with ThreadPoolExecutor(max_workers=min(self._threads, len(batches)), thread_name_prefix="overlapckpt-read") as pool:
+                    futures = [pool.submit(self._read_batch, p, b, planner, lock, expected) for p, b in batches]
+                    for future in futures:
+                        future.result()  # the first failure, in file order
+            done: Future = Future()
+            done.set_result(None)
+            return done
+
+        def _read_batch(self, relative_path: str, batch: list[tuple[Any, Any]], planner: Any, lock: threading.Lock, expected: ExpectedSums) -> None:
+            path = self.fs.concat_path(self.path, relative_path)
+            with self.fs.create_stream(path, "rb") as stream:
+                for info, reads in batch:
+                    blob = _checked_blob(stream, relative_path, info, expected)
+                    _decode_into(blob, reads, planner, lock, expected)
+
+    VerifiedReader.__name__ = VerifiedReader.__qualname__ = f"Verified{base.__name__}"
+    return VerifiedReader
+
+
+def _checked_blob(stream: Any, relative_path: str, info: Any, expected: ExpectedSums) -> bytes:
+    """One blob's bytes, read once, after its checksum matched the manifest's."""
+    offset, length = int(info.offset), int(info.length)
+    span = f"{expected.where}/{relative_path} (bytes {offset}..{offset + length})"
+    sums = expected.blobs.get((relative_path, offset, length))
+    if sums is None:
+        raise _refusal(expected.where, f"{span} is not a blob the manifest lists, though .metadata points at it")
+    key, checksum = sums
+    if getattr(info, "transform_descriptors", None):
+        raise _refusal(expected.where, f"{key!r} in {span} was stored through DCP extensions, which overlapckpt never writes")
+    stream.seek(offset)
+    blob = stream.read(length)  # bytes: io.BytesIO below shares them, no copy
+    if len(blob) < length:
+        raise _refusal(expected.where, f"{key!r} in {span} is cut short at byte {offset + len(blob)}: the file is truncated")
+    if hex32(updater(expected.algorithm)(blob, 0)) != checksum:
+        raise _refusal(expected.where, f"checksum mismatch for {key!r} in {span}")
+    return blob
+
+
+def _decode_into(blob: bytes, reads: list[Any], planner: Any, lock: threading.Lock, expected: ExpectedSums) -> None:
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    first = reads[0]
+    if first.type == LoadItemType.BYTE_IO:
+        for read_item in reads:
+            with lock:
+                planner.load_bytes(read_item, io.BytesIO(blob))
+        return
+    # Weights only, as DCP's own reader: no code from the checkpoint runs.
+    tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    index = first.storage_index
+    offset = tuple(int(o) for o in (index.offset or ())) or (0,) * tensor.dim()
+    saved = expected.tensors.get((index.fqn, offset))
+    if saved is not None and tuple(tensor.shape) == saved.shape and tensor_checksum(tensor, saved.algorithm) != saved.checksum:
+        raise _refusal(
+            expected.where,
+            f"checksum mismatch for {index.fqn!r}: the tensor read back differs from the snapshot that was saved, "
+            "though the stored bytes match their checksums (a serialization fault)",
+        )
+    for read_item in reads:
+        part = narrow_tensor_by_index(tensor, read_item.storage_offsets, read_item.lengths)
+        with lock:
+            target = planner.resolve_tensor(read_item).detach()
+        if target.size() != part.size():
+            raise CorruptCheckpointError(
+                f"{expected.where}: {read_item.storage_index.fqn!r} decodes to size {tuple(part.size())}, the load "
+                f"wants {tuple(target.size())}"
+            )
+        target.copy_(part)
+        with lock:
+            planner.commit_tensor(read_item, target)
