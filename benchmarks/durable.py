@@ -243,7 +243,7 @@ def _report(result: dict[str, Any]) -> str:
     machine, lines = result["machine"], []
     lines.append(
         f"# Time to durable ({machine['date_utc']}, {machine['cpu_count']} CPUs, torch {machine['torch']}, "
-        f"{result['mib']} MiB of AdamW state, commit {machine.get('git_commit')})"
+        f"{result['mib']} MiB of AdamW state, commit {machine.get('commit')})"
     )
     for storage, run in result["storages"].items():
         raw = _median(run["steady_s"]["raw write"])

@@ -115,14 +115,14 @@ def read_into(
 
     where = store.checkpoint_url(name)
     reader = store.make_reader(name)
-    if manifest is not None:
-        expect = getattr(reader, "expect", None)
-        if expect is None:
-            raise ConfigError(
-                f"{type(store).__name__}.make_reader returned a {type(reader).__name__}, which cannot check blobs as it "
-                "reads; build it with format.verified_read.verified_reader_class, or load with verify=False"
-            )
-        expect(ExpectedSums.from_manifest(manifest, where))
+    expect = getattr(reader, "expect", None)
+    if expect is not None:  # each blob read once, on several threads; checked as it arrives with a manifest
+        expect(None if manifest is None else ExpectedSums.from_manifest(manifest, where))
+    elif manifest is not None:
+        raise ConfigError(
+            f"{type(store).__name__}.make_reader returned a {type(reader).__name__}, which cannot check blobs as it "
+            "reads; build it with format.verified_read.verified_reader_class, or load with verify=False"
+        )
     try:
         with translate_read_errors(f"{where}/.metadata"):
             reader.read_metadata()  # through the allowlist, and raised with its type (DCP would stringify it)

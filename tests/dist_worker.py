@@ -51,11 +51,39 @@ class Sampler(StatefulSampler):
         return self.next_batch(16)
 
 
-def build(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+def data_rank(kind: str) -> int:
+    """Whose data this rank trains on: the two tensor-parallel ranks of a data-parallel group share it."""
+    return dist.get_rank() // 2 if kind == "fsdp_tp" else dist.get_rank()
+
+
+def build(kind: str, group: Any = None) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)  # the same initial weights on every rank
     model: nn.Module = Net()
+    if kind in ("fsdp_tp", "plain_tp"):
+        model.norm = nn.Identity()  # BatchNorm has no tensor-parallel style: the 2-D mesh's net is the MLP
     world = dist.get_world_size()
-    if kind == "ddp":
+    if kind == "fsdp_tp":
+        # A 2x2 mesh: FSDP2 over "dp", tensor parallel over "tp" (Colwise then Rowwise, uneven:
+        # WIDTH is odd). FSDP2 shards the TP-sharded weights again on dim 0 (strided sharding).
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"inp": ColwiseParallel(), "out": RowwiseParallel()})
+        for layer in (model.inp, model.out):
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    elif kind == "fsdp_sub":  # FSDP2 over the ranks of ``group`` (a 2-rank reshard target inside a 4-rank launch)
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        model.norm = nn.Identity()
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for layer in (model.inp, model.out):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model)
@@ -70,7 +98,7 @@ def build(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
         for layer in (model.inp, model.out):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    elif kind != "plain":
+    elif kind not in ("plain", "plain_tp"):
         raise ValueError(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     torch.manual_seed(100 + dist.get_rank())  # per-rank dropout masks
@@ -159,13 +187,13 @@ def exactness(kind: str, out: str, settings: dict[str, Any], name: str) -> dict[
     rank = dist.get_rank()
     twin: dict[int, dict[str, torch.Tensor]] = {}
     model, opt = build(kind)
-    train(model, opt, Sampler(rank), STEPS, states=twin)
+    train(model, opt, Sampler(data_rank(kind)), STEPS, states=twin)
     model, opt = build(kind)
     path = os.path.join(out, name)
     watch = CollectiveWatch()
     try:
         ckpt = Checkpointer(model, opt, path, **settings)
-        train(model, opt, Sampler(rank), STEPS, ckpt=ckpt, requests=(REQUEST_AT,))
+        train(model, opt, Sampler(data_rank(kind)), STEPS, ckpt=ckpt, requests=(REQUEST_AT,))
         infos = ckpt.wait(timeout_s=120)
         stats = ckpt.stats
         ckpt.close()
@@ -201,7 +229,7 @@ def exactness(kind: str, out: str, settings: dict[str, Any], name: str) -> dict[
 
 def scenario_exact(kind: str, out: str) -> dict[str, Any]:
     configs = {"w1": dict(window=1), "w3-replay": dict(window=3, consistency="replay"), "w3-stage": dict(window=3, consistency="stage")}
-    if kind == "hsdp":
+    if kind in ("hsdp", "fsdp_tp"):
         configs.pop("w3-stage")
     return {name: exactness(kind, out, settings, name) for name, settings in configs.items()}
 
@@ -241,6 +269,42 @@ def _listening_sockets() -> set[int]:
         except FileNotFoundError:
             continue
     return mine & listening
+
+
+def _tcp_connections(pid: int) -> list[tuple[str, str]]:
+    """(local, remote) "addr:port" of each established TCP socket process ``pid`` holds (IPv4, from /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[len("socket:[") : -1]))
+
+    def address(text: str) -> str:
+        host, port = text.split(":")
+        octets = [str(int(host[i : i + 2], 16)) for i in range(6, -1, -2)]  # little-endian hex
+        return f"{'.'.join(octets)}:{int(port, 16)}"
+
+    out = []
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            if fields[3] == "01" and int(fields[9]) in inodes:  # TCP_ESTABLISHED
+                out.append((address(fields[1]), address(fields[2])))
+    return out
+
+
+def scenario_netns(out: str) -> dict[str, Any]:
+    """One rank per network namespace ("host"): a checkpoint commits; the writers' TCP stays on the hosts' addresses."""
+    model, opt = build("ddp")
+    with Checkpointer(model, opt, os.path.join(out, "ckpts")) as ckpt:
+        train(model, opt, Sampler(dist.get_rank()), 3, ckpt=ckpt, requests=(2,))
+        committed = [i.step for i in ckpt.wait(timeout_s=120)]
+        connections = _tcp_connections(ckpt.writer_pid)
+    return {"committed": committed, "writer_connections": connections}
 
 
 def listeners_opened(out: str) -> dict[str, Any]:
@@ -509,7 +573,35 @@ def _outcome(ckpt: Checkpointer, path: str, error: BaseException | None, elapsed
     }
 
 
-SCENARIOS = {"ddp": scenario_ddp, "fsdp": scenario_fsdp, "hsdp": lambda out: scenario_exact("hsdp", out)}
+def scenario_fsdp_tp(out: str) -> dict[str, Any]:
+    """FSDP2 x TP on a 2x2 mesh: exact at W=1 and W=3 replay; then a reshard into 2-rank FSDP2 on ranks 0-1."""
+    result = scenario_exact("fsdp_tp", out)
+    group = dist.new_group([0, 1])  # every rank creates it; only ranks 0 and 1 are in it
+    if dist.get_rank() in (0, 1):
+        info = list_checkpoints(os.path.join(out, "w3-replay"))[-1]
+        model, opt = build("fsdp_sub", group)
+        load(info.path, model, opt, per_rank_state="skip", process_group=group)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        # The whole state, gathered over the 2-rank group (full_state's collectives run on the world).
+        msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+        state = {f"model.{k}": v.detach().clone() for k, v in msd.items() if isinstance(v, torch.Tensor)}
+        for fqn, st in osd["state"].items():
+            state.update({f"optimizer.state.{fqn}.{k}": v.detach().clone() for k, v in st.items() if isinstance(v, torch.Tensor)})
+        result["reshard_to_fsdp2"] = os.path.join(out, f"judged-fsdp2-rank{dist.get_rank()}.pt")
+        torch.save(state, result["reshard_to_fsdp2"])
+        result["reshard_step"] = info.step
+    dist.barrier()
+    return result
+
+
+SCENARIOS = {
+    "ddp": scenario_ddp,
+    "fsdp": scenario_fsdp,
+    "hsdp": lambda out: scenario_exact("hsdp", out),
+    "fsdp_tp": scenario_fsdp_tp,
+    "netns": scenario_netns,
+}
 
 
 def main() -> None:

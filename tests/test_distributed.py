@@ -253,6 +253,32 @@ def test_hsdp_four_ranks_each_shard_written_once(tmp_path):
         assert 0 <= extra <= 64, (name, extra)
 
 
+def test_fsdp_by_tp_on_a_2x2_mesh_is_exact_and_reshards_to_two_ranks_and_one(tmp_path):
+    results = _launch("fsdp_tp", 4, str(tmp_path))
+    _check_exact(results, {"w1": 3, "w3-replay": 5}, 4)
+    expected_file = results[0]["w3-replay"]["twin_files"]["5"]
+    for rank in (0, 1):  # the 4-rank checkpoint loaded into 2-rank FSDP2 (ranks 0 and 1 of the launch)
+        assert results[rank]["reshard_step"] == 5
+        assert _differing(results[rank]["reshard_to_fsdp2"], expected_file) == []
+    # ... and into one process, with overlapckpt's load.
+    sys.path.insert(0, os.path.dirname(__file__))
+    from dist_worker import Net
+
+    (info,) = list_checkpoints(str(tmp_path / "w3-replay"))
+    expected = torch.load(expected_file)
+    torch.manual_seed(5)
+    model = Net()
+    model.norm = torch.nn.Identity()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    load(info.path, model, opt, per_rank_state="skip")
+    for k, v in expected.items():
+        if k.startswith("model."):
+            assert torch.equal(model.state_dict()[k[len("model."):]], v), k
+    for fqn, p in model.named_parameters():
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, expected[f"optimizer.state.{fqn}.{k}"]), (fqn, k)
+
+
 def test_cli_shows_the_ranks_and_verify_checks_every_ranks_shards(fsdp_results, capsys):
     from overlapckpt.cli import main
 

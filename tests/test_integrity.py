@@ -596,6 +596,12 @@ class _CountingStream:
         self._counts.append((at, len(data)))
         return data
 
+    def readinto(self, buffer: Any) -> int:
+        at = self._raw.tell()
+        n = self._raw.readinto(buffer)
+        self._counts.append((at, n))
+        return n
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._raw, name)
 

@@ -38,6 +38,7 @@ from typing import Any
 
 from ..errors import CheckpointWriteError
 from .checksum import hex32, updater
+from .writeback import WRITEBACK_EVERY_BYTES, start_writeback
 
 METADATA_FILE_RE = re.compile(r"^(__\d+)?\.metadata$")  # DCP's global or per-rank commit marker
 
@@ -81,6 +82,14 @@ class ChecksummingStream:
         self._span_start = 0
         self._running = 0
         self.segments = FileSegments()
+        # A local file: ask the disk to start writing each range early (writeback.py).
+        self._fd: int | None = None
+        if start_writeback is not None:
+            try:
+                self._fd = int(raw.fileno())
+            except (AttributeError, OSError, ValueError):  # an object store's stream, a test's fake
+                self._fd = None
+        self._written_back_to = 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
@@ -92,6 +101,11 @@ class ChecksummingStream:
         # The bytes handed to storage, read in place: no copy of the tensor.
         self._running = self._update(view[:written], self._running)
         self._position += written
+        if self._fd is not None and self._position - self._written_back_to >= WRITEBACK_EVERY_BYTES:
+            self._raw.flush()  # the bytes must be in the page cache for their writeback to start
+            assert start_writeback is not None
+            start_writeback(self._fd, self._written_back_to, self._position - self._written_back_to)
+            self._written_back_to = self._position
         return written
 
     def _close_span(self) -> None:

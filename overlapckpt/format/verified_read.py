@@ -30,7 +30,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -105,15 +105,18 @@ def verified_reader_class(base: type) -> type:
     """``base`` (a DCP file-system reader) whose ``read_data`` checks each blob once ``expect()`` was called."""
 
     class VerifiedReader(base):
+        _active = False
         _expected: ExpectedSums | None = None
         _threads: int = 1
 
-        def expect(self, expected: ExpectedSums, threads: int | None = None) -> None:
+        def expect(self, expected: ExpectedSums | None, threads: int | None = None) -> None:
+            """Read each blob once, on ``threads`` threads; with ``expected``, check each as it arrives."""
+            self._active = True
             self._expected = expected
             self._threads = threads or read_thread_count()
 
         def read_data(self, plan: Any, planner: Any) -> Any:
-            if self._expected is None:
+            if not self._active:
                 return super().read_data(plan, planner)
             from torch.futures import Future
 
@@ -151,7 +154,9 @@ def verified_reader_class(base: type) -> type:
             done.set_result(None)
             return done
 
-        def _read_batch(self, relative_path: str, batch: list[tuple[Any, Any]], planner: Any, lock: threading.Lock, expected: ExpectedSums) -> None:
+        def _read_batch(
+            self, relative_path: str, batch: list[tuple[Any, Any]], planner: Any, lock: threading.Lock, expected: ExpectedSums | None
+        ) -> None:
             path = self.fs.concat_path(self.path, relative_path)
             with self.fs.create_stream(path, "rb") as stream:
                 for info, reads in batch:
@@ -162,9 +167,73 @@ def verified_reader_class(base: type) -> type:
     return VerifiedReader
 
 
-def _checked_blob(stream: Any, relative_path: str, info: Any, expected: ExpectedSums) -> bytes:
-    """One blob's bytes, read once, after its checksum matched the manifest's."""
+_thread_buffers = threading.local()
+
+
+def _read_into_thread_buffer(stream: Any, length: int) -> memoryview:
+    """``length`` bytes of ``stream`` (fewer at its end) in this thread's reused buffer.
+
+    A fresh ``bytes`` per blob would cost a page fault per 4 KiB of every blob; the
+    buffer's pages are faulted in once per thread. The view is valid until this thread
+    reads its next blob (each blob is decoded, and its tensor copied out, before that).
+    """
+    buffer: bytearray | None = getattr(_thread_buffers, "buffer", None)
+    if buffer is None or len(buffer) < length:
+        buffer = bytearray(length)
+        _thread_buffers.buffer = buffer
+    view = memoryview(buffer)[:length]
+    readinto = getattr(stream, "readinto", None)
+    if readinto is None:  # a stream without readinto (some fsspec files): one copy more
+        data = stream.read(length)
+        view[: len(data)] = data
+        return view[: len(data)]
+    filled = 0
+    while filled < length:
+        n = readinto(view[filled:])
+        if not n:
+            break
+        filled += n
+    return view[:filled]
+
+
+class _ViewReader(io.RawIOBase):
+    """A read-only, seekable file over a memoryview, with no copy of it (``io.BytesIO`` copies a memoryview)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._view)}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        n = max(0, min(len(out), len(self._view) - self._position))
+        out[:n] = self._view[self._position : self._position + n]
+        self._position += n
+        return n
+
+
+def _checked_blob(stream: Any, relative_path: str, info: Any, expected: ExpectedSums | None) -> memoryview:
+    """One blob's bytes, read once, after its checksum matched the manifest's (``expected``: None checks nothing)."""
     offset, length = int(info.offset), int(info.length)
+    if expected is None:
+        stream.seek(offset)
+        blob = _read_into_thread_buffer(stream, length)
+        if len(blob) < length:
+            raise CorruptCheckpointError(f"{relative_path} (bytes {offset}..{offset + length}) is cut short at byte {offset + len(blob)}")
+        return blob
     span = f"{expected.where}/{relative_path} (bytes {offset}..{offset + length})"
     sums = expected.blobs.get((relative_path, offset, length))
     if sums is None:
@@ -173,7 +242,7 @@ def _checked_blob(stream: Any, relative_path: str, info: Any, expected: Expected
     if getattr(info, "transform_descriptors", None):
         raise _refusal(expected.where, f"{key!r} in {span} was stored through DCP extensions, which overlapckpt never writes")
     stream.seek(offset)
-    blob = stream.read(length)  # bytes: io.BytesIO below shares them, no copy
+    blob = _read_into_thread_buffer(stream, length)
     if len(blob) < length:
         raise _refusal(expected.where, f"{key!r} in {span} is cut short at byte {offset + len(blob)}: the file is truncated")
     if hex32(updater(expected.algorithm)(blob, 0)) != checksum:
@@ -181,7 +250,7 @@ def _checked_blob(stream: Any, relative_path: str, info: Any, expected: Expected
     return blob
 
 
-def _decode_into(blob: bytes, reads: list[Any], planner: Any, lock: threading.Lock, expected: ExpectedSums) -> None:
+def _decode_into(blob: memoryview, reads: list[Any], planner: Any, lock: threading.Lock, expected: ExpectedSums | None) -> None:
     from torch.distributed._shard._utils import narrow_tensor_by_index
     from torch.distributed.checkpoint.planner import LoadItemType
 
@@ -189,28 +258,64 @@ def _decode_into(blob: bytes, reads: list[Any], planner: Any, lock: threading.Lo
     if first.type == LoadItemType.BYTE_IO:
         for read_item in reads:
             with lock:
-                planner.load_bytes(read_item, io.BytesIO(blob))
+                planner.load_bytes(read_item, io.BytesIO(blob))  # a copy: the planner may keep it
         return
     # Weights only, as DCP's own reader: no code from the checkpoint runs.
-    tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    tensor = torch.load(cast(IO[bytes], _ViewReader(blob)), map_location="cpu", weights_only=True)
     index = first.storage_index
     offset = tuple(int(o) for o in (index.offset or ())) or (0,) * tensor.dim()
-    saved = expected.tensors.get((index.fqn, offset))
+    saved = None if expected is None else expected.tensors.get((index.fqn, offset))
     if saved is not None and tuple(tensor.shape) == saved.shape and tensor_checksum(tensor, saved.algorithm) != saved.checksum:
+        assert expected is not None
         raise _refusal(
             expected.where,
             f"checksum mismatch for {index.fqn!r}: the tensor read back differs from the snapshot that was saved, "
             "though the stored bytes match their checksums (a serialization fault)",
         )
     for read_item in reads:
+        with lock:
+            if len(reads) == 1 and _adopt(planner, read_item, tensor):
+                continue  # the decoded tensor is the load's own: no copy, and the target was never touched
         part = narrow_tensor_by_index(tensor, read_item.storage_offsets, read_item.lengths)
         with lock:
             target = planner.resolve_tensor(read_item).detach()
         if target.size() != part.size():
             raise CorruptCheckpointError(
-                f"{expected.where}: {read_item.storage_index.fqn!r} decodes to size {tuple(part.size())}, the load "
+                f"{read_item.storage_index.fqn!r} decodes to size {tuple(part.size())}, the load "
                 f"wants {tuple(target.size())}"
             )
         target.copy_(part)
         with lock:
             planner.commit_tensor(read_item, target)
+
+
+def _adopt(planner: Any, read_item: Any, tensor: torch.Tensor) -> bool:
+    """Put the decoded ``tensor`` in the load's state dict in place of its target, when it is the whole target.
+
+    The target is a host tensor the load allocated (``torch.empty``, so never touched
+    until written: its pages are never faulted in). Copying into it would cost a copy of
+    the state and a page fault per 4 KiB; the decoded tensor is the same bytes, freshly
+    allocated, so the load adopts it, as DCP itself does for byte items (``load_bytes``).
+    Only for a plain tensor read whole, through a planner that keeps DCP's default
+    mappings; anything else is copied as DCP copies it.
+    """
+    from torch.distributed.checkpoint._traverse import set_element
+
+    fqn = read_item.dest_index.fqn
+    state_dict = getattr(planner, "state_dict", None)
+    if not isinstance(state_dict, dict):
+        return False
+    current = state_dict.get(fqn)
+    if type(current) is not torch.Tensor or current.shape != tensor.shape or current.dtype != tensor.dtype:
+        return False
+    if any(read_item.dest_offsets) or any(read_item.storage_offsets) or tuple(read_item.lengths) != tuple(tensor.shape):
+        return False
+    if getattr(planner, "flatten_state_dict", False):
+        mappings = getattr(planner, "mappings", None)
+        original = getattr(planner, "original_state_dict", None)
+        if not isinstance(mappings, dict) or fqn not in mappings or original is None:
+            return False
+        set_element(original, mappings[fqn], tensor)
+    state_dict[fqn] = tensor
+    planner.commit_tensor(read_item, tensor)
+    return True
