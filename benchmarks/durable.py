@@ -197,6 +197,35 @@ def _load_run(root: str, mib: int, repeats: int) -> dict[str, list[float]]:
     return loads
 
 
+def _replay_run(model: nn.Module, opt: torch.optim.Optimizer, base: str, window: int) -> dict[str, Any]:
+    """Time to durable at ``window`` with replay against window 1, on the same state: replay's share of it."""
+    from overlapckpt import Checkpointer
+
+    out: dict[str, Any] = {"window": window}
+    for name, settings in (("window=1", {"window": 1}), (f"window={window} replay", {"window": window, "consistency": "replay"})):
+        shutil.rmtree(base, ignore_errors=True)
+        with Checkpointer(model, opt, base, lease=False, **settings) as ckpt:
+            for _ in range(2):  # the first is cold (the writer starts, the slots fill)
+                opt.step()
+                ckpt.request()
+                ckpt.step()
+                for _ in range(window - 1):
+                    opt.step()
+                    ckpt.step()
+                ckpt.wait(timeout_s=900)
+            last = ckpt.stats[-1]
+        out[name] = {"persist_s": last["persist_s"], "time_to_commit_s": last["time_to_commit_s"]}
+    shutil.rmtree(base, ignore_errors=True)
+    replay_s = out[f"window={window} replay"]["persist_s"] - out["window=1"]["persist_s"]
+    # Copy group j (of window groups, equal in size) is rolled forward window-1-j steps.
+    state_gb = _state_bytes(model) / 1e9
+    rolled_gb = state_gb * sum(window - 1 - j for j in range(window)) / window
+    out["replay_s"] = replay_s
+    out["replay_gb_per_s"] = rolled_gb / replay_s if replay_s > 0 else float("nan")
+    out["replay_share_of_time_to_durable"] = replay_s / out[f"window={window} replay"]["time_to_commit_s"]
+    return out
+
+
 def _svg_plot(title: str, ylabel: str, series: dict[str, list[tuple[float, float]]]) -> str:
     """A line chart of ``series`` (name -> [(GiB of state, value)]), as standalone SVG."""
     width, height, left, bottom, top, right = 560, 320, 60, 40, 30, 170
@@ -273,6 +302,18 @@ def _report(result: dict[str, Any]) -> str:
         f"\nThe cost of verification: {_median(loads['load(verify=True)']) - _median(loads['load(verify=False)']):+.2f} s "
         "(verify=True minus verify=False)."
     )
+    replay = result.get("replay")
+    if replay:
+        w = replay["window"]
+        lines += [
+            "",
+            f"## Replay at window {w} (local disk, the optimizer's own CPU kernel: AdamW's default on CPU)",
+            "",
+            f"Writer time: window 1 {replay['window=1']['persist_s']:.2f} s, window {w} replay {replay[f'window={w} replay']['persist_s']:.2f} s; "
+            f"replay took {replay['replay_s']:.2f} s, {replay['replay_share_of_time_to_durable']:.0%} of the {replay[f'window={w} replay']['time_to_commit_s']:.2f} s "
+            f"to durable, rolling state forward at {replay['replay_gb_per_s']:.2f} GB/s (state x replayed steps / time). "
+            "The fused kernel's figures are in benchmarks/results/replay/.",
+        ]
     lines += ["", "## Scale (local disk, steady state)", "", "| state | overlapckpt | dcp.async_save PROCESS | raw write | writer peak RSS |", "|---|---|---|---|---|"]
     for row in result["scale"]:
         lines.append(
@@ -291,6 +332,7 @@ def main() -> None:
     parser.add_argument("--tmpfs", default="/dev/shm", help="a directory on tmpfs ('' skips it)")
     parser.add_argument("--scale-mib", default="205,512,1024,2048", help="state sizes of the scale run ('' skips it)")
     parser.add_argument("--writer-threads", default="", help="also time overlapckpt on disk at each of these writer_threads")
+    parser.add_argument("--replay-window", type=int, default=8, help="replay's share of time to durable at this window (1 skips it)")
     parser.add_argument("--out", default="benchmarks/results/durable")
     args = parser.parse_args()
 
@@ -306,6 +348,8 @@ def main() -> None:
             run = _storage_run(model, opt, os.path.join(base, "run"), args.repeats, None)
             result["storages"][storage] = {"dir": base, **run}
         result["loads_s"] = _load_run(os.path.join(disk, "run", "ours"), args.mib, args.repeats)
+        if args.replay_window > 1:
+            result["replay"] = _replay_run(model, opt, os.path.join(disk, "replay"), args.replay_window)
         if args.writer_threads:
             result["writer_threads_sweep"] = {}
             for threads in _ints(args.writer_threads):

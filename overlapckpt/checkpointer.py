@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .control_page import PAGE_BYTES, OwnedControlPage
 from .errors import ConfigError
 from .format.lease import RootLease
 from .format.manifest import CheckpointInfo
@@ -18,12 +19,13 @@ from .format.signing import resolve_key
 from .format.storage import CheckpointStore
 from .loading import load
 from .options import check_export_formats, check_optimizer_for_mode, check_options, check_stateful
+from .protocol import WatchPreemptionRequest
 from .train.autowindow import AUTO_WINDOW, DEFAULT_MAX_WINDOW, PhaseTimer, make_gap_timer
 from .train.distributed import DistributedRun, is_distributed, set_up_distributed
 from .train.engine import SnapshotEngine
 from .train.layout import CheckpointScope, check_optimizer_matches_model
 from .train.lineage import Lineage
-from .train.preemption import PreemptionGuard
+from .train.preemption import PreemptionGuard, default_grace_s
 from .train.run_start import agreed_run_id, take_root_lease
 from .train.step_hooks import unwrap_optimizer
 from .train.transfer import Copier, make_copier
@@ -72,7 +74,10 @@ class Checkpointer:
         save_on_signal: signals (e.g. ``(signal.SIGTERM,)``) on which to close open windows at the
             current step, checkpoint that step if nothing covers it, commit within ``signal_grace_s``,
             then exit as the signal would (or chain to the handler installed before). Installed from
-            the main thread; one process only.
+            the main thread. Under torch.distributed, the ranks agree on one step, whichever of them
+            were signalled, checkpoint it together and all exit with the signal (train/preemption.py).
+        signal_grace_s: seconds from the signal to the commit; None: 5 s less than torchrun's
+            SIGTERM-to-SIGKILL window (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 30 s by default), so 25 s.
         process_group: under torch.distributed, the ranks that checkpoint together (default: the
             world). Construct the Checkpointer on every rank of it, with the same settings.
         collective_timeout_s: distributed: the timeout of every collective of the writers' group (a
@@ -121,7 +126,7 @@ class Checkpointer:
         max_writer_restarts: int = DEFAULT_MAX_WRITER_RESTARTS,
         exit_timeout_s: float = 60.0,
         save_on_signal: tuple[int, ...] = (),
-        signal_grace_s: float = 30.0,
+        signal_grace_s: float | None = None,
         process_group: Any = None,
         collective_timeout_s: float = 300.0,
         agreement_timeout_s: float = 120.0,
@@ -197,12 +202,7 @@ class Checkpointer:
                 writer_threads=writer_threads,
             )
 
-        if save_on_signal and self._distributed is not None:
-            raise ConfigError(
-                f"save_on_signal={save_on_signal!r} is for one process: ranks would each save at the step they "
-                "happen to be in when the signal arrives, and disagree. In a distributed run, checkpoint with "
-                "every= often enough for the grace period"
-            )
+        grace_s = default_grace_s() if signal_grace_s is None else float(signal_grace_s)
         writer = start_writer()
         if self._distributed is not None:
             try:
@@ -213,8 +213,22 @@ class Checkpointer:
         # A dead writer is replaced in one process; the writers of a distributed run share a group.
         link = WriterLink(writer, None if self._distributed is not None else start_writer, max_writer_restarts)
         self._preemption: PreemptionGuard | None = None
+        self._control_page: OwnedControlPage | None = None
         if save_on_signal:
-            self._preemption = PreemptionGuard(tuple(save_on_signal), float(signal_grace_s), self._save_now)
+            if self._distributed is not None:
+                # The ranks agree on the step through their writers (writer/preempt_watch.py), read
+                # from this page at each boundary: no collective in a hook.
+                self._control_page = OwnedControlPage()
+                writer.send_with_fd(
+                    WatchPreemptionRequest(nbytes=PAGE_BYTES, agreement_timeout_s=grace_s / 2), self._control_page.fd
+                )
+            self._preemption = PreemptionGuard(
+                tuple(save_on_signal),
+                grace_s,
+                self._save_now,
+                page=self._control_page,
+                current_step=lambda: self._engine.step_count,
+            )
         first = next(iter(model.parameters()), None)
         device = first.device if first is not None else torch.device("cpu")
         if window == AUTO_WINDOW and phase_timer is None:
@@ -313,6 +327,9 @@ class Checkpointer:
     def _tear_down(self, writer_timeout_s: float) -> None:
         """Remove the hooks, stop the writer, release host buffers (after the copies into them)."""
         self._engine.shut_down(writer_timeout_s)
+        page: OwnedControlPage | None = getattr(self, "_control_page", None)
+        if page is not None:
+            page.buffer.release()  # after the writer, the page's other user, stopped
         if self._lease is not None:
             self._lease.release()
 

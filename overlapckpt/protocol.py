@@ -71,6 +71,17 @@ class MapBufferRequest:
 
 
 @dataclass
+class WatchPreemptionRequest:
+    """Distributed runs with save_on_signal: watch for a preemption and agree on its step (writer/preempt_watch.py).
+
+    Followed on the socket by the control page's descriptor (SCM_RIGHTS), as MapBufferRequest.
+    """
+
+    nbytes: int
+    agreement_timeout_s: float  # the longest the writers wait for every rank's step
+
+
+@dataclass
 class ReleaseBufferRequest:
     buffer_id: int
 

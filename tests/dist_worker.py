@@ -41,6 +41,17 @@ def Net() -> TinyNet:  # noqa: N802 - the model's name in these tests
     return TinyNet(width=WIDTH, features=FEATURES, outputs=FEATURES, dropout=0.2)
 
 
+TP_WIDTH = 256  # even: DTensor's tensor-parallel styles assume even shards of the activations
+TP_KINDS = ("fsdp_tp", "plain_tp", "fsdp_sub")
+
+
+def TpNet() -> TinyNet:  # noqa: N802 - the model's name in these tests
+    """The 2-D mesh's net: TinyNet without BatchNorm, which has no tensor-parallel style."""
+    model = TinyNet(width=TP_WIDTH, features=FEATURES, outputs=FEATURES, dropout=0.2)
+    model.norm = nn.Identity()
+    return model
+
+
 class Sampler(StatefulSampler):
     """Per-rank data with its own generator: state that a resume must restore per rank."""
 
@@ -58,9 +69,7 @@ def data_rank(kind: str) -> int:
 
 def build(kind: str, group: Any = None) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)  # the same initial weights on every rank
-    model: nn.Module = Net()
-    if kind in ("fsdp_tp", "plain_tp"):
-        model.norm = nn.Identity()  # BatchNorm has no tensor-parallel style: the 2-D mesh's net is the MLP
+    model: nn.Module = Net() if kind not in TP_KINDS else TpNet()
     world = dist.get_world_size()
     if kind == "fsdp_tp":
         # A 2x2 mesh: FSDP2 over "dp", tensor parallel over "tp" (Colwise then Rowwise, uneven:
@@ -78,7 +87,6 @@ def build(kind: str, group: Any = None) -> tuple[nn.Module, torch.optim.Optimize
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
-        model.norm = nn.Identity()
         mesh = DeviceMesh.from_group(group, "cpu")
         for layer in (model.inp, model.out):
             fully_shard(layer, mesh=mesh)

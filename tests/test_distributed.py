@@ -262,13 +262,12 @@ def test_fsdp_by_tp_on_a_2x2_mesh_is_exact_and_reshards_to_two_ranks_and_one(tmp
         assert _differing(results[rank]["reshard_to_fsdp2"], expected_file) == []
     # ... and into one process, with overlapckpt's load.
     sys.path.insert(0, os.path.dirname(__file__))
-    from dist_worker import Net
+    from dist_worker import TpNet
 
     (info,) = list_checkpoints(str(tmp_path / "w3-replay"))
     expected = torch.load(expected_file)
     torch.manual_seed(5)
-    model = Net()
-    model.norm = torch.nn.Identity()
+    model = TpNet()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     load(info.path, model, opt, per_rank_state="skip")
     for k, v in expected.items():

@@ -20,11 +20,13 @@ from multiprocessing.connection import Connection
 import torch
 
 from .. import protocol as p
+from ..control_page import ControlPage
 from ..format.storage import CheckpointStore, dcp_root_cause
 from ..hostbuf import fd_path, map_shared_file
 from ..qualname import import_qualified
 from .group import WriterGroup
 from .persist import persist_snapshot
+from .preempt_watch import PreemptionWatch
 
 # How often an idle writer of a distributed run looks for checkpoints other ranks claimed.
 _IDLE_CHECK_S = 0.5
@@ -37,6 +39,8 @@ class _WriterState:
         self.store = store
         self.group = group
         self.buffers: dict[int, torch.Tensor] = {}
+        self.preemption: PreemptionWatch | None = None
+        self.control_page: torch.Tensor | None = None  # the mapping the watch reads and writes
         self.plans: dict[int, p.SetPlanRequest] = {}
 
     def persist(self, req: p.PersistRequest) -> p.CommittedResponse:
@@ -122,6 +126,17 @@ def _serve_requests(conn: Connection, fd_sock: socket.socket, state: _WriterStat
                     for fd in fds:
                         os.close(fd)  # the mapping keeps the memory
                 _send(conn, p.MappedResponse(buffer_id=req.buffer_id))
+            elif isinstance(req, p.WatchPreemptionRequest):
+                _, fds, _, _ = socket.recv_fds(fd_sock, 1, 1)
+                try:
+                    state.control_page = map_shared_file(fd_path(fds[0]), req.nbytes)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+                if state.group is None:
+                    raise TypeError("WatchPreemptionRequest is for the writers of a distributed run")
+                page = ControlPage(state.control_page.data_ptr())
+                state.preemption = PreemptionWatch(page, state.group.spec, req.agreement_timeout_s)
             elif isinstance(req, p.ReleaseBufferRequest):
                 state.buffers.pop(req.buffer_id, None)
             elif isinstance(req, p.SetPlanRequest):

@@ -1,0 +1,89 @@
+"""One rank of a torchrun job that gets preempted, for tests/test_preemption_dist.py.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/preempt_worker.py OUT_DIR WINDOW
+
+Trains TinyNet under DDP (gloo) with ``save_on_signal=(SIGTERM,)`` until a signal
+ends it; rank 1 does extra work each step, so the ranks run at different speeds. It
+prints ``READY <rank> <pid>`` once both ranks are past step 3, keeps the whole state
+of its recent steps, and, from its own SIGTERM handler (which overlapckpt's guard
+chains to after the commit), writes OUT_DIR/rank<R>.json (what was committed, and the
+state at that version for the test to compare) before exiting with the signal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from overlapckpt import Checkpointer, list_checkpoints  # noqa: E402
+
+from helpers import StatefulSampler, TinyNet  # noqa: E402
+
+KEEP_STATES = 64  # recent steps whose state is kept, for the one that was committed
+MAX_STEPS = 100_000  # the loop ends by the signal, long before
+
+
+def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v.detach().clone() for k, v in model.module.state_dict().items()}
+    for name, p in model.module.named_parameters():
+        for k, v in opt.state[p].items():
+            out[f"optimizer.state.{name}.{k}"] = v.detach().clone()
+    return out
+
+
+def main() -> None:
+    out, window = sys.argv[1], int(sys.argv[2])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(TinyNet(width=32, features=8, outputs=4, dropout=0.0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sampler = StatefulSampler(seed=100 + rank)
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    root = os.path.join(out, "ckpts")
+    step = 0
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        # overlapckpt's guard runs this after its commit (it chains to the handler it replaced).
+        committed = [i.step for i in list_checkpoints(root)]
+        result: dict[str, object] = {"rank": rank, "committed": committed, "last_step": step}
+        if committed and committed[-1] in states:
+            path = os.path.join(out, f"state-rank{rank}.pt")
+            torch.save(states[committed[-1]], path)
+            result["state_file"] = path
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)  # exit with the signal's status
+
+    signal.signal(signal.SIGTERM, on_sigterm)  # before the Checkpointer: the guard chains to it
+    extra = torch.randn(256, 256)
+    ckpt = Checkpointer(model, opt, root, window=window, save_on_signal=(signal.SIGTERM,))
+    for step in range(1, MAX_STEPS + 1):
+        x, y = sampler.next_batch(8)
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        if rank == 1:
+            for _ in range(20):  # the slower rank: more work per step
+                extra = torch.tanh(extra @ extra * 1e-3)
+        states[step] = full_state(model, opt)
+        states.pop(step - KEEP_STATES, None)
+        ckpt.step()
+        if step == 3:
+            print(f"READY {rank} {os.getpid()}", flush=True)
+    ckpt.close()
+
+
+if __name__ == "__main__":
+    main()
