@@ -226,6 +226,76 @@ def _replay_run(model: nn.Module, opt: torch.optim.Optimizer, base: str, window:
     return out
 
 
+def _moto_server() -> tuple[Any, str]:
+    """A moto S3 server in a process of its own (its work must not share this process's GIL), with a bucket."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing", aws_secret_access_key="testing")
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            client.create_bucket(Bucket="ckpts")
+            return server, url
+        except Exception:
+            if time.monotonic() > deadline or server.poll() is not None:
+                server.kill()
+                raise
+            time.sleep(0.2)  # the server is still starting: no event to wait on
+
+
+def _s3_run(mib: int, repeats: int, threads: list[int]) -> dict[str, Any]:
+    """Time to durable on S3 (moto on 127.0.0.1) through s3fs: overlapckpt against DCP's FsspecWriter, by thread count."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from overlapckpt import Checkpointer
+    from overlapckpt.format.storage import _fsspec_dcp_classes
+
+    server, url = _moto_server()
+    options = {"key": "testing", "secret": "testing", "endpoint_url": url, "client_kwargs": {"region_name": "us-east-1"}}
+    writer_cls, _ = _fsspec_dcp_classes()
+    model, opt = _model(mib)
+    out: dict[str, Any] = {"state_bytes": _state_bytes(model), "endpoint": "moto server, 127.0.0.1", "by_threads": {}}
+    try:
+        for n in threads:
+            ours: list[float] = []
+            with Checkpointer(model, opt, f"s3://ckpts/ours-{n}", storage_options=options, lease=False, keep=1, writer_threads=n) as ckpt:
+                for i in range(repeats + 1):
+                    opt.step()
+                    ckpt.step()
+                    started = time.perf_counter()
+                    ckpt.request()
+                    ckpt.step()
+                    ckpt.wait(timeout_s=900)
+                    if i:
+                        ours.append(time.perf_counter() - started)  # the first starts the writer
+            theirs: list[float] = []
+            for i in range(repeats + 1):
+                opt.step()
+                msd, osd = get_state_dict(model, opt)
+                started = time.perf_counter()
+                writer = writer_cls(f"s3://ckpts/dcp-{n}-{i}", thread_count=n, **options)
+                dcp.async_save({"model": msd, "optimizer": osd}, storage_writer=writer,
+                               async_checkpointer_type=_async_checkpointer_type().PROCESS).result()
+                if i:
+                    theirs.append(time.perf_counter() - started)
+            out["by_threads"][str(n)] = {"overlapckpt window=1": ours, "dcp.async_save PROCESS + FsspecWriter": theirs}
+    finally:
+        server.kill()
+        server.wait()
+    return out
+
+
 def _svg_plot(title: str, ylabel: str, series: dict[str, list[tuple[float, float]]]) -> str:
     """A line chart of ``series`` (name -> [(GiB of state, value)]), as standalone SVG."""
     width, height, left, bottom, top, right = 560, 320, 60, 40, 30, 170
@@ -314,6 +384,18 @@ def _report(result: dict[str, Any]) -> str:
             f"to durable, rolling state forward at {replay['replay_gb_per_s']:.2f} GB/s (state x replayed steps / time). "
             "The fused kernel's figures are in benchmarks/results/replay/.",
         ]
+    s3 = result.get("s3")
+    if s3:
+        lines += [
+            "",
+            f"## S3 through s3fs ({s3['endpoint']}, {s3['state_bytes'] / MIB:.0f} MiB of state; moto is the limit here, reported only)",
+            "",
+            "| threads | overlapckpt window=1 | dcp.async_save PROCESS + FsspecWriter |",
+            "|---|---|---|",
+        ]
+        for n, figures in s3["by_threads"].items():
+            a, b = figures["overlapckpt window=1"], figures["dcp.async_save PROCESS + FsspecWriter"]
+            lines.append(f"| {n} | {_median(a):.2f} s ({min(a):.2f}–{max(a):.2f}) | {_median(b):.2f} s ({min(b):.2f}–{max(b):.2f}) |")
     lines += ["", "## Scale (local disk, steady state)", "", "| state | overlapckpt | dcp.async_save PROCESS | raw write | writer peak RSS |", "|---|---|---|---|---|"]
     for row in result["scale"]:
         lines.append(
@@ -332,6 +414,8 @@ def main() -> None:
     parser.add_argument("--tmpfs", default="/dev/shm", help="a directory on tmpfs ('' skips it)")
     parser.add_argument("--scale-mib", default="205,512,1024,2048", help="state sizes of the scale run ('' skips it)")
     parser.add_argument("--writer-threads", default="", help="also time overlapckpt on disk at each of these writer_threads")
+    parser.add_argument("--s3-mib", type=int, default=256, help="state for the S3 run on a local moto server (0 skips it)")
+    parser.add_argument("--s3-threads", default="1,4", help="writer threads (ours) and thread_count (FsspecWriter) for S3")
     parser.add_argument("--replay-window", type=int, default=8, help="replay's share of time to durable at this window (1 skips it)")
     parser.add_argument("--out", default="benchmarks/results/durable")
     args = parser.parse_args()
@@ -348,6 +432,8 @@ def main() -> None:
             run = _storage_run(model, opt, os.path.join(base, "run"), args.repeats, None)
             result["storages"][storage] = {"dir": base, **run}
         result["loads_s"] = _load_run(os.path.join(disk, "run", "ours"), args.mib, args.repeats)
+        if args.s3_mib:
+            result["s3"] = _s3_run(args.s3_mib, 2, _ints(args.s3_threads))
         if args.replay_window > 1:
             result["replay"] = _replay_run(model, opt, os.path.join(disk, "replay"), args.replay_window)
         if args.writer_threads:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable
@@ -192,12 +193,17 @@ class Checkpointer:
         self.consistency = consistency
         self.exit_timeout_s = float(exit_timeout_s)
         self._closed = False
-        def start_writer() -> WriterProcess:
+        def start_writer(restarted: bool = False) -> WriterProcess:
+            spec = None if self._distributed is None else self._distributed.writer_spec
+            if spec is not None and restarted:
+                # It opens the writers' next generation, and tells them which checkpoints this rank
+                # had sent to the dead writer: they are lost on every rank.
+                spec = dataclasses.replace(spec, restarted=True, lost_names=tuple(self._engine.dispatcher.sent_names()))
             return WriterProcess(
                 self.path,
                 self.storage_options,
                 (store_class.__module__, store_class.__qualname__),
-                group=None if self._distributed is None else self._distributed.writer_spec,
+                group=spec,
                 signing_key=self._signing_key,
                 writer_threads=writer_threads,
             )
@@ -210,18 +216,18 @@ class Checkpointer:
             except BaseException:
                 writer.close()
                 raise
-        # A dead writer is replaced in one process; the writers of a distributed run share a group.
-        link = WriterLink(writer, None if self._distributed is not None else start_writer, max_writer_restarts)
+        # A dead writer is replaced; in a distributed run its replacement re-forms the writers' group.
+        link = WriterLink(writer, lambda: start_writer(restarted=True), max_writer_restarts, distributed=self._distributed is not None)
         self._preemption: PreemptionGuard | None = None
         self._control_page: OwnedControlPage | None = None
         if save_on_signal:
             if self._distributed is not None:
                 # The ranks agree on the step through their writers (writer/preempt_watch.py), read
                 # from this page at each boundary: no collective in a hook.
-                self._control_page = OwnedControlPage()
-                writer.send_with_fd(
-                    WatchPreemptionRequest(nbytes=PAGE_BYTES, agreement_timeout_s=grace_s / 2), self._control_page.fd
-                )
+                page = self._control_page = OwnedControlPage()
+                watch = WatchPreemptionRequest(nbytes=PAGE_BYTES, agreement_timeout_s=grace_s / 2)
+                writer.send_with_fd(watch, page.fd)
+                link.on_replaced(lambda new_writer: new_writer.send_with_fd(watch, page.fd))
             self._preemption = PreemptionGuard(
                 tuple(save_on_signal),
                 grace_s,

@@ -28,6 +28,10 @@ class CheckpointWriteError(OverlapCkptError):
     """The writer process failed to persist a checkpoint; the cause is chained."""
 
 
+class WritersRegroupedError(CheckpointWriteError):
+    """A distributed run's writer died and was replaced while a checkpoint was in flight: that one is lost, not listed."""
+
+
 class CorruptCheckpointError(OverlapCkptError):
     """A committed checkpoint does not match its manifest (checksum, missing item, bad manifest)."""
 

@@ -25,6 +25,8 @@ class WriterGroupSpec:
     agreement_timeout_s: float  # how far apart in time ranks may reach the same checkpoint
     mesh_shape: tuple[int, ...]
     key_prefix: str = ""  # drawn at random on rank 0 for this run: the writers' keys live under it
+    restarted: bool = False  # a replacement for a dead writer: it opens the writers' next generation
+    lost_names: tuple[str, ...] = ()  # a replacement's: checkpoints its rank had sent to the dead writer
 
 
 @dataclass

@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -249,6 +250,7 @@ def scenario_ddp(out: str) -> dict[str, Any]:
     result["mismatched_steps"] = mismatched_requests(out, {0: 2, 1: 3}, "steps")
     result["one_rank_only"] = mismatched_requests(out, {0: 2}, "one")
     result["writer_killed"] = writer_killed(out)
+    result["writer_restarted"] = writer_restarted(out)
     result["settings_mismatch"] = settings_mismatch(out)
     result["auto_window"] = auto_window(out)
     result["listeners"] = listeners_opened(out)
@@ -541,7 +543,10 @@ def writer_killed(out: str) -> dict[str, Any]:
     dist.barrier()
     model, opt = build("plain")
     path = os.path.join(out, "killed")
-    ckpt = Checkpointer(model, opt, path, window=1, store_class=__import__("fakes").BlockingStore, collective_timeout_s=20.0)
+    # No restart budget: the death is raised on every rank, in bounded time.
+    ckpt = Checkpointer(
+        model, opt, path, window=1, store_class=__import__("fakes").BlockingStore, collective_timeout_s=20.0, max_writer_restarts=0
+    )
     sampler = Sampler(rank)
     error = None
     started = None
@@ -565,6 +570,79 @@ def writer_killed(out: str) -> dict[str, Any]:
     except Exception as e:
         error = e
     return _outcome(ckpt, path, error, time.monotonic() - (started or time.monotonic()))
+
+
+def writer_restarted(out: str) -> dict[str, Any]:
+    """Rank 1's writer SIGKILLed mid-persist, then rank 0's while idle: later checkpoints commit on every rank."""
+    from fakes import BLOCK_FIFO_ENV, ONLY_NAME_ENV
+
+    rank = dist.get_rank()
+    fifo = os.path.join(out, "restart.fifo")
+    if rank == 1:
+        os.environ[BLOCK_FIFO_ENV] = fifo
+        os.environ[ONLY_NAME_ENV] = "step-000000002"  # its replacement inherits this: only step 2 hangs
+    else:
+        os.environ.pop(BLOCK_FIFO_ENV, None)
+        os.environ[ONLY_NAME_ENV] = "none"
+    if rank == 0:
+        os.mkfifo(fifo)
+    dist.barrier()
+    model, opt = build("ddp")
+    path = os.path.join(out, "restarted")
+    ckpt = Checkpointer(model, opt, path, window=1, store_class=__import__("fakes").BlockingStore, collective_timeout_s=60.0)
+    sampler = Sampler(rank)
+    result: dict[str, Any] = {"error": None}
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    killed: list[float] = []
+    killer = None
+    if rank == 1:
+        # Training must go on while the writer persists (rank 0's snapshot of step 2 is sent
+        # from its next hook), so a thread waits for the writer to be inside the shard write.
+        def kill_when_writing() -> None:
+            with open(fifo) as f:
+                f.readline()
+            killed.append(time.monotonic())
+            os.kill(ckpt.writer_pid, signal.SIGKILL)  # mid-persist
+
+        killer = threading.Thread(target=kill_when_writing, daemon=True)
+        killer.start()
+    try:
+        for it in range(1, 10):
+            x, y = sampler.batch()
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            if it in (2, 4, 7, 9):
+                ckpt.request()
+            ckpt.step()
+            states[it] = full_state(model, opt)
+            if it == 3 and killer is not None:
+                killer.join(timeout=120)  # the kill happened before the next request
+                assert killed, "rank 1's writer never reached the shard write of step 2"
+            if it == 4:
+                result["committed_after_kill"] = [i.step for i in ckpt.wait(timeout_s=120)]
+                if killed:
+                    result["kill_to_next_commit_s"] = time.monotonic() - killed[0]
+            if it == 5 and rank == 0:
+                result["idle_writer_pid"] = ckpt.writer_pid
+                os.kill(ckpt.writer_pid, signal.SIGKILL)  # idle: nothing in flight
+        result["committed_at_end"] = [i.step for i in ckpt.wait(timeout_s=120)]
+        result["lost"] = ckpt._engine.dispatcher.lost_to_regroup
+        result["writer_restarts"] = ckpt.writer_restarts
+    except Exception as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+    try:
+        ckpt.close(timeout_s=30)
+    except Exception as e:
+        result["error"] = result["error"] or f"close: {type(e).__name__}: {e}"
+    result["listed"] = [i.step for i in list_checkpoints(path)]
+    result["attempts_left"] = sorted(n for n in os.listdir(path) if ".attempt-" in n)
+    if rank == 0:  # the reference: DDP stores rank 0's buffers
+        result["state_files"] = {}
+        for step in sorted({4, 7, 9} & set(states)):
+            result["state_files"][str(step)] = os.path.join(out, f"restart-state-{step}.pt")
+            torch.save(states[step], result["state_files"][str(step)])
+    return result
 
 
 def _outcome(ckpt: Checkpointer, path: str, error: BaseException | None, elapsed_s: float) -> dict[str, Any]:

@@ -191,6 +191,32 @@ def test_parts_that_do_not_tile_a_tensor_are_refused_before_the_commit():
         check_coverage({"w": md(((0, 0), (6, 4)), ((5, 0), (4, 4)))}, {"w": (10, 4)})  # the same elements twice
 
 
+def test_a_writer_killed_mid_persist_then_one_idle_is_replaced_and_later_checkpoints_commit_exactly(ddp_results):
+    r0, r1 = (r["writer_restarted"] for r in ddp_results)
+    for rank, r in enumerate((r0, r1)):
+        assert r["error"] is None, (rank, r)  # no rank raised from a hook, wait() or close()
+        assert r["committed_after_kill"] == [4] and r["committed_at_end"] == [7, 9], (rank, r)
+        assert r["listed"] == [4, 7, 9] and r["attempts_left"] == [], (rank, r)  # step 2 was lost, never listed
+        assert r["lost"] == 1 and r["writer_restarts"] == 1, (rank, r)  # each rank's writer was replaced once
+    root = os.path.dirname(r0["state_files"]["4"])
+    sys.path.insert(0, os.path.dirname(__file__))
+    from dist_worker import Net
+
+    for step in (4, 7, 9):
+        (info,) = [i for i in list_checkpoints(os.path.join(root, "restarted")) if i.step == step]
+        assert info.world_size == 2
+        expected = torch.load(r0["state_files"][str(step)])
+        torch.manual_seed(5)
+        model = Net()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+        load(info.path, model, opt, per_rank_state="skip")
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, expected[f"model.{k}"]), (step, k)
+        for fqn, p in model.named_parameters():
+            for k, v in opt.state[p].items():
+                assert torch.equal(v, expected[f"optimizer.state.{fqn}.{k}"]), (step, fqn, k)
+
+
 def test_a_writer_killed_mid_persist_fails_every_rank_and_lists_nothing(ddp_results):
     r0, r1 = (r["writer_killed"] for r in ddp_results)
     assert r1["error_type"] == "WriterDiedError", r1

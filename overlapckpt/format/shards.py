@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlanner, TensorWriteData, WriteItem, WriteItemType
 
 from ..errors import CoverageError
 
@@ -69,6 +69,19 @@ def _planner_kwargs() -> dict[str, Any]:
     if "enable_plan_caching" in inspect.signature(DefaultSavePlanner.__init__).parameters:
         return {"enable_plan_caching": True}
     return {}
+
+
+def forget_cached_plans() -> None:
+    """Drop DCP's plan caches (class-level, per planner class): a new writers' group must plan afresh.
+
+    With plan caching, each rank sends only what changed since its cached plan, and the
+    coordinator merges it into the plans it cached. A replacement writer has no cache, and
+    its group's coordinator may hold one from the group before: both must start over.
+    """
+    for name in ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata", "_cached_final_save_plan"):
+        cache = getattr(SavePlanner, name, None)
+        if isinstance(cache, dict):
+            cache.clear()
 
 
 def _overlaps(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:

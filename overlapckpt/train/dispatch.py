@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .. import protocol as p
-from ..errors import InternalError, OverlapCkptError, WriterDiedError
+from ..errors import InternalError, OverlapCkptError, WriterDiedError, WritersRegroupedError
 from ..format.manifest import CheckpointInfo
 from .boundary import resolve_boundary, resolve_values
 from .lineage import Lineage
@@ -64,6 +64,7 @@ class PersistDispatcher:
         self._sent: dict[int, _Sent] = {}
         self._unreturned: list[CheckpointInfo] = []
         self.error: OverlapCkptError | None = None
+        self.lost_to_regroup = 0  # checkpoints a distributed run lost to a writer's replacement
         self.agreed_window: int | None = None  # window="auto" in a distributed run: what the writers agreed
 
     @property
@@ -149,6 +150,10 @@ class PersistDispatcher:
             "the state each) or checkpoint less often"
         )
 
+    def sent_names(self) -> list[str]:
+        """The checkpoints sent to the writer and not yet answered."""
+        return [sent.request.name for sent in self._sent.values()]
+
     def sent_versions(self) -> list[int | None]:
         return [sent.snapshot.version for sent in self._sent.values()]
 
@@ -159,6 +164,15 @@ class PersistDispatcher:
     def _hand_to(self, writer: WriterProcess) -> None:
         """A new writer replaced a dead one: persist again what the dead one held (complete in host memory)."""
         self.error = None
+        if self.link.distributed:
+            # The other ranks lost this checkpoint with the writers' group (WritersRegroupedError):
+            # persisting this rank's share alone could never commit.
+            for sent in self._sent.values():
+                sent.snapshot.slot.busy = False
+                self.lost_to_regroup += 1
+                log.warning("the checkpoint of step %s was lost with this rank's writer; the next one commits", sent.snapshot.version)
+            self._sent.clear()
+            return
         for sent in self._sent.values():
             snap = sent.snapshot
             sent.stats.writer_restarts = self.link.restarts.count
@@ -193,6 +207,12 @@ class PersistDispatcher:
             sent = self._sent.pop(response.request_id, None) if response.request_id is not None else None
             if sent is not None:
                 sent.snapshot.slot.busy = False
+            if isinstance(response.exception, WritersRegroupedError):
+                # Another rank's writer died and was replaced: this checkpoint is lost on every
+                # rank, never listed; training and later checkpoints go on.
+                self.lost_to_regroup += 1
+                log.warning("%s", response.message)
+                return
             what = (
                 f"the writer failed to persist the checkpoint of step {sent.snapshot.version}"
                 if sent is not None

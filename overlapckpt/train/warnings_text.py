@@ -33,7 +33,9 @@ LATE_HOOK_WARNING = (
 WRITER_RESTART_WARNING = (
     "overlapckpt: the writer process died ({error}); a new one was started and given the host buffers. "
     "Checkpoints complete in host memory are persisted by it; one still being copied was dropped (see "
-    "ckpt.snapshots_dropped). At most {limit} restarts an hour are made; the next death is raised."
+    "ckpt.snapshots_dropped). At most {limit} restarts an hour are made; the next death is raised. In a "
+    "distributed run the new writer re-forms the writers' group with the others, and the checkpoint in flight "
+    "is lost on every rank (never listed); the next one commits."
 )
 
 CLOSURE_IGNORED_WARNING = (

@@ -49,11 +49,19 @@ class WriterRestartBudget:
 
 
 class WriterLink:
-    """The current writer process, and its replacement when it dies (one process only)."""
+    """The current writer process, and its replacement when it dies.
 
-    def __init__(self, writer: WriterProcess, factory: Callable[[], WriterProcess] | None, max_restarts: int) -> None:
+    In a distributed run the replacement opens the writers' next generation
+    (``writer/group.py``): the other ranks dropped the checkpoint in flight, so this
+    rank drops what it had sent too (``distributed``) instead of persisting it again.
+    """
+
+    def __init__(
+        self, writer: WriterProcess, factory: Callable[[], WriterProcess] | None, max_restarts: int, distributed: bool = False
+    ) -> None:
         self.writer = writer
-        # None: no replacement (a distributed run's writers share a group; see the cluster issue).
+        self.distributed = distributed
+        # None: no replacement.
         self._factory = factory
         self.restarts = WriterRestartBudget(max_restarts)
         self._handovers: list[Callable[[WriterProcess], None]] = []

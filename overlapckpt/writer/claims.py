@@ -20,15 +20,18 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol
 
-from ..errors import RankDisagreementError
+from ..errors import RankDisagreementError, WritersRegroupedError
 
 _CLAIM_KEY = "claim/{sequence}/{rank}"
 _COUNT_KEY = "count/{sequence}"
 _CLAIM_FIELDS = {"name": str, "version": int, "requested": int}
 _MAX_SHOWN_BYTES = 120
+# While waiting for the other ranks' claims, look this often whether a writer was replaced.
+_MOVED_POLL_S = 0.25
 
 
 class KeyValueStore(Protocol):
@@ -77,8 +80,11 @@ def describe(claims: dict[int, dict[str, Any]]) -> str:
 class ClaimBoard:
     """This rank's side of the claims, over ``store`` (already prefixed for this run)."""
 
-    def __init__(self, store: KeyValueStore, rank: int, world_size: int, agreement_timeout_s: float) -> None:
+    def __init__(
+        self, store: KeyValueStore, rank: int, world_size: int, agreement_timeout_s: float, moved: Callable[[], bool] | None = None
+    ) -> None:
         self.store = store
+        self.moved = moved  # whether the writers' group moved to a new generation (group.py)
         self.rank = rank
         self.world_size = world_size
         self.agreement_timeout_s = agreement_timeout_s
@@ -108,7 +114,9 @@ class ClaimBoard:
         self._post(sequence, claim)
         keys = [self._key(sequence, r) for r in range(self.world_size)]
         try:
-            self.store.wait(keys, timedelta(seconds=self.agreement_timeout_s))
+            self._wait(keys, sequence)
+        except WritersRegroupedError:
+            raise
         except Exception as e:  # the store's timeout error type differs between torch releases
             claims = self._claims(sequence)
             missing = [r for r in range(self.world_size) if r not in claims]
@@ -125,6 +133,26 @@ class ClaimBoard:
                 "must request the same checkpoints (request() after the same step, or the same every=)"
             )
         return sequence
+
+    def _wait(self, keys: list[str], sequence: int) -> None:
+        """Every rank's claim, or the store's timeout error; WritersRegroupedError if a writer was replaced meanwhile."""
+        if self.moved is None:
+            self.store.wait(keys, timedelta(seconds=self.agreement_timeout_s))
+            return
+        deadline = time.monotonic() + self.agreement_timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                self.store.wait(keys, timedelta(seconds=max(0.01, min(_MOVED_POLL_S, remaining))))
+                return
+            except Exception:
+                if self.moved():
+                    raise WritersRegroupedError(
+                        f"checkpoint #{sequence}: a writer died and was replaced while the ranks agreed on it; "
+                        "nothing was committed"
+                    ) from None
+                if time.monotonic() >= deadline:
+                    raise
 
     def forget(self, sequence: int) -> None:
         """The checkpoint is decided on every rank: remove this rank's keys for it."""

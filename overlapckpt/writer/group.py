@@ -29,38 +29,115 @@ Per checkpoint, in this order:
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-from ..errors import RankDisagreementError
+from ..errors import RankDisagreementError, WritersRegroupedError
 from ..format.manifest import RankSection
+from ..format.shards import forget_cached_plans
 from ..protocol import WriterGroupSpec
 from .claims import ClaimBoard
 
+# The store counter of the writers' generations: a replacement writer adds 1, every live
+# writer follows it into the new generation's group (``regroup``).
+GENERATION_KEY = "generation"
+# How long a writer whose collective failed waits for a replacement writer to open the
+# next generation before it reports the failure as it is (capped by the collective timeout).
+REGROUP_WAIT_S = 60.0
+_REGROUP_POLL_S = 0.1
+# A checkpoint lost to a regroup, by name: a replacement writer that is handed it refuses it
+# too, so that no rank waits for a claim the others will never make.
+LOST_PREFIX = "lost/"
+
 
 class WriterGroup:
-    """This writer's membership of the writers' group."""
+    """This writer's membership of the writers' group, in its current generation.
+
+    A gloo group cannot take a new member, so when a writer dies and its training rank
+    starts a replacement (``WriterGroupSpec.restarted``), the replacement adds 1 to the
+    store's generation counter and joins that generation's group; every live writer sees
+    the counter move (idle, in ``_serve_requests``; waiting for claims, in ``ClaimBoard``;
+    in a collective the dead writer broke, in ``regroups_after``), leaves its group and
+    joins the new one. The checkpoint in flight is lost on every rank
+    (``WritersRegroupedError``: the attempt is removed, nothing is listed, and its name is
+    marked lost so that a replacement handed it refuses it too); the next one commits.
+    One replacement at a time: two writers that die together may leave the generations
+    split, and the run's next checkpoint then fails within ``collective_timeout_s``.
+    """
 
     def __init__(self, spec: WriterGroupSpec) -> None:
         self.spec = spec
         self.rank = spec.rank
         self.world_size = spec.world_size
-        timeout = timedelta(seconds=spec.timeout_s)
+        self._timeout = timedelta(seconds=spec.timeout_s)
         # A client of the job's own store where it could be reused (no listener of ours),
         # under a prefix drawn at random for this run (train/distributed.py).
-        base = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
-        prefix = f"overlapckpt-writers/{spec.key_prefix}/"
-        self.claims = ClaimBoard(dist.PrefixStore(prefix + "agree/", base), spec.rank, spec.world_size, spec.agreement_timeout_s)
+        self._base = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=self._timeout)
+        self._prefix = f"overlapckpt-writers/{spec.key_prefix}/"
+        self._run_keys = dist.PrefixStore(self._prefix, self._base)
+        for name in spec.lost_names:
+            self.mark_lost(name)  # before the generation moves: a live writer then knows to drop it
+        self.generation = int(self._run_keys.add(GENERATION_KEY, 1 if spec.restarted else 0))
+        self._join()
+
+    def _join(self) -> None:
+        # Generation 0 keeps the run's first keys; each later one has keys of its own.
+        where = self._prefix if self.generation == 0 else f"{self._prefix}gen{self.generation}/"
+        self.claims = ClaimBoard(
+            dist.PrefixStore(where + "agree/", self._base),
+            self.rank,
+            self.world_size,
+            self.spec.agreement_timeout_s,
+            moved=self.generation_moved,
+        )
         dist.init_process_group(
             "gloo",
-            store=dist.PrefixStore(prefix + "pg/", base),
-            rank=spec.rank,
-            world_size=spec.world_size,
-            timeout=timeout,
+            store=dist.PrefixStore(where + "pg/", self._base),
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=self._timeout,
         )
         self.group = dist.group.WORLD
+
+    def generation_moved(self) -> bool:
+        """Whether a replacement writer opened a newer generation than this writer's (one store request)."""
+        return int(self._run_keys.add(GENERATION_KEY, 0)) > self.generation
+
+    def regroup(self) -> None:
+        """Leave this generation's group and join the newest one (blocks until every writer has joined)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        forget_cached_plans()  # the new group's ranks plan afresh, the replacement has no cache
+        self.generation = int(self._run_keys.add(GENERATION_KEY, 0))
+        self._join()
+
+    def mark_lost(self, name: str) -> None:
+        """Checkpoint ``name`` is lost with the old group: every writer refuses it from now on (``was_lost``)."""
+        self._run_keys.set(f"{LOST_PREFIX}{name}", "1")
+
+    def was_lost(self, name: str) -> bool:
+        """Whether some writer lost checkpoint ``name`` to a replacement (a replacement may get it afterwards)."""
+        return bool(self._run_keys.check([f"{LOST_PREFIX}{name}"]))
+
+    def regroups_after(self, error: BaseException) -> bool:
+        """After a failed persist: whether it failed because a writer was replaced (the caller then regroups).
+
+        A collective that a dead writer broke fails at once on the others (gloo sees the
+        connection close); its replacement opens the next generation a few seconds later,
+        once its training rank has noticed the death. Storage errors are not waited on.
+        """
+        if not isinstance(error, WritersRegroupedError):
+            if isinstance(error, OSError) or not isinstance(error, RuntimeError):
+                return False  # a storage failure or one of ours: not a broken group
+            deadline = time.monotonic() + min(REGROUP_WAIT_S, self.spec.timeout_s)
+            while not self.generation_moved():
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(_REGROUP_POLL_S)  # the replacement is starting: nothing to wait on but the counter
+        return True
 
     @property
     def is_coordinator(self) -> bool:

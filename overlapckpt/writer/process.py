@@ -21,6 +21,7 @@ import torch
 
 from .. import protocol as p
 from ..control_page import ControlPage
+from ..errors import WritersRegroupedError
 from ..format.storage import CheckpointStore, dcp_root_cause
 from ..hostbuf import fd_path, map_shared_file
 from ..qualname import import_qualified
@@ -67,6 +68,44 @@ def _error_response(request_id: int | None, e: BaseException) -> p.ErrorResponse
     )
 
 
+def _persist(conn: Connection, state: _WriterState, req: p.PersistRequest) -> None:
+    """Persist and answer; in a distributed run, through a replacement of some rank's writer.
+
+    A checkpoint still being agreed on when the group moves has written nothing: it is
+    agreed on again in the new group, unless the replaced rank lost it (it had sent it to
+    the dead writer). One whose collectives the dead writer broke is lost on every rank.
+    """
+    group = state.group
+    while True:
+        if group is not None and group.was_lost(req.name):
+            _send(conn, _error_response(req.request_id, _lost(req.name, group.generation, "the replaced writer's rank lost it")))
+            return
+        try:
+            _send(conn, state.persist(req))
+            return
+        except BaseException as e:
+            cause = dcp_root_cause(e)
+            if group is None:
+                raise
+            if isinstance(cause, WritersRegroupedError):  # moved while agreeing: nothing is written yet
+                group.regroup()
+                continue
+            if not group.regroups_after(cause):
+                raise
+            group.mark_lost(req.name)  # before regrouping: the replacement refuses it too
+            group.regroup()
+            _send(conn, _error_response(req.request_id, _lost(req.name, group.generation, f"{type(e).__name__}: {e}")))
+            return
+
+
+def _lost(name: str, generation: int, cause: str) -> WritersRegroupedError:
+    return WritersRegroupedError(
+        f"checkpoint {name} was lost: a writer of the run died while it was in flight and was replaced (the "
+        f"writers' group is now generation {generation}); nothing of it is listed, and the next checkpoint commits "
+        f"on every rank. The cause: {cause}"
+    )
+
+
 def _load_store(init: p.InitRequest) -> CheckpointStore:
     store_class: type[CheckpointStore] = import_qualified(*init.store_class)
     return store_class(init.root, init.storage_options)
@@ -106,6 +145,9 @@ def _serve_requests(conn: Connection, fd_sock: socket.socket, state: _WriterStat
     while True:
         try:
             if state.group is not None and not conn.poll(_IDLE_CHECK_S):
+                if state.group.generation_moved():
+                    state.group.regroup()  # another rank's writer was replaced: follow it into the new group
+                    continue
                 # Idle in a distributed run: has another rank claimed a checkpoint this one has not?
                 mismatch = state.group.missing_claim()
                 if mismatch is not None:
@@ -142,7 +184,7 @@ def _serve_requests(conn: Connection, fd_sock: socket.socket, state: _WriterStat
             elif isinstance(req, p.SetPlanRequest):
                 state.plans[req.plan_id] = req
             elif isinstance(req, p.PersistRequest):
-                _send(conn, state.persist(req))
+                _persist(conn, state, req)
             else:
                 raise TypeError(f"unknown request {type(req).__name__}")
         except (KeyboardInterrupt, SystemExit):
