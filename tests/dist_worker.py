@@ -594,6 +594,7 @@ def writer_restarted(out: str) -> dict[str, Any]:
     result: dict[str, Any] = {"error": None}
     states: dict[int, dict[str, torch.Tensor]] = {}
     killed: list[float] = []
+    late: list[int] = []
     killer = None
     if rank == 1:
         # Training must go on while the writer persists (rank 0's snapshot of step 2 is sent
@@ -607,12 +608,18 @@ def writer_restarted(out: str) -> dict[str, Any]:
         killer = threading.Thread(target=kill_when_writing, daemon=True)
         killer.start()
     try:
-        for it in range(1, 10):
+        for it in range(1, 13):
             x, y = sampler.batch()
             opt.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
-            if it in (2, 4, 7, 9):
+            if it == 10:
+                late = [i.step for i in ckpt.wait(timeout_s=120)]  # 7 and 9 committed: nothing in flight
+                if rank == 1:
+                    # Killed as the ranks agree on checkpoint 10: rank 0's writer may be waiting
+                    # for this rank's claim, or idle; this rank's request goes to the replacement.
+                    os.kill(ckpt.writer_pid, signal.SIGKILL)
+            if it in (2, 4, 7, 9, 10, 12):
                 ckpt.request()
             ckpt.step()
             states[it] = full_state(model, opt)
@@ -626,7 +633,7 @@ def writer_restarted(out: str) -> dict[str, Any]:
             if it == 5 and rank == 0:
                 result["idle_writer_pid"] = ckpt.writer_pid
                 os.kill(ckpt.writer_pid, signal.SIGKILL)  # idle: nothing in flight
-        result["committed_at_end"] = [i.step for i in ckpt.wait(timeout_s=120)]
+        result["committed_at_end"] = late + [i.step for i in ckpt.wait(timeout_s=120)]
         result["lost"] = ckpt._engine.dispatcher.lost_to_regroup
         result["writer_restarts"] = ckpt.writer_restarts
     except Exception as e:
@@ -639,7 +646,7 @@ def writer_restarted(out: str) -> dict[str, Any]:
     result["attempts_left"] = sorted(n for n in os.listdir(path) if ".attempt-" in n)
     if rank == 0:  # the reference: DDP stores rank 0's buffers
         result["state_files"] = {}
-        for step in sorted({4, 7, 9} & set(states)):
+        for step in sorted({4, 7, 9, 10, 12} & set(states)):
             result["state_files"][str(step)] = os.path.join(out, f"restart-state-{step}.pt")
             torch.save(states[step], result["state_files"][str(step)])
     return result
