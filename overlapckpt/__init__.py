@@ -20,6 +20,7 @@ from .errors import (
     UnsafeCheckpointError,
     UnsupportedOptimizerError,
     WriterDiedError,
+    WritersRegroupedError,
 )
 from .format.manifest import CheckpointInfo
 from .format.storage import CheckpointStore
@@ -47,6 +48,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedOptimizerError",
     "WriterDiedError",
+    "WritersRegroupedError",
     "list_checkpoints",
     "load",
 ]

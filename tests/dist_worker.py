@@ -250,7 +250,6 @@ def scenario_ddp(out: str) -> dict[str, Any]:
     result["mismatched_steps"] = mismatched_requests(out, {0: 2, 1: 3}, "steps")
     result["one_rank_only"] = mismatched_requests(out, {0: 2}, "one")
     result["writer_killed"] = writer_killed(out)
-    result["writer_restarted"] = writer_restarted(out)
     result["settings_mismatch"] = settings_mismatch(out)
     result["auto_window"] = auto_window(out)
     result["listeners"] = listeners_opened(out)
@@ -526,12 +525,13 @@ def mismatched_requests(out: str, request_at: dict[int, int], name: str) -> dict
     return _outcome(ckpt, path, error, time.monotonic() - started)
 
 
-def writer_killed(out: str) -> dict[str, Any]:
-    """Rank 1's writer SIGKILLed while it persists: every rank raises in bounded time, nothing is listed."""
+def block_rank_1_in_step_2(out: str, fifo_name: str) -> str:
+    """Make rank 1's writer hang in its first shard write of step-000000002 (fakes.BlockingStore), after
+    announcing it on the FIFO returned; the writers of the other ranks write normally. Collective."""
     from fakes import BLOCK_FIFO_ENV, ONLY_NAME_ENV
 
     rank = dist.get_rank()
-    fifo = os.path.join(out, "block.fifo")
+    fifo = os.path.join(out, fifo_name)
     if rank == 1:
         os.environ[BLOCK_FIFO_ENV] = fifo
         os.environ[ONLY_NAME_ENV] = "step-000000002"
@@ -541,6 +541,13 @@ def writer_killed(out: str) -> dict[str, Any]:
     if rank == 0:
         os.mkfifo(fifo)
     dist.barrier()
+    return fifo
+
+
+def writer_killed(out: str) -> dict[str, Any]:
+    """Rank 1's writer SIGKILLed while it persists: every rank raises in bounded time, nothing is listed."""
+    rank = dist.get_rank()
+    fifo = block_rank_1_in_step_2(out, "block.fifo")
     model, opt = build("plain")
     path = os.path.join(out, "killed")
     # No restart budget: the death is raised on every rank, in bounded time.
@@ -574,19 +581,8 @@ def writer_killed(out: str) -> dict[str, Any]:
 
 def writer_restarted(out: str) -> dict[str, Any]:
     """Rank 1's writer SIGKILLed mid-persist, then rank 0's while idle: later checkpoints commit on every rank."""
-    from fakes import BLOCK_FIFO_ENV, ONLY_NAME_ENV
-
     rank = dist.get_rank()
-    fifo = os.path.join(out, "restart.fifo")
-    if rank == 1:
-        os.environ[BLOCK_FIFO_ENV] = fifo
-        os.environ[ONLY_NAME_ENV] = "step-000000002"  # its replacement inherits this: only step 2 hangs
-    else:
-        os.environ.pop(BLOCK_FIFO_ENV, None)
-        os.environ[ONLY_NAME_ENV] = "none"
-    if rank == 0:
-        os.mkfifo(fifo)
-    dist.barrier()
+    fifo = block_rank_1_in_step_2(out, "restart.fifo")  # its replacement inherits this: only step 2 hangs
     model, opt = build("ddp")
     path = os.path.join(out, "restarted")
     ckpt = Checkpointer(model, opt, path, window=1, store_class=__import__("fakes").BlockingStore, collective_timeout_s=60.0)
@@ -694,6 +690,7 @@ SCENARIOS = {
     "hsdp": lambda out: scenario_exact("hsdp", out),
     "fsdp_tp": scenario_fsdp_tp,
     "netns": scenario_netns,
+    "restart": lambda out: {"writer_restarted": writer_restarted(out)},
 }
 
 

@@ -75,6 +75,17 @@ def _check_exact(results: list[dict], configs: dict[str, int], world_size: int) 
         assert sorted(files) == [f"__{rank}_0.distcp" for rank in range(world_size)], files  # one shard file per rank
 
 
+def _assert_loads_as(path: str, model: torch.nn.Module, opt: torch.optim.Optimizer, expected: dict) -> None:
+    """Checkpoint ``path`` loaded into a plain ``model`` and ``opt`` equals ``expected`` (by DCP key), bit for bit."""
+    load(path, model, opt, per_rank_state="skip")
+    for k, v in expected.items():
+        if k.startswith("model."):
+            assert torch.equal(model.state_dict()[k[len("model."):]], v), k
+    for fqn, p in model.named_parameters():
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, expected[f"optimizer.state.{fqn}.{k}"]), (fqn, k)
+
+
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
     return _launch("ddp", 2, str(tmp_path_factory.mktemp("ddp")))
@@ -191,16 +202,18 @@ def test_parts_that_do_not_tile_a_tensor_are_refused_before_the_commit():
         check_coverage({"w": md(((0, 0), (6, 4)), ((5, 0), (4, 4)))}, {"w": (10, 4)})  # the same elements twice
 
 
-def test_writers_killed_mid_persist_idle_and_at_agreement_are_replaced_and_later_checkpoints_commit_exactly(ddp_results):
-    r0, r1 = (r["writer_restarted"] for r in ddp_results)
+def test_writers_killed_mid_persist_idle_and_at_agreement_are_replaced_and_later_checkpoints_commit_exactly(tmp_path):
+    r0, r1 = (r["writer_restarted"] for r in _launch("restart", 2, str(tmp_path)))
     for rank, r in enumerate((r0, r1)):
         assert r["error"] is None, (rank, r)  # no rank raised from a hook, wait() or close()
-        # Step 2 was lost, never listed. Checkpoint 10, in flight when rank 1's writer died as
-        # the ranks agreed on it, is committed by every rank or lost on every rank (whether
-        # rank 1 had handed it to the writer that died); 12, after it, commits.
-        assert r["committed_after_kill"] == [4] and r["committed_at_end"] in ([7, 9, 10, 12], [7, 9, 12]), (rank, r)
-        assert r["listed"] == [4] + r["committed_at_end"] and r["attempts_left"] == [], (rank, r)
-        assert r["lost"] == 1 + (10 not in r["listed"]), (rank, r)
+        # Step 2 was lost, never listed. 7 (requested after rank 0's writer died idle) and 10
+        # (requested as rank 1's writer died) are each committed by every rank, or lost on
+        # every rank when the rank had handed it to the writer that died before it noticed;
+        # 9 and 12, requested once the replacements were in place, commit.
+        committed = r["committed_at_end"]
+        assert r["committed_after_kill"] == [4] and {9, 12} <= set(committed) <= {7, 9, 10, 12}, (rank, r)
+        assert r["listed"] == [4] + committed and r["attempts_left"] == [], (rank, r)
+        assert r["lost"] == 1 + len({7, 10} - set(committed)), (rank, r)
     assert r0["listed"] == r1["listed"]
     assert r0["writer_restarts"] == 1 and r1["writer_restarts"] == 2, (r0, r1)  # killed: rank 1 twice, rank 0 once
     root = os.path.dirname(r0["state_files"]["4"])
@@ -214,12 +227,7 @@ def test_writers_killed_mid_persist_idle_and_at_agreement_are_replaced_and_later
         torch.manual_seed(5)
         model = Net()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-        load(info.path, model, opt, per_rank_state="skip")
-        for k, v in model.state_dict().items():
-            assert torch.equal(v, expected[f"model.{k}"]), (step, k)
-        for fqn, p in model.named_parameters():
-            for k, v in opt.state[p].items():
-                assert torch.equal(v, expected[f"optimizer.state.{fqn}.{k}"]), (step, fqn, k)
+        _assert_loads_as(info.path, model, opt, expected)
 
 
 def test_a_writer_killed_mid_persist_fails_every_rank_and_lists_nothing(ddp_results):
@@ -250,13 +258,7 @@ def test_fsdp2_uneven_shards_exact_and_reshard_both_ways(fsdp_results, tmp_path)
     assert not torch.equal(model.inp.weight, expected["model.inp.weight"])
     with pytest.raises(CheckpointMismatchError, match=r"written by 2 rank\(s\) and is loaded by 1.*per_rank_state='skip'"):
         load(info.path, model, opt)
-    load(info.path, model, opt, per_rank_state="skip")
-    for k, v in expected.items():
-        if k.startswith("model."):
-            assert torch.equal(model.state_dict()[k[len("model."):]], v), k
-    for fqn, p in model.named_parameters():
-        for k, v in opt.state[p].items():
-            assert torch.equal(v, expected[f"optimizer.state.{fqn}.{k}"]), (fqn, k)
+    _assert_loads_as(info.path, model, opt, expected)
     # The stock recipe, in one process, with no overlapckpt code.
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -300,13 +302,7 @@ def test_fsdp_by_tp_on_a_2x2_mesh_is_exact_and_reshards_to_two_ranks_and_one(tmp
     torch.manual_seed(5)
     model = TpNet()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-    load(info.path, model, opt, per_rank_state="skip")
-    for k, v in expected.items():
-        if k.startswith("model."):
-            assert torch.equal(model.state_dict()[k[len("model."):]], v), k
-    for fqn, p in model.named_parameters():
-        for k, v in opt.state[p].items():
-            assert torch.equal(v, expected[f"optimizer.state.{fqn}.{k}"]), (fqn, k)
+    _assert_loads_as(info.path, model, opt, expected)
 
 
 def test_cli_shows_the_ranks_and_verify_checks_every_ranks_shards(fsdp_results, capsys):
