@@ -5,7 +5,8 @@ read the shards twice: once to verify every blob, once more in DCP's reader to d
 them, then a third pass to check the decoded tensors. Here each blob is read once into
 memory, its checksum compared with the manifest's before anything decodes it, then
 decoded (weights only) and the decoded tensor compared with the checksum of the host
-snapshot it was saved from; only then is it copied into the tensor being loaded.
+snapshot it was saved from; only then does it become (or is it copied into) the tensor
+being loaded.
 
 Blobs are read on several threads (the file reads, the checksums and the copies
 release the GIL). A blob several reads need (a resharded load) is read once.
@@ -26,7 +27,6 @@ every rank, and ``load`` raises it before any live object changes.
 from __future__ import annotations
 
 import io
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,6 +34,7 @@ from typing import IO, Any, cast
 
 import torch
 
+from ..cores import usable_cores
 from ..errors import CorruptCheckpointError
 from .checksum import CRC32, hex32, updater
 from .manifest import Manifest, tensor_checksum
@@ -48,11 +49,7 @@ READ_BATCH_BYTES = 32 << 20
 
 
 def read_thread_count() -> int:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(MAX_READ_THREADS, cores))
+    return min(MAX_READ_THREADS, usable_cores())
 
 
 @dataclass(frozen=True)
@@ -228,24 +225,22 @@ class _ViewReader(io.RawIOBase):
 def _checked_blob(stream: Any, relative_path: str, info: Any, expected: ExpectedSums | None) -> memoryview:
     """One blob's bytes, read once, after its checksum matched the manifest's (``expected``: None checks nothing)."""
     offset, length = int(info.offset), int(info.length)
-    if expected is None:
-        stream.seek(offset)
-        blob = _read_into_thread_buffer(stream, length)
-        if len(blob) < length:
-            raise CorruptCheckpointError(f"{relative_path} (bytes {offset}..{offset + length}) is cut short at byte {offset + len(blob)}")
-        return blob
-    span = f"{expected.where}/{relative_path} (bytes {offset}..{offset + length})"
-    sums = expected.blobs.get((relative_path, offset, length))
-    if sums is None:
-        raise _refusal(expected.where, f"{span} is not a blob the manifest lists, though .metadata points at it")
-    key, checksum = sums
-    if getattr(info, "transform_descriptors", None):
-        raise _refusal(expected.where, f"{key!r} in {span} was stored through DCP extensions, which overlapckpt never writes")
+    key = checksum = None
+    if expected is not None:
+        span = f"{expected.where}/{relative_path} (bytes {offset}..{offset + length})"
+        sums = expected.blobs.get((relative_path, offset, length))
+        if sums is None:
+            raise _refusal(expected.where, f"{span} is not a blob the manifest lists, though .metadata points at it")
+        key, checksum = sums
+        if getattr(info, "transform_descriptors", None):
+            raise _refusal(expected.where, f"{key!r} in {span} was stored through DCP extensions, which overlapckpt never writes")
     stream.seek(offset)
     blob = _read_into_thread_buffer(stream, length)
     if len(blob) < length:
+        if expected is None:
+            raise CorruptCheckpointError(f"{relative_path} (bytes {offset}..{offset + length}) is cut short at byte {offset + len(blob)}")
         raise _refusal(expected.where, f"{key!r} in {span} is cut short at byte {offset + len(blob)}: the file is truncated")
-    if hex32(updater(expected.algorithm)(blob, 0)) != checksum:
+    if expected is not None and hex32(updater(expected.algorithm)(blob, 0)) != checksum:
         raise _refusal(expected.where, f"checksum mismatch for {key!r} in {span}")
     return blob
 

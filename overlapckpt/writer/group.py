@@ -35,7 +35,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..errors import RankDisagreementError, WritersRegroupedError
+from ..errors import RankDisagreementError
 from ..format.manifest import RankSection
 from ..format.shards import forget_cached_plans
 from ..protocol import WriterGroupSpec
@@ -51,6 +51,11 @@ _REGROUP_POLL_S = 0.1
 # A checkpoint lost to a regroup, by name: a replacement writer that is handed it refuses it
 # too, so that no rank waits for a claim the others will never make.
 LOST_PREFIX = "lost/"
+
+
+def run_keys_prefix(spec: WriterGroupSpec) -> str:
+    """Where this run's writers keep their keys in the job's store (the prefix is drawn per run)."""
+    return f"overlapckpt-writers/{spec.key_prefix}/"
 
 
 class WriterGroup:
@@ -76,7 +81,7 @@ class WriterGroup:
         # A client of the job's own store where it could be reused (no listener of ours),
         # under a prefix drawn at random for this run (train/distributed.py).
         self._base = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=self._timeout)
-        self._prefix = f"overlapckpt-writers/{spec.key_prefix}/"
+        self._prefix = run_keys_prefix(spec)
         self._run_keys = dist.PrefixStore(self._prefix, self._base)
         for name in spec.lost_names:
             self.mark_lost(name)  # before the generation moves: a live writer then knows to drop it
@@ -129,14 +134,13 @@ class WriterGroup:
         connection close); its replacement opens the next generation a few seconds later,
         once its training rank has noticed the death. Storage errors are not waited on.
         """
-        if not isinstance(error, WritersRegroupedError):
-            if isinstance(error, OSError) or not isinstance(error, RuntimeError):
-                return False  # a storage failure or one of ours: not a broken group
-            deadline = time.monotonic() + min(REGROUP_WAIT_S, self.spec.timeout_s)
-            while not self.generation_moved():
-                if time.monotonic() >= deadline:
-                    return False
-                time.sleep(_REGROUP_POLL_S)  # the replacement is starting: nothing to wait on but the counter
+        if isinstance(error, OSError) or not isinstance(error, RuntimeError):
+            return False  # a storage failure or one of ours: not a broken group
+        deadline = time.monotonic() + min(REGROUP_WAIT_S, self.spec.timeout_s)
+        while not self.generation_moved():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_REGROUP_POLL_S)  # the replacement is starting: nothing to wait on but the counter
         return True
 
     @property

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from ..control_page import AGREED, AGREED_SIGNAL, HOLD, NO_AGREEMENT, SIGNAL, STEP, ControlPage
 from ..protocol import WriterGroupSpec
+from .group import run_keys_prefix
 
 logger = logging.getLogger("overlapckpt")
 
@@ -55,8 +56,7 @@ class PreemptionWatch:
         self.world_size = spec.world_size
         self.timeout_s = timeout_s
         base = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
-        self.store = dist.PrefixStore(f"overlapckpt-writers/{spec.key_prefix}/preempt/", base)
-        self.agreed_step: int | None = None
+        self.store = dist.PrefixStore(run_keys_prefix(spec) + "preempt/", base)
         self.thread = threading.Thread(target=self._run, name="overlapckpt-preempt-watch", daemon=True)
         self.thread.start()
 
@@ -96,6 +96,6 @@ class PreemptionWatch:
             self.page.write(AGREED, NO_AGREEMENT)
             return
         steps = [int(self.store.get(k)) for k in keys]
-        self.agreed_step = max(steps) + AGREEMENT_MARGIN_STEPS
-        logger.info("overlapckpt: preemption: rank %d at step %d, steps %s, agreed on %d", self.rank, step, steps, self.agreed_step)
-        self.page.write(AGREED, self.agreed_step)
+        agreed = max(steps) + AGREEMENT_MARGIN_STEPS
+        logger.info("overlapckpt: preemption: rank %d at step %d, steps %s, agreed on %d", self.rank, step, steps, agreed)
+        self.page.write(AGREED, agreed)

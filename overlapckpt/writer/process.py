@@ -21,6 +21,7 @@ import torch
 
 from .. import protocol as p
 from ..control_page import ControlPage
+from ..cores import usable_cores
 from ..errors import WritersRegroupedError
 from ..format.storage import CheckpointStore, dcp_root_cause
 from ..hostbuf import fd_path, map_shared_file
@@ -98,6 +99,16 @@ def _persist(conn: Connection, state: _WriterState, req: p.PersistRequest) -> No
             return
 
 
+def _map_sent_memory(fd_sock: socket.socket, nbytes: int) -> torch.Tensor:
+    """Map the shared memory whose descriptor follows the request on the socket (SCM_RIGHTS)."""
+    _, fds, _, _ = socket.recv_fds(fd_sock, 1, 1)
+    try:
+        return map_shared_file(fd_path(fds[0]), nbytes)
+    finally:
+        for fd in fds:
+            os.close(fd)  # the mapping keeps the memory
+
+
 def _lost(name: str, generation: int, cause: str) -> WritersRegroupedError:
     return WritersRegroupedError(
         f"checkpoint {name} was lost: a writer of the run died while it was in flight and was replaced (the "
@@ -161,20 +172,10 @@ def _serve_requests(conn: Connection, fd_sock: socket.socket, state: _WriterStat
             if isinstance(req, p.ShutdownRequest):
                 return
             if isinstance(req, p.MapBufferRequest):
-                _, fds, _, _ = socket.recv_fds(fd_sock, 1, 1)
-                try:
-                    state.buffers[req.buffer_id] = map_shared_file(fd_path(fds[0]), req.nbytes)
-                finally:
-                    for fd in fds:
-                        os.close(fd)  # the mapping keeps the memory
+                state.buffers[req.buffer_id] = _map_sent_memory(fd_sock, req.nbytes)
                 _send(conn, p.MappedResponse(buffer_id=req.buffer_id))
             elif isinstance(req, p.WatchPreemptionRequest):
-                _, fds, _, _ = socket.recv_fds(fd_sock, 1, 1)
-                try:
-                    state.control_page = map_shared_file(fd_path(fds[0]), req.nbytes)
-                finally:
-                    for fd in fds:
-                        os.close(fd)
+                state.control_page = _map_sent_memory(fd_sock, req.nbytes)
                 if state.group is None:
                     raise TypeError("WatchPreemptionRequest is for the writers of a distributed run")
                 page = ControlPage(state.control_page.data_ptr())
@@ -207,11 +208,7 @@ WRITER_MAX_THREADS = 4
 
 
 def writer_thread_count() -> int:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(WRITER_MAX_THREADS, cores // 4))
+    return max(1, min(WRITER_MAX_THREADS, usable_cores() // 4))
 
 
 def _exit_with_the_trainer(lifeline_fd: int) -> None:
