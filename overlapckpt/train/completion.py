@@ -87,11 +87,15 @@ class SnapshotCompletion:
         """Start a new writer and hand it the host buffers, plans and complete snapshots; False if none may start."""
         if not self.link.replace():  # hands the new writer the buffers, plans and sent snapshots
             return False
-        # Snapshots still being copied are dropped: their request may be made again. The
-        # ones sent were complete in host memory and are persisted by the new writer.
-        for snap in self._snapshots:
-            snap.slot.busy = False
-        self.snapshots_dropped += len(self._snapshots)
-        self._snapshots.clear()
+        if not self.link.distributed:
+            # Snapshots still being copied are dropped: their request may be made again. The
+            # ones sent were complete in host memory and are persisted by the new writer.
+            for snap in self._snapshots:
+                snap.slot.busy = False
+            self.snapshots_dropped += len(self._snapshots)
+            self._snapshots.clear()
+        # In a distributed run they go on to the new writer instead: this rank never sent
+        # them, so no other rank can have lost them with the old group, and a request made
+        # again would come at a later step than the other ranks' (they would disagree).
         self._warn_once("writer-restart", WRITER_RESTART_WARNING.format(error=error, limit=self.link.restarts.max_restarts))
         return True
