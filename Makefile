@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 # torch is pinned in the install step only (pyproject says torch>=2.6): a bare `torch`
 # would pull a multi-GB CUDA build where a CPU wheel is wanted.
 TORCH_PIN ?= torch==2.13.0
+# TorchTitan for tests/test_titan.py, without the dependencies its components do not import
+# (datasets, tensorboard, wandb, pillow: minutes of install). Users install overlapckpt[titan].
+TITAN_TEST_PKGS := torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1 tyro==1.0.17 docstring_parser==0.18.0 \
+	typeguard==4.6.1 shtab==1.13.0 einops==0.8.2 spmd_types==0.2.3
 
 .PHONY: venv install demo demo-dist check test bench bench-dist clean
 
@@ -17,6 +21,7 @@ venv: $(PY)
 $(VENV)/.installed: $(PY) pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH_PIN)
 	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps $(TITAN_TEST_PKGS)
 	touch $@
 
 install: $(VENV)/.installed

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -14,6 +15,7 @@ from torch import nn
 
 from .control_page import PAGE_BYTES, OwnedControlPage
 from .errors import ConfigError
+from .format.key_layout import GET_STATE_DICT, pads_directory_names
 from .format.lease import RootLease
 from .format.manifest import CheckpointInfo
 from .format.signing import resolve_key
@@ -96,6 +98,13 @@ class Checkpointer:
         export_formats: framework files the writer also writes into each checkpoint, from
             the same snapshot: ``("hf_trainer",)`` for what Hugging Face's Trainer resumes
             from (one process, local root; set by ``overlapckpt.hf.OverlapCallback``).
+        writer_threads: the writer process's threads (replay kernels; DCP writes one shard file
+            per thread); None: a quarter of the usable cores, 1 to 4.
+        key_layout: how the state is named inside DCP (``format/key_layout.py``):
+            ``"get_state_dict"`` (torch's recipe: ``model.<fqn>``, ``optimizer.*``) or
+            ``"torchtitan"`` (TorchTitan's manager: model FQNs at the top level, flat
+            ``param_groups``, stateful objects as DCP items, ``step-N`` directories; set by
+            ``overlapckpt.titan``).
 
     Host buffers are allocated on a background thread as soon as the state's size is known
     (here if the optimizer has state, else right after the first ``optimizer.step()``), so no
@@ -136,6 +145,7 @@ class Checkpointer:
         signing_key: str | bytes | None = None,
         export_formats: tuple[str, ...] = (),
         writer_threads: int | None = None,
+        key_layout: str = GET_STATE_DICT,
     ) -> None:
         check_options(
             window=window,
@@ -150,6 +160,7 @@ class Checkpointer:
             collective_timeout_s=collective_timeout_s,
             agreement_timeout_s=agreement_timeout_s,
             writer_threads=writer_threads,
+            key_layout=key_layout,
         )
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model is a {type(model).__name__}; pass a torch.nn.Module")
@@ -178,12 +189,13 @@ class Checkpointer:
                 "stateful": sorted(stateful),
                 "store_class": f"{store_class.__module__}.{store_class.__qualname__}",
                 "copier": None if copier is None else type(copier).__qualname__,
+                "key_layout": key_layout,
             }
             self._distributed = set_up_distributed(model, process_group, settings, collective_timeout_s, agreement_timeout_s)
         store = store_class(self.path, self.storage_options)
         store.prepare_root()
         self._store = store
-        self._lineage = Lineage(agreed_run_id(self._distributed))
+        self._lineage = Lineage(agreed_run_id(self._distributed), padded_names=pads_directory_names(key_layout))
         self._lease: RootLease | None = None
         self._lineage.note_existing(store.committed_names(), own=set())
         self.model = model
@@ -261,6 +273,7 @@ class Checkpointer:
                 at_boundary=None if self._preemption is None else self._preemption.at_boundary,
                 on_commit=on_commit,
                 export_formats=tuple(export_formats),
+                key_layout=key_layout,
             )
         except BaseException:
             link.close(timeout_s=30.0)  # nothing may outlive a constructor that raised
@@ -397,12 +410,7 @@ class Checkpointer:
 
     def restore(self, step: int | None = None) -> CheckpointInfo:
         """Load this Checkpointer's newest (or ``step``'s) checkpoint and continue its step count."""
-        self._check_open()
-        self._engine.wait(None)
-        # get_state_dict may run one zero-gradient step to create optimizer state; it is
-        # not a training step, so the hooks must not count or checkpoint it.
-        self._engine.remove_hooks()
-        try:
+        with self.steps_not_counted():
             info = load(
                 self.path,
                 self.model,
@@ -410,13 +418,31 @@ class Checkpointer:
                 self.stateful,
                 step,
                 self.storage_options,
-                process_group=None if self._distributed is None else self._distributed.group,
+                process_group=self.process_group,
                 signing_key=self._signing_key,
             )
-        finally:
-            self._engine.install_hooks()
         self.continued_from(info)
         return info
+
+    @property
+    def process_group(self) -> Any:
+        """The ranks that checkpoint together (None in one process)."""
+        return None if self._distributed is None else self._distributed.group
+
+    @contextlib.contextmanager
+    def steps_not_counted(self) -> Iterator[None]:
+        """Optimizer steps inside are no training steps: not counted, never checkpointed (hooks removed).
+
+        For a load: ``get_state_dict`` (and TorchTitan's ``init_optim_state``) may run one
+        zero-gradient step to create the optimizer's state. Checkpoints in flight commit first.
+        """
+        self._check_open()
+        self._engine.wait(None)
+        self._engine.remove_hooks()
+        try:
+            yield
+        finally:
+            self._engine.install_hooks()
 
     def continued_from(self, info: CheckpointInfo | int) -> None:
         """The state now equals checkpoint ``info``, restored by a framework's own resume: continue from it.

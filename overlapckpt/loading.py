@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import torch
@@ -22,12 +22,15 @@ from .errors import (
 )
 from .format.entries import check_shapes, flatten_tensors
 from .format.extra_state import decode
+from .format.key_layout import TORCHTITAN, flat_param_groups, nested_param_groups, saved_group_keys
 from .format.manifest import METADATA_NAME, CheckpointInfo, Manifest, checkpoint_name, step_of_name
 from .format.safe_read import SafeLoadPlanner
 from .format.signing import check_signature, resolve_key
 from .format.storage import CheckpointStore, dcp_root_cause, is_storage_error, read_error, translate_read_errors
 from .format.verified_read import ExpectedSums
 from .format.verify import describe_problems, read_manifest, verify_checkpoint
+from .train.optimizer_group import torch_optimizers
+from .train.step_hooks import unwrap_optimizer
 
 
 def _listable(store: CheckpointStore, names: Iterable[str]) -> Iterator[tuple[str, Manifest]]:
@@ -98,7 +101,10 @@ def resolve_checkpoint(store: CheckpointStore, step: int | None, skip_damaged: b
     # latest names, else the plain name, which the first run wrote.
     with translate_read_errors(store.root):
         latest = store.read_latest()
-    return latest if latest in matching else (checkpoint_name(step) if checkpoint_name(step) in matching else matching[-1])
+    if latest in matching:
+        return latest
+    plain = [n for n in (checkpoint_name(step), checkpoint_name(step, padded=False)) if n in matching]
+    return plain[0] if plain else matching[-1]
 
 
 def read_into(
@@ -299,18 +305,26 @@ def load(
     if per_rank_state not in PER_RANK_STATE_CHOICES:
         raise ConfigError(f"per_rank_state={per_rank_state!r} is invalid; use 'restore' or 'skip'")
     group, rank, world = _world(process_group)
-    if optimizer is not None:
-        msd, osd = get_state_dict(model, optimizer)  # collective for some parallelisms: every rank, first
-        target = {"model": msd, "optimizer": osd}
+    # A wrapper: the optimizer inside; a container of optimizers (TorchTitan's): those it steps.
+    optimizers = None if optimizer is None else torch_optimizers(unwrap_optimizer(optimizer))
+    osd: dict[str, Any] | None = None
+    if optimizers is not None:
+        msd, osd = get_state_dict(model, optimizers)  # collective for some parallelisms: every rank, first
     else:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        target = {"model": get_model_state_dict(model)}
+        msd = get_model_state_dict(model)
+    target: dict[str, Any] = {}
     failure: BaseException | None = None
     name: str | None = None
     try:
         store, name = checkpoint_at(path, step, storage_options)
-        manifest = _checked_manifest(store, name, (rank, world), per_rank_state, verify, target)
+
+        def target_for(key_layout: str) -> dict[str, Any]:
+            target.update(named_as(key_layout, msd, osd))
+            return target
+
+        manifest = _checked_manifest(store, name, (rank, world), per_rank_state, verify, target_for)
         check_signed(store, name, manifest, signing_key)
     except OverlapCkptError as e:  # raised on every rank below, before any rank reads
         failure = e
@@ -325,17 +339,47 @@ def load(
     extra = _per_rank_extra_state(manifest, rank) if per_rank_state == "restore" else {}
     if per_rank_state == "restore":
         _check_stateful_names(extra, stateful or {}, where)
-    if optimizer is not None:
-        set_state_dict(model, optimizer, model_state_dict=host["model"], optim_state_dict=host["optimizer"])
+    model_sd, optim_sd = unnamed(manifest.key_layout, host, osd)
+    if optimizers is not None:
+        set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=cast(Any, optim_sd))
     else:
-        model.load_state_dict(host["model"])
+        model.load_state_dict(model_sd)
     if per_rank_state == "restore":
         _restore_extra_state(extra, stateful or {})
     return CheckpointInfo.from_manifest(manifest, where)
 
 
+def named_as(key_layout: str, msd: dict[str, Any], osd: dict[str, Any] | None) -> dict[str, Any]:
+    """The state dict to read a checkpoint of ``key_layout`` into, from ``get_state_dict``'s model and optimizer parts."""
+    if key_layout != TORCHTITAN:
+        return {"model": msd} if osd is None else {"model": msd, "optimizer": osd}
+    if osd is None:
+        return dict(msd)
+    return {**msd, "optimizer": {"state": osd["state"], **flat_param_groups(osd["param_groups"])}}
+
+
+def unnamed(key_layout: str, host: dict[str, Any], osd: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Invert :func:`named_as` on what was read: (model state dict, optimizer state dict by name)."""
+    if key_layout != TORCHTITAN:
+        return host["model"], host.get("optimizer")
+    model_sd = {k: v for k, v in host.items() if k != "optimizer"}
+    if osd is None:
+        return model_sd, None
+    flat = host["optimizer"]
+    groups = [
+        {**live, **nested_param_groups(flat, [live["params"]], [saved_group_keys(live)])[0], "params": live["params"]}
+        for live in osd["param_groups"]
+    ]
+    return model_sd, {"state": flat["state"], "param_groups": groups}
+
+
 def _checked_manifest(
-    store: CheckpointStore, name: str, share: tuple[int, int], per_rank_state: str, verify: bool, target: dict[str, Any]
+    store: CheckpointStore,
+    name: str,
+    share: tuple[int, int],
+    per_rank_state: str,
+    verify: bool,
+    target: dict[str, Any] | Callable[[str], dict[str, Any]],
 ) -> Manifest:
     """The manifest of ``name``, once everything that can be checked before reading has passed."""
     where = store.checkpoint_url(name)
@@ -357,9 +401,11 @@ def _checked_fields(
     share: tuple[int, int],
     per_rank_state: str,
     verify: bool,
-    target: dict[str, Any],
+    target: dict[str, Any] | Callable[[str], dict[str, Any]],
     where: str,
 ) -> Manifest:
+    if callable(target):
+        target = target(manifest.key_layout)
     world = share[1]
     saved_world = manifest.world_size
     if per_rank_state == "restore" and saved_world != world:

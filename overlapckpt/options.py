@@ -8,10 +8,12 @@ import torch
 
 from .errors import ConfigError, UnsupportedOptimizerError
 from .format.extra_state import encode
+from .format.key_layout import GET_STATE_DICT, KEY_LAYOUTS
 from .format.storage import CheckpointStore
 from .protocol import EXPORT_FORMATS
 from .train.autowindow import AUTO_WINDOW
 from .train.gradlog import REPLAYABLE_OPTIMIZERS
+from .train.optimizer_group import describe_optimizer, update_rule_class
 
 CONSISTENCY_MODES = ("replay", "stage")
 
@@ -48,9 +50,17 @@ def check_window(window: Any, max_window: Any) -> None:
 
 def check_optimizer_for_mode(optimizer: torch.optim.Optimizer, window: int | str, consistency: str) -> None:
     may_replay = window == AUTO_WINDOW or window > 1  # type: ignore[operator]
-    if may_replay and consistency == "replay" and type(optimizer).__name__ not in REPLAYABLE_OPTIMIZERS:
+    if not (may_replay and consistency == "replay"):
+        return
+    rule = update_rule_class(optimizer)
+    if rule is None:
         raise UnsupportedOptimizerError(
-            f"{type(optimizer).__module__}.{type(optimizer).__qualname__} cannot be replayed: replay needs an "
+            f"{describe_optimizer(optimizer)} cannot be replayed: replay steps one optimizer class over the state, and these "
+            "differ. Use window=1, or window>1 or 'auto' with consistency='stage'"
+        )
+    if rule.__name__ not in REPLAYABLE_OPTIMIZERS:
+        raise UnsupportedOptimizerError(
+            f"{rule.__module__}.{rule.__qualname__} cannot be replayed: replay needs an "
             "elementwise, per-tensor update rule (SGD, Adam, AdamW, Adagrad, RMSprop, ...). Use window=1, "
             "or window>1 or 'auto' with consistency='stage'"
         )
@@ -70,6 +80,7 @@ def check_options(
     collective_timeout_s: Any,
     agreement_timeout_s: Any,
     writer_threads: Any = None,
+    key_layout: Any = GET_STATE_DICT,
 ) -> None:
     """The Checkpointer's plain arguments (the model, optimizer and stateful objects are checked with them)."""
     check_window(window, max_window)
@@ -83,6 +94,11 @@ def check_options(
             f"max_writer_restarts={max_writer_restarts!r} is invalid; pass an integer >= 0 (0: a dead writer is raised at once)"
         )
     check_positive_int("max_inflight", max_inflight, "snapshots in flight at once; each costs one state of host memory", allow_none=False)
+    if key_layout not in KEY_LAYOUTS:
+        raise ConfigError(
+            f"key_layout={key_layout!r} is invalid; use {KEY_LAYOUTS[0]!r} (torch's get_state_dict names) or "
+            f"{KEY_LAYOUTS[1]!r} (TorchTitan's CheckpointManager names)"
+        )
     if consistency not in CONSISTENCY_MODES:
         raise ConfigError(f"consistency={consistency!r} is invalid; use 'replay' or 'stage'")
     if stage_budget_bytes is not None and (isinstance(stage_budget_bytes, bool) or not isinstance(stage_budget_bytes, int) or stage_budget_bytes < 0):

@@ -121,6 +121,7 @@ class PersistRequest:
     proposed_next_window: int | None = None  # window="auto": this rank's choice for the next checkpoint
     root_leased: bool = False  # this run holds the root's lease: other runs' dead attempts are removed
     export_formats: tuple[str, ...] = ()  # framework files to write next to DCP's (writer/exports.py)
+    key_layout: str = "get_state_dict"  # how the state is named inside DCP (format/key_layout.py)
 
 
 @dataclass

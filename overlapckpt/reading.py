@@ -18,6 +18,7 @@ import torch
 
 from .errors import CheckpointNotFoundError, ConfigError
 from .format.entries import optimizer_state_by_index
+from .format.key_layout import GET_STATE_DICT
 from .format.manifest import CheckpointInfo
 from .format.storage import CheckpointStore, translate_read_errors
 from .loading import _checked_manifest, _per_rank_extra_state, check_signed, checkpoint_at, read_into
@@ -56,6 +57,11 @@ def read_checkpoint(
     where = store.checkpoint_url(name)
     host = _template(store, name)
     manifest = _checked_manifest(store, name, (0, 1), "skip", verify, host)
+    if manifest.key_layout != GET_STATE_DICT:
+        raise ConfigError(
+            f"{where} names its state in the {manifest.key_layout!r} key layout, and read_checkpoint returns the "
+            f"{GET_STATE_DICT!r} one; restore it with overlapckpt.load (or overlapckpt.titan's manager)"
+        )
     check_signed(store, name, manifest, signing_key)
     read_into(store, name, host, manifest=manifest if verify else None)
     world = manifest.world_size

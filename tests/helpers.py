@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import select
+import socket
 import subprocess
+import sys
 import time
 from typing import Any
 
@@ -183,3 +186,38 @@ def read_child_line(child: subprocess.Popen, timeout_s: float) -> str:
         assert byte, f"the child closed its output (so far {line!r})"
         line += byte
     return line.decode()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_ranks(worker: str, scenario: str, world_size: int, out: str, timeout_s: float) -> list[dict]:
+    """Run ``worker SCENARIO OUT`` as ``world_size`` gloo ranks (torchrun's environment); each rank's OUT/rank<R>.json."""
+    os.makedirs(out, exist_ok=True)
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, worker, scenario, out], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout_s)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    results = []
+    for rank in range(world_size):
+        path = os.path.join(out, f"rank{rank}.json")
+        assert os.path.exists(path), f"rank {rank} wrote no result:\n" + "\n".join(o[-3000:] for o in outputs)
+        with open(path) as f:
+            result = json.load(f)
+        assert "crashed" not in result, result.get("crashed")
+        results.append(result)
+    return results

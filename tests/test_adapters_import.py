@@ -30,3 +30,13 @@ def test_a_missing_framework_names_the_extra():
     assert done.returncode == 0, done.stderr
     assert "pip install 'overlapckpt[lightning]'" in done.stdout, done.stdout
     assert "pytorch_lightning or lightning.pytorch" in done.stdout
+
+
+def test_a_missing_torchtitan_names_the_extra():
+    done = _run(
+        "import sys\nsys.modules['torchtitan'] = None\n"
+        "try:\n    import overlapckpt.titan\nexcept ImportError as e:\n    print(type(e).__name__, e)\n"
+    )
+    assert done.returncode == 0, done.stderr
+    assert "pip install 'overlapckpt[titan]'" in done.stdout, done.stdout
+    assert "torchtitan.components.checkpointer, which cannot be imported" in done.stdout

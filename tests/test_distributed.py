@@ -6,10 +6,7 @@ every rank wrote. Ports are picked free; every wait has a timeout.
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -17,42 +14,14 @@ import torch
 
 from overlapckpt import Checkpointer, CheckpointMismatchError, list_checkpoints, load
 
+from helpers import launch_ranks
+
 WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 LAUNCH_TIMEOUT_S = 420
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(scenario: str, world_size: int, out: str) -> list[dict]:
-    os.makedirs(out, exist_ok=True)
-    port = _free_port()
-    procs = []
-    for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, WORKER, scenario, out], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=LAUNCH_TIMEOUT_S)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    results = []
-    for rank in range(world_size):
-        path = os.path.join(out, f"rank{rank}.json")
-        assert os.path.exists(path), f"rank {rank} wrote no result:\n" + "\n".join(o[-3000:] for o in outputs)
-        with open(path) as f:
-            result = json.load(f)
-        assert "crashed" not in result, result.get("crashed")
-        results.append(result)
-    return results
+    return launch_ranks(WORKER, scenario, world_size, out, LAUNCH_TIMEOUT_S)
 
 
 def _differing(a_file: str, b_file: str) -> list[str]:

@@ -14,6 +14,7 @@ from ..errors import ConfigError
 _FRAMEWORKS = {
     "lightning": (("pytorch_lightning", "lightning.pytorch"), "lightning"),
     "hf": (("transformers",), "hf"),
+    "titan": (("torchtitan.components.checkpointer",), "titan"),
 }
 
 

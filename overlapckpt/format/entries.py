@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointMismatchError
+from .key_layout import GET_STATE_DICT, TORCHTITAN, flat_param_groups
 
 ROLE_PARAM = "param"
 ROLE_BUFFER = "buffer"
@@ -42,10 +43,21 @@ class TensorEntry:
 
 
 def build_state_dict(
-    entries: list[TensorEntry], tensors: list[torch.Tensor], small_state: dict[str, Any]
+    entries: list[TensorEntry],
+    tensors: list[torch.Tensor],
+    small_state: dict[str, Any],
+    key_layout: str = GET_STATE_DICT,
+    stateful: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Nest flat entries back into ``{"model": ..., "optimizer": ...}`` (what DCP saves)."""
-    sd: dict[str, Any] = {"model": {}, "optimizer": {"state": {}, "param_groups": small_state["param_groups"]}}
+    """Nest flat entries back into the state dict DCP saves, named as ``key_layout`` says (format/key_layout.py).
+
+    ``stateful``: the stateful objects' states, saved as DCP items too in the torchtitan layout.
+    """
+    sd: dict[str, Any]
+    if key_layout == TORCHTITAN:
+        sd = {**(stateful or {}), "optimizer": {"state": {}, **flat_param_groups(small_state["param_groups"])}}
+    else:
+        sd = {"model": {}, "optimizer": {"state": {}, "param_groups": small_state["param_groups"]}}
     for entry, t in zip(entries, tensors):
         node = sd
         for part in entry.path[:-1]:

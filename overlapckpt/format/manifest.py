@@ -31,6 +31,7 @@ import torch
 
 from ..errors import CorruptCheckpointError
 from .checksum import hex32, updater
+from .key_layout import GET_STATE_DICT, KEY_LAYOUTS
 
 MANIFEST_NAME = "overlapckpt.json"
 METADATA_NAME = ".metadata"
@@ -48,20 +49,34 @@ CHECKPOINT_PREFIX = "step-"
 
 
 # ASCII only: str.isdigit() accepts "²", which int() then refuses. The optional suffix is
-# a run's id, for a version that another run's committed checkpoint already holds.
-_NAME_RE = re.compile(r"step-([0-9]{9,})(?:-([0-9a-f]{8}))?", re.ASCII)
+# a run's id, for a version that another run's committed checkpoint already holds. The
+# digits are 9 at least, or unpadded in the torchtitan key layout (format/key_layout.py).
+_NAME_RE = re.compile(r"step-([0-9]+)(?:-([0-9a-f]{8}))?", re.ASCII)
 RUN_ID_HEX = 16  # a run id is 16 hex digits; names carry its first 8
 
 
-def checkpoint_name(step: int, run_id: str | None = None) -> str:
-    """The directory name of the checkpoint holding version ``step`` (``run_id``: the lineage-aware name)."""
-    return f"{CHECKPOINT_PREFIX}{step:09d}" + ("" if run_id is None else f"-{run_id[:8]}")
+def checkpoint_name(step: int, run_id: str | None = None, padded: bool = True) -> str:
+    """The directory name of the checkpoint holding version ``step`` (``run_id``: the lineage-aware name).
+
+    ``padded=False``: ``step-100``, the name TorchTitan's manager looks for (the torchtitan key layout).
+    """
+    digits = f"{step:09d}" if padded else str(step)
+    return f"{CHECKPOINT_PREFIX}{digits}" + ("" if run_id is None else f"-{run_id[:8]}")
 
 
 def step_of_name(name: str) -> int | None:
     """The version in a checkpoint directory name, or None for any other name (strictly ``step-`` + digits)."""
     match = _NAME_RE.fullmatch(name)
     return None if match is None else int(match.group(1))
+
+
+def _known_layout(name: str, where: str) -> str:
+    if name not in KEY_LAYOUTS:
+        raise CorruptCheckpointError(
+            f"{where} names key layout {name!r}, which this overlapckpt does not know (it reads {KEY_LAYOUTS}); "
+            "upgrade overlapckpt to read it"
+        )
+    return name
 
 
 def _in_place(t: torch.Tensor) -> Any:
@@ -304,6 +319,7 @@ class Manifest:
     ranks: tuple[RankSection, ...] = ()
     ledger: dict[str, Any] | None = None
     stats: dict[str, Any] | None = None
+    key_layout: str = "get_state_dict"  # how the state is named inside DCP (format/key_layout.py)
     # The JSON as read, for what is checked on the exact document (the signature, inspect --json).
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -344,6 +360,7 @@ class Manifest:
             ranks=tuple(RankSection.from_json(r, f"{where} (rank section {i})") for i, r in enumerate(_field(raw, "ranks", list, where, []))),
             ledger=_field(raw, "ledger", (dict, type(None)), where, None),
             stats=_field(raw, "stats", (dict, type(None)), where, None),
+            key_layout=_known_layout(_field(raw, "key_layout", str, where, GET_STATE_DICT), where),
             raw=raw,
         )
 
@@ -366,6 +383,7 @@ class Manifest:
             "ledger": self.ledger,
             "stats": self.stats,
             "extra_state_index": list(self.extra_state_index),
+            "key_layout": self.key_layout,
         }
         if self.ranks:
             out["ranks"] = [r.to_json() for r in self.ranks]

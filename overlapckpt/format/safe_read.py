@@ -152,3 +152,33 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+class PlainDataUnpickler(pickle.Unpickler):
+    """Unpickles plain data only (dicts, lists, tuples, sets, numbers, strings, bytes): every global is refused.
+
+    For state a framework stores as ``pickle.dumps`` bytes inside a checkpoint (TorchTitan's
+    data loader does), which its own ``load_state_dict`` would hand to ``pickle.loads``.
+    """
+
+    def __init__(self, file: IO[bytes], where: str) -> None:
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("collections", "OrderedDict"):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(
+            f"{self.where} names the global {module}.{name}: refused, so that no code from the checkpoint runs; "
+            "only plain data (dicts, lists, tuples, numbers, strings, bytes) is restored from pickled state"
+        )
+
+
+def load_plain_data(data: bytes, where: str) -> Any:
+    """``pickle.loads`` of plain data, never running code from it (``where`` names it in errors)."""
+    try:
+        return PlainDataUnpickler(io.BytesIO(data), where).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as e:
+        raise UnsafeCheckpointError(f"{where} is not a plain-data pickle: {type(e).__name__}: {e}") from e

@@ -18,6 +18,7 @@ from typing import Any
 
 from .. import protocol as p
 from ..errors import InternalError, OverlapCkptError, WriterDiedError, WritersRegroupedError
+from ..format.key_layout import GET_STATE_DICT
 from ..format.manifest import CheckpointInfo
 from .boundary import resolve_boundary, resolve_values
 from .lineage import Lineage
@@ -49,9 +50,11 @@ class PersistDispatcher:
         on_commit: Callable[[dict[str, Any]], None] | None = None,
         unsolicited_errors: bool = False,
         export_formats: tuple[str, ...] = (),
+        key_layout: str = GET_STATE_DICT,
     ) -> None:
         self.lineage = lineage
         self.export_formats = export_formats
+        self.key_layout = key_layout
         self.on_commit = on_commit
         self.link = link
         link.on_replaced(self._hand_to)
@@ -108,6 +111,7 @@ class PersistDispatcher:
             proposed_next_window=proposed_next_window,
             root_leased=self.lineage.root_leased,
             export_formats=self.export_formats,
+            key_layout=self.key_layout,
         )
         self._sent[snap.request_id] = _Sent(snap, stats, request)
         self.link.writer.send(request)

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ..errors import WriterDiedError
+from ..format.key_layout import GET_STATE_DICT
 from .autowindow import FWD_BWD_END, FWD_BWD_START, OPT_END, OPT_START, PhaseTimer
 from .blocking import BlockingCalls
 from .completion import SnapshotCompletion
@@ -87,6 +88,7 @@ class SnapshotEngine(SnapshotStarts, SnapshotCompletion, BlockingCalls, Snapshot
         at_boundary: Callable[[], None] | None = None,
         on_commit: Callable[[dict[str, Any]], None] | None = None,
         export_formats: tuple[str, ...] = (),
+        key_layout: str = GET_STATE_DICT,
     ) -> None:
         self.optimizer = optimizer
         self.consistency = SnapshotMode(consistency)
@@ -102,12 +104,13 @@ class SnapshotEngine(SnapshotStarts, SnapshotCompletion, BlockingCalls, Snapshot
             window, self.consistency, max_window, gap_timer, gradients_fenced=not copier.clone_is_cheap, distributed=self.distributed
         )
         self.slots = SlotPool(link, pin=copier.pins_host_memory, max_inflight=max_inflight)
-        self.plans = PlanCache(model, optimizer, link, scope)
+        self.plans = PlanCache(model, optimizer, link, scope, key_layout)
         self.staging = StagingArea(device, stage_budget_bytes, keep=keep_staging)
         self.gradients = GradientLogger(optimizer, copier)
         self.copies = SnapshotCopies(optimizer, stateful, copier, self.staging, self.gradients)
         self.dispatcher = PersistDispatcher(
-            link, self.slots, keep, lineage, on_commit, unsolicited_errors=scope.world_size > 1, export_formats=export_formats
+            link, self.slots, keep, lineage, on_commit, unsolicited_errors=scope.world_size > 1, export_formats=export_formats,
+            key_layout=key_layout,
         )
         self.step_count = 0
         self._hook_serial = 0

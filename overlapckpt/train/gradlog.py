@@ -32,6 +32,7 @@ import torch
 from ..errors import InternalError
 from ..protocol import GradientStep, ReplayLog
 from .layout import StateLayout, optimizer_shape_signature
+from .optimizer_group import OptimizerGroup, describe_optimizer, update_rule_class
 from .ownership import local_tensor
 from .plan import CopyPlan, align_bytes
 from .slots import HostSlot
@@ -102,8 +103,11 @@ class GradientLogger:
     def open(self, slot: HostSlot, plan: CopyPlan, layout: StateLayout, base_step: int) -> ReplayLog:
         """The replay log of a snapshot started at ``base_step``, writing into ``slot``'s gradient buffer."""
         offsets, _ = self._slot_views(slot, plan, layout)
+        rule = update_rule_class(self.optimizer)
+        if rule is None:  # options.check_optimizer_for_mode refuses replay for such a group
+            raise InternalError(f"replay of {describe_optimizer(self.optimizer)}: its optimizers differ")
         return ReplayLog(
-            optimizer_class=(type(self.optimizer).__module__, type(self.optimizer).__qualname__),
+            optimizer_class=(rule.__module__, rule.__qualname__),
             grad_buffer_id=slot.grad_buffer_id,  # type: ignore[arg-type]
             grad_offsets=offsets,
             param_group_of={fqn: gi for gi, fqns in enumerate(layout.group_param_fqns) for fqn in fqns},
@@ -174,8 +178,10 @@ class GradientLogger:
         return optimizer_shape_signature(self.optimizer) != layout.shape_signature
 
 
-def step_writes_gradients(optimizer: torch.optim.Optimizer) -> bool:
+def step_writes_gradients(optimizer: Any) -> bool:
     """Whether this optimizer's step writes ``.grad`` in place (found by reading torch.optim)."""
+    if isinstance(optimizer, OptimizerGroup):
+        return any(step_writes_gradients(o) for o in optimizer.optimizers)
     return isinstance(optimizer, torch.optim.SGD) and any(
         g.get("nesterov") and g.get("momentum") and g.get("foreach") is not False for g in optimizer.param_groups
     )

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..format.entries import ROLE_BUFFER, ROLE_OPTIM, ROLE_PARAM, TensorEntry
+from ..format.key_layout import GET_STATE_DICT, model_path
 from .ownership import OwnershipUnit, TensorPlacement, local_tensor, owned_units, placement_of
 
 
@@ -121,7 +122,9 @@ def _param_fqns(model: nn.Module) -> dict[int, str]:
     return out
 
 
-def build_layout(model: nn.Module, optimizer: torch.optim.Optimizer, scope: CheckpointScope = CheckpointScope()) -> StateLayout:
+def build_layout(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scope: CheckpointScope = CheckpointScope(), key_layout: str = GET_STATE_DICT
+) -> StateLayout:
     """Describe every tensor this rank checkpoints, in a deterministic order.
 
     Order: model entries in ``state_dict`` order, then optimizer state per parameter
@@ -143,7 +146,7 @@ def build_layout(model: nn.Module, optimizer: torch.optim.Optimizer, scope: Chec
         local = local_tensor(t)
         role = ROLE_PARAM if local.data_ptr() in param_ptrs and fqn in param_names else ROLE_BUFFER
         placement = placement_of(t, scope.rank, scope.world_size)
-        entry = _entry(("model", fqn), role, fqn if role == ROLE_PARAM else None, local, placement)
+        entry = _entry(model_path(key_layout, fqn), role, fqn if role == ROLE_PARAM else None, local, placement)
         candidates.append((entry, local, fqn, placement))
 
     group_fqns: list[list[str]] = []

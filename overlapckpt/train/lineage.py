@@ -31,6 +31,7 @@ class Lineage:
     taken_versions: set[int] = field(default_factory=set)
     # This run holds the root's lease (format/lease.py): no other job writes the root.
     root_leased: bool = False
+    padded_names: bool = True  # step-000000100; False: step-100 (the torchtitan key layout)
 
     def note_existing(self, committed_names: list[str], own: set[str]) -> None:
         """The root's committed checkpoints, less this run's own: their versions are taken."""
@@ -39,8 +40,8 @@ class Lineage:
     def name_for(self, version: int) -> str:
         """The directory name of this run's checkpoint of ``version``."""
         if version in self.taken_versions:
-            return checkpoint_name(version, self.run_id)
-        return checkpoint_name(version)
+            return checkpoint_name(version, self.run_id, padded=self.padded_names)
+        return checkpoint_name(version, padded=self.padded_names)
 
     def restored(self, name: str, version: int, committed_names: list[str]) -> list[str]:
         """This run continues from ``name``: returns the newer checkpoints it leaves alone, and warns of them."""

@@ -23,9 +23,10 @@ class PlanCache:
     """The current layout, its plans by window, and the plan ids the writer knows."""
 
     def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, link: WriterLink, scope: CheckpointScope
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, link: WriterLink, scope: CheckpointScope, key_layout: str
     ) -> None:
         self.model = model
+        self.key_layout = key_layout
         self.scope = scope
         self.optimizer = optimizer
         self.link = link
@@ -39,7 +40,7 @@ class PlanCache:
         """The layout of the live state; rebuilt (and its plans dropped) when a tensor was replaced."""
         fingerprint = live_fingerprint(self.model, self.optimizer)
         if self._layout is None or self._layout.fingerprint != fingerprint:
-            self._layout = build_layout(self.model, self.optimizer, self.scope)
+            self._layout = build_layout(self.model, self.optimizer, self.scope, self.key_layout)
             self._plans = {}
             self._plan_ids = {}
         return self._layout

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .optimizer_group import step_owner
 from .snapshot import Snapshot, SnapshotMode
 from .warnings_text import CLOSURE_IGNORED_WARNING, GRAD_SCALER_WARNING, LATE_HOOK_WARNING, NEW_STATE_WARNING, REPLAY_MUTATION_WARNING
 
@@ -95,7 +96,7 @@ class SnapshotRestarts:
         from torch.optim.optimizer import _global_optimizer_post_hooks
 
         ours = self.step_point.post_hook_id
-        keys = list(self.optimizer._optimizer_step_post_hooks.keys())
+        keys = list(step_owner(self.optimizer)._optimizer_step_post_hooks.keys())
         later = len(keys) - 1 - keys.index(ours) if ours in keys else 0
         if later or _global_optimizer_post_hooks:
             self._warn_once("late-hook", LATE_HOOK_WARNING.format(count=later + len(_global_optimizer_post_hooks)))

@@ -45,22 +45,25 @@ from torch.optim.optimizer import _global_optimizer_pre_hooks, register_optimize
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import ConfigError
+from .optimizer_group import OptimizerGroup, as_optimizer_group, step_owner
 
 _WRAPPER_ATTRIBUTES = ("optimizer", "_optimizer")
 _MAX_WRAPPER_DEPTH = 8
 
 
-def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+def unwrap_optimizer(optimizer: Any) -> Any:
     """The ``torch.optim.Optimizer`` whose ``step()`` fires step hooks, inside any wrappers around it.
 
     Accelerate's ``AcceleratedOptimizer`` and Lightning's ``LightningOptimizer`` subclass
     or imitate an optimizer without registering its hooks; they step the optimizer
     they hold as ``.optimizer`` / ``._optimizer``, which is the one to hook and replay.
+    A container that steps optimizers it holds (TorchTitan's ``OptimizersContainer``)
+    becomes an ``OptimizerGroup``: hooked on its own step, its state read from inside.
     """
     current = optimizer
     for _ in range(_MAX_WRAPPER_DEPTH):
         if fires_step_hooks(current):
-            return current
+            return as_optimizer_group(current) or current
         inner = next(
             (getattr(current, a) for a in _WRAPPER_ATTRIBUTES if isinstance(getattr(current, a, None), torch.optim.Optimizer)),
             None,
@@ -85,8 +88,10 @@ def fires_step_hooks(optimizer: Any) -> bool:
     )
 
 
-def _closure_position(optimizer: torch.optim.Optimizer) -> int | None:
+def _closure_position(optimizer: Any) -> int | None:
     """The index of ``closure`` in ``step``'s positional arguments (self is 0), or None if it takes none."""
+    if isinstance(optimizer, OptimizerGroup):
+        return None  # a container steps its optimizers without a closure (TorchTitan's asserts there is none)
     try:
         parameters = list(inspect.signature(type(optimizer).step).parameters.values())
     except (TypeError, ValueError):
@@ -108,6 +113,7 @@ class StepPoint:
         on_step_end: Callable[[bool], None],
     ) -> None:
         self.optimizer = optimizer
+        self._owner = step_owner(optimizer)  # whose step() fires the hooks
         self._on_step_start = on_step_start  # argument: fence now (another pre-hook follows ours)
         self._before_update = before_update
         self._on_step_end = on_step_end  # argument: before_update ran inside this step
@@ -125,7 +131,7 @@ class StepPoint:
         pre = register_optimizer_step_pre_hook(self._pre_hook)
         # Before every other pre-hook (1); torch keeps its hooks in an OrderedDict.
         cast("OrderedDict[int, object]", _global_optimizer_pre_hooks).move_to_end(pre.id, last=False)
-        post = self.optimizer.register_step_post_hook(self._post_hook)
+        post = self._owner.register_step_post_hook(self._post_hook)
         self._handles = [pre, post]
 
     def remove(self) -> None:
@@ -135,16 +141,16 @@ class StepPoint:
 
     def others_follow(self) -> bool:
         """Another pre-hook runs after ours, before the update (3)."""
-        return len(_global_optimizer_pre_hooks) > 1 or bool(self.optimizer._optimizer_step_pre_hooks)
+        return len(_global_optimizer_pre_hooks) > 1 or bool(self._owner._optimizer_step_pre_hooks)
 
     def other_pre_hook_names(self) -> list[str]:
         ours = self._handles[0].id if self._handles else None
         hooks = [h for k, h in _global_optimizer_pre_hooks.items() if k != ours]
-        hooks += list(self.optimizer._optimizer_step_pre_hooks.values())
+        hooks += list(self._owner._optimizer_step_pre_hooks.values())
         return [getattr(h, "__qualname__", type(h).__qualname__) for h in hooks]
 
     def _pre_hook(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if optimizer is not self.optimizer:
+        if optimizer is not self._owner:
             return None  # a global hook sees every optimizer's step
         self._update_point_ran = False
         self._on_step_start(self.others_follow())

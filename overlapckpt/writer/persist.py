@@ -23,6 +23,7 @@ from ..format.blobsums import StoredChecksums
 from ..format.checksum import default_algorithm
 from ..format.entries import TensorEntry, build_state_dict
 from ..format.extra_state import encode
+from ..format.key_layout import TORCHTITAN
 from ..format.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -114,7 +115,9 @@ def persist_snapshot(
             sign(document, checksums.metadata_bytes, signing_key)
         store.write_manifest(attempt.directory, dump_manifest(document))
 
-    state_dict = build_state_dict(entries, [_part(e, t) for e, t in zip(entries, tensors)], req.small_state)
+    # The torchtitan layout saves the stateful objects as DCP items too, for TorchTitan's own manager.
+    stateful = req.extra_state.get("stateful", {}) if req.key_layout == TORCHTITAN else None
+    state_dict = build_state_dict(entries, [_part(e, t) for e, t in zip(entries, tensors)], req.small_state, req.key_layout, stateful)
     try:
         if req.export_formats:  # one process only (the Checkpointer refuses it distributed): whole tensors
             written = write_exports(store, attempt.directory, req.export_formats, state_dict, req.extra_state)
@@ -237,6 +240,7 @@ def _manifest(
         "run_id": req.run_id,
         "restored_from": req.restored_from,
         "extra_state_index": tuple(sorted(req.extra_state.keys())),
+        "key_layout": req.key_layout,
     }
     if sections is None:
         return Manifest(nbytes=sum(e.nbytes for e in entries), items={}, **common)

@@ -26,7 +26,8 @@ def _import(spec: tuple[str, str]) -> Any:
 
 
 def _replay_hyperparameters(h: dict[str, Any]) -> dict[str, Any]:
-    out = dict(h)
+    # param_names names the whole group's parameters; a copy group replays some of them.
+    out = {k: v for k, v in h.items() if k != "param_names"}
     # The replay runs on CPU tensors; capturable only changes where the step count
     # lives (a device tensor for CUDA graphs), not the arithmetic.
     if out.get("capturable"):

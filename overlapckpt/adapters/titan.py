@@ -1,0 +1,403 @@
+"""TorchTitan: ``OverlapCheckpointManager``, a checkpoint manager that checkpoints without stopping training.
+
+Selected by the job's config, in place of TorchTitan's ``CheckpointManager``::
+
+    from overlapckpt.titan import OverlapCheckpointManager
+    config.checkpoint = OverlapCheckpointManager.Config(enable=True, interval=500, window=1)
+
+Where it sits in the trainer's loop (torchtitan 0.3, ``Trainer.train_step``/``train``):
+
+* ``__init__`` (the trainer's set-up): builds the ``Checkpointer`` on the model parts
+  (several, with pipeline stages, are one merged view) and the ``OptimizersContainer``
+  (hooked on its own ``step()``, which fires its pre-hooks, MoE load balancing among
+  them, after our fence; its state read from the optimizers inside). ``train_state``,
+  ``lr_scheduler``, ``dataloader`` and any other ``states`` are stateful objects,
+  captured at each boundary, and the RNG states with them (the stock manager saves none).
+* ``load(step)`` at the start of ``train()``: restores the newest checkpoint (or
+  ``load_step``'s), verified, with the steps a load takes to create optimizer state
+  not counted; a checkpoint that TorchTitan's own manager wrote is read too (through
+  the same allowlists, unverified: it has no manifest).
+* ``maybe_wait_for_staging()``, right before ``optimizers.step()``: ``before_update()``,
+  the fence of the copies started after the previous step.
+* ``save(step, last_step)``, at the end of every step: a request when the step is due
+  (``interval``, the first step if enabled, the last step), then ``step()``, the
+  boundary; the last step also waits until the checkpoint is durable.
+* ``maybe_wait_for_saving()``: ``wait()``. ``close()``: finishes what is in flight.
+
+The checkpoints are in TorchTitan's layout (``format/key_layout.py``): ``step-N``
+directories, model FQNs at the top level, ``optimizer.state.*`` and flat
+``optimizer.param_groups.*``, ``lr_scheduler``, ``dataloader`` and ``train_state`` as
+DCP items, so TorchTitan's stock ``CheckpointManager`` loads them; they also hold
+overlapckpt's manifest (checksums, the ledger, the stateful objects as JSON, the RNG
+states), which is what this manager restores from.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import signal
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from ..errors import ConfigError
+from ..format.key_layout import TORCHTITAN
+from . import require
+
+_titan_base = require("titan")
+BaseCheckpointManager = _titan_base.BaseCheckpointManager
+
+log = logging.getLogger("overlapckpt.titan")
+
+MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE = "model", "optimizer", "lr_scheduler", "dataloader", "train_state"
+# Options of TorchTitan's Config this manager does not implement, with what to do instead.
+_NOT_IMPLEMENTED = {
+    "last_save_in_hf": "export Hugging Face safetensors from a checkpoint with TorchTitan's own CheckpointManager",
+    "initial_load_in_hf": "convert the Hugging Face weights to a DCP checkpoint first, and pass it as initial_load_path",
+    "create_seed_checkpoint": "create the seed checkpoint with TorchTitan's own CheckpointManager",
+}
+
+
+class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, valid-type]
+    """TorchTitan's checkpoint manager contract, fulfilled by overlapckpt's ``Checkpointer``."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseCheckpointManager.Config):  # type: ignore[name-defined]
+        window: int | str = 1
+        """Optimizer steps the device-to-host copy is spread over (1: exact at the step), or 'auto'."""
+
+        consistency: str = "replay"
+        """With window > 1: 'replay' (rolled forward on the CPU, no GPU memory) or 'stage' (exact, GPU memory)."""
+
+        max_inflight: int = 1
+        """Checkpoints in flight at once; each holds one host copy of this rank's state."""
+
+        writer_threads: int | None = None
+        """The writer process's threads (None: a quarter of the cores, 1 to 4)."""
+
+        save_on_signal: list[str] = field(default_factory=list)
+        """Signals (e.g. ['SIGTERM']) on which every rank agrees on one step, checkpoints it and exits."""
+
+        signal_grace_s: float | None = None
+        """Seconds from the signal to the commit (None: 25 s, inside torchrun's 30 s before SIGKILL)."""
+
+        storage_options: dict[str, Any] = field(default_factory=dict)
+        """fsspec options for a remote folder (endpoint_url, key, secret, ...)."""
+
+        def __post_init__(self) -> None:
+            BaseCheckpointManager.Config.__post_init__(self)
+            for name, instead in _NOT_IMPLEMENTED.items():
+                if getattr(self, name):
+                    raise ConfigError(f"checkpoint.{name}=True is not implemented by OverlapCheckpointManager; {instead}")
+            for name in self.save_on_signal:
+                if not isinstance(getattr(signal, str(name), None), signal.Signals):
+                    raise ConfigError(f"checkpoint.save_on_signal names {name!r}, which is no signal; use names such as 'SIGTERM'")
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        dataloader: Any,
+        model_parts: list[nn.Module],
+        optimizers: Any,
+        lr_schedulers: Any,
+        states: dict[str, Any],
+        sd_adapter: Any = None,
+        base_folder: str = "",
+    ) -> None:
+        from ..checkpointer import Checkpointer
+
+        self.enable = config.enable
+        self.save_future: Future[None] | None = None
+        if not self.enable:
+            return
+        self.config = config
+        self.folder = _join(base_folder, config.folder)
+        self.interval = config.interval
+        self.load_only = config.load_only
+        self._model = merged_model_parts(model_parts)
+        self._optimizers = optimizers
+        self._stateful = {
+            **{k: v for k, v in states.items() if k not in (MODEL, OPTIMIZER)},
+            LR_SCHEDULER: lr_schedulers,
+            **({} if dataloader is None else {DATALOADER: DataloaderState(dataloader)}),
+        }
+        for name in self.config.exclude_from_loading:
+            if name not in self._stateful and name != OPTIMIZER:
+                raise ConfigError(
+                    f"checkpoint.exclude_from_loading names {name!r}, which is not saved; the saved states are "
+                    f"{sorted([OPTIMIZER, *self._stateful])}"
+                )
+        self._warned_step_mismatch = False
+        self.ckpt = Checkpointer(
+            self._model,
+            optimizers,  # an OptimizersContainer: hooked on its step, state read from inside (train/optimizer_group.py)
+            self.folder,
+            window=config.window,
+            keep=config.keep_latest_k or None,
+            stateful=self._stateful,
+            storage_options=dict(config.storage_options),
+            consistency=config.consistency,
+            max_inflight=config.max_inflight,
+            writer_threads=config.writer_threads,
+            save_on_signal=tuple(getattr(signal, str(s)) for s in config.save_on_signal),
+            signal_grace_s=config.signal_grace_s,
+            key_layout=TORCHTITAN,
+        )
+        log.info("overlapckpt checkpoints to %s, window %s", self.folder, config.window)
+        if config.last_save_model_only:
+            log.info(
+                "checkpoint.last_save_model_only: the last step's checkpoint holds the whole state here (export a "
+                "model-only checkpoint in export_dtype with TorchTitan's own CheckpointManager)"
+            )
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # at interpreter exit; close() was the trainer's to call
+            pass
+
+    # ---- the hooks BaseCheckpointManager dispatches to -------------------------------
+
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        due = self._due(curr_step, last_step)
+        if due:
+            if self.ckpt.step_count != curr_step and not self._warned_step_mismatch:
+                self._warned_step_mismatch = True
+                log.warning(
+                    "the trainer is at step %d but %d optimizer steps were taken since the restored checkpoint: "
+                    "checkpoint directories are named by optimizer steps (step-%d)",
+                    curr_step, self.ckpt.step_count, self.ckpt.step_count,
+                )
+            if self.save_future is not None:
+                # As the stock manager: the previous checkpoint is durable before the next starts, so
+                # each due step gets its step-N (overlapckpt alone would merge the request into a later one).
+                self._wait_for_saving()
+            self.ckpt.request()
+            self.save_future = Future()  # a marker: maybe_wait_for_saving dispatches to _wait_for_saving only if set
+        self.ckpt.step()  # every step: the boundary of the stateful objects and RNG states
+        if last_step:
+            self._wait_for_saving()  # durable before the trainer exits, as the stock manager's synchronous save
+        return due
+
+    def _due(self, curr_step: int, last_step: bool) -> bool:
+        if self.load_only:
+            return False
+        return last_step or curr_step % self.interval == 0 or (curr_step == 1 and self.config.enable_first_step_checkpoint)
+
+    def _maybe_wait_for_staging(self) -> None:
+        self.ckpt.before_update()
+
+    def _wait_for_saving(self) -> None:
+        self.ckpt.wait()
+        self.save_future = None
+
+    def _close(self) -> None:
+        ckpt = getattr(self, "ckpt", None)
+        if ckpt is not None:
+            del self.ckpt  # once: __del__ calls close() again
+            ckpt.close()
+
+    def _load(self, step: int = -1) -> bool:
+        from ..loading import load
+
+        name = self._checkpoint_to_load(step)
+        if name is None:
+            return self._initial_load()
+        directory = _join(self.folder, name)
+        excluded = set(self.config.exclude_from_loading)
+        stateful = {k: v for k, v in self._stateful.items() if k not in excluded}
+        optimizer = None if OPTIMIZER in excluded else self._optimizers
+        with self.ckpt.steps_not_counted():  # a load may step the optimizers once to create their state
+            if _is_ours(self.ckpt._store, name):
+                info = load(
+                    directory, self._model, optimizer, stateful, storage_options=dict(self.config.storage_options),
+                    process_group=self.ckpt.process_group,
+                )
+                self.ckpt.continued_from(info)
+                log.info("restored %s", directory)
+                return True
+            read_stock_checkpoint(self.ckpt._store, name, self._model, optimizer, stateful, self.ckpt.process_group)
+        version = _step_of(name)
+        self.ckpt.continued_from(version)
+        log.info("restored %s, written by TorchTitan's own manager (no manifest: not verified)", directory)
+        return True
+
+    def _checkpoint_to_load(self, step: int) -> str | None:
+        """The directory to resume from: ``step``'s, or the newest committed one; None when the folder has none."""
+        names = self.ckpt._store.committed_names()
+        if step != -1:
+            matching = [n for n in names if _step_of(n) == step]
+            if not matching:
+                raise ConfigError(
+                    f"checkpoint.load_step={step}, but {self.folder} has no committed checkpoint of that step; it has "
+                    f"{[_step_of(n) for n in names]}"
+                )
+            return matching[-1]
+        return names[-1] if names else None
+
+    def _initial_load(self) -> bool:
+        """A fresh folder: the initial checkpoint, if one is configured (model only, unless configured otherwise)."""
+        path = self.config.initial_load_path
+        if not path:
+            log.info("no checkpoint under %s: a fresh start", self.folder)
+            return False
+        from ..format.storage import CheckpointStore
+
+        parent, name = path.rstrip("/").rsplit("/", 1)
+        store = CheckpointStore(parent or "/", dict(self.config.storage_options))
+        if not store.is_committed(name):
+            raise ConfigError(f"checkpoint.initial_load_path={path!r} is not a DCP checkpoint directory (it has no .metadata)")
+        model_only = self.config.initial_load_model_only
+        with self.ckpt.steps_not_counted():
+            read_stock_checkpoint(
+                store, name, self._model, None if model_only else self._optimizers, {} if model_only else self._stateful,
+                self.ckpt.process_group,
+            )
+        log.info("loaded the initial checkpoint %s (%s)", path, "model only" if model_only else "whole state")
+        return True
+
+
+class DataloaderState:
+    """A TorchTitan data loader as a stateful object whose restore never unpickles code.
+
+    ``ParallelAwareDataloader.state_dict()`` holds ``pickle.dumps`` of torchdata's state
+    under ``dp_rank_<r>``, and its ``load_state_dict`` calls ``pickle.loads`` on it. That
+    form is kept for TorchTitan's own manager; here it is read by a plain-data unpickler.
+    """
+
+    def __init__(self, dataloader: Any) -> None:
+        self.dataloader = dataloader
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dataloader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from ..format.safe_read import load_plain_data
+
+        rank_key = getattr(self.dataloader, "_rank_id", None)
+        stateful_loader = _stateful_dataloader_base(self.dataloader)
+        if rank_key is None or stateful_loader is None:
+            self.dataloader.load_state_dict(state)  # not TorchTitan's pickling loader: its own restore
+            return
+        if not state:
+            return
+        if rank_key not in state:
+            raise ConfigError(
+                f"the checkpoint's data loader state has no {rank_key!r} (it has {sorted(state)}); resume with the "
+                "data-parallel degree that wrote it"
+            )
+        if state.get("world_size") != self.dataloader.dp_world_size:
+            raise ConfigError(
+                f"the checkpoint's data loader state is for {state.get('world_size')} data-parallel ranks, and this "
+                f"run has {self.dataloader.dp_world_size}; TorchTitan's loader cannot reshard it"
+            )
+        stateful_loader.load_state_dict(self.dataloader, load_plain_data(state[rank_key], f"the data loader state {rank_key}"))
+
+
+def _stateful_dataloader_base(dataloader: Any) -> Any:
+    try:
+        StatefulDataLoader = importlib.import_module("torchdata.stateful_dataloader").StatefulDataLoader
+    except ImportError:
+        return None
+    return StatefulDataLoader if isinstance(dataloader, StatefulDataLoader) else None
+
+
+def merged_model_parts(parts: list[nn.Module]) -> nn.Module:
+    """One module whose parameters and buffers are those of every part, under the names TorchTitan saves them.
+
+    A pipeline stage is the whole model with the other stages' layers deleted, so its
+    FQNs are the model's (``layers.3.attention.wq.weight``). Several stages on one rank
+    are merged here: children found in more than one part (``layers``) are merged by
+    name; the modules themselves are shared, never copied.
+    """
+    if not parts:
+        raise ConfigError("model_parts is empty; pass the model's parts, as the trainer builds them")
+    if len(parts) == 1:
+        return parts[0]
+    merged = nn.Module()
+    for index, part in enumerate(parts):
+        _merge_into(merged, part, f"model_parts[{index}]")
+    return merged
+
+
+def _merge_into(target: nn.Module, part: nn.Module, where: str) -> None:
+    for name, tensor in list(part._parameters.items()) + list(part._buffers.items()):
+        if tensor is None:
+            continue
+        if name in target._parameters or name in target._buffers:
+            raise ConfigError(f"{where} and an earlier part both hold {name!r}; each part must hold different tensors")
+        if name in part._parameters:
+            target.register_parameter(name, part._parameters[name])
+        else:
+            target.register_buffer(name, tensor, persistent=name not in part._non_persistent_buffers_set)
+    for name, child in part.named_children():
+        existing = target._modules.get(name)
+        if existing is None:
+            target.add_module(name, child)
+        elif existing is child:
+            continue
+        elif isinstance(existing, nn.ModuleDict) and isinstance(child, nn.ModuleDict):
+            if not getattr(existing, "_overlapckpt_merged", False):
+                existing = nn.ModuleDict(dict(existing.items()))
+                existing._overlapckpt_merged = True  # type: ignore[assignment]
+                target._modules[name] = existing
+            for key, module in child.items():
+                if key in existing:
+                    raise ConfigError(f"{where} and an earlier part both hold {name}.{key}; each part must hold different layers")
+                existing[key] = module
+        else:
+            raise ConfigError(f"{where} and an earlier part both have a child {name!r} that is not a ModuleDict; cannot merge them")
+
+
+def read_stock_checkpoint(store: Any, name: str, model: nn.Module, optimizers: Any, stateful: dict[str, Any], group: Any) -> None:
+    """Restore a checkpoint TorchTitan's own manager wrote (no manifest), through the allowlists, unverified."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from ..loading import _empty_like_on_cpu, named_as, read_into, unnamed
+    from ..train.optimizer_group import torch_optimizers
+    from ..train.step_hooks import unwrap_optimizer
+
+    group_view = None if optimizers is None else unwrap_optimizer(optimizers)
+    if group_view is not None:
+        msd, osd = get_state_dict(model, torch_optimizers(group_view))
+    else:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        msd, osd = get_model_state_dict(model), None
+    target = named_as(TORCHTITAN, msd, osd)
+    saved = {k: obj.state_dict() for k, obj in stateful.items()}  # DCP fills the same keys from the checkpoint
+    host = {**_empty_like_on_cpu(target), **saved}
+    read_into(store, name, host, group, manifest=None)
+    model_sd, optim_sd = unnamed(TORCHTITAN, {k: v for k, v in host.items() if k not in saved}, osd)
+    if group_view is not None:
+        set_state_dict(model, torch_optimizers(group_view), model_state_dict=model_sd, optim_state_dict=optim_sd)  # type: ignore[arg-type]
+    else:
+        model.load_state_dict(model_sd)
+    for key, obj in stateful.items():
+        obj.load_state_dict(host[key])
+
+
+def _is_ours(store: Any, name: str) -> bool:
+    from ..format.manifest import MANIFEST_NAME
+
+    return bool(store.fs.exists(store._join(name, MANIFEST_NAME)))
+
+
+def _step_of(name: str) -> int:
+    from ..format.manifest import step_of_name
+
+    step = step_of_name(name)
+    if step is None:
+        raise ConfigError(f"{name!r} is not a checkpoint directory name (step-N)")
+    return step
+
+
+def _join(base: str, folder: str) -> str:
+    if "://" in folder or os.path.isabs(folder) or not base:
+        return folder
+    return base.rstrip("/") + "/" + folder

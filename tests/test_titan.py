@@ -1,0 +1,145 @@
+"""TorchTitan: overlapckpt's checkpoint manager with TorchTitan's real components, driven as its trainer drives a manager.
+
+Two launches (tests/titan_worker.py) serve the checks: 2 gloo ranks with FSDP2, and one
+process with two pipeline stages and two optimizer types. The rest runs here: the
+config's refusals, the data loader's state read without running code, the merge of
+model parts.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from overlapckpt import Checkpointer, ConfigError, UnsafeCheckpointError
+from overlapckpt.titan import DataloaderState, OverlapCheckpointManager, merged_model_parts
+
+from helpers import launch_ranks
+
+WORKER = os.path.join(os.path.dirname(__file__), "titan_worker.py")
+LAUNCH_TIMEOUT_S = 300
+
+
+def _steps(names: list[str]) -> list[str]:
+    return sorted((n for n in names if n.startswith("step-")), key=lambda n: int(n.split("-")[1]))
+
+
+def test_fsdp_two_ranks_save_resume_and_the_stock_manager(tmp_path):
+    results = launch_ranks(WORKER, "fsdp", 2, str(tmp_path), LAUNCH_TIMEOUT_S)
+    for rank, r in enumerate(results):
+        full = {int(k): v for k, v in r["losses"].items()}
+        # TorchTitan's directory names, one per due step (interval 4; the last step), in TorchTitan's layout.
+        assert _steps(r["exact_dirs"]) == ["step-4", "step-8", "step-12"], (rank, r["exact_dirs"])
+        assert r["layout_differs"] == [], (rank, r["layout_differs"])  # the same items as the stock manager's, same shapes
+        # Resumed by overlapckpt's manager at step 8: this rank's shards, the schedule and the RNG bit-exact, the same losses.
+        assert r["ours_state_differs"] == [], (rank, r["ours_state_differs"])
+        assert r["ours_train_state"] == {"step": 8, "ntokens_seen": 8 * 4 * 16}, r["ours_train_state"]
+        assert {int(k): v for k, v in r["ours_losses"].items()} == {s: full[s] for s in range(9, 13)}, rank
+        # TorchTitan's own manager resumes from overlapckpt's step-8: the same losses, the same state at 12.
+        assert {int(k): v for k, v in r["stock_losses"].items()} == {s: full[s] for s in range(9, 13)}, rank
+        assert r["stock_state_differs"] == [], (rank, r["stock_state_differs"])
+        assert r["stock_dirs"] == ["step-12"], r["stock_dirs"]
+        # ... and overlapckpt's manager resumes from TorchTitan's own checkpoint.
+        assert r["from_stock_differs"] == [], (rank, r["from_stock_differs"])
+        assert r["from_stock_train_state"] == {"step": 12, "ntokens_seen": 12 * 4 * 16}
+        # Replay at window 3: requested after steps 4 and 8, holding versions 6 and 10; the last step closes its window.
+        assert _steps(r["replay_dirs"]) == ["step-6", "step-10", "step-12"], (rank, r["replay_dirs"])
+        assert r["replay_state_differs"] == [], (rank, r["replay_state_differs"])
+        assert {int(k): v for k, v in r["replay_losses"].items()} == {s: full[s] for s in (11, 12)}, rank
+
+
+def test_pipeline_stages_on_one_rank_and_two_optimizer_types(tmp_path):
+    (r,) = launch_ranks(WORKER, "parts", 1, str(tmp_path), LAUNCH_TIMEOUT_S)
+    full = {int(k): v for k, v in r["losses"].items()}
+    assert _steps(r["dirs"]) == ["step-6", "step-10", "step-12"], r["dirs"]
+    assert r["ours_state_differs"] == [], r["ours_state_differs"]  # both stages, both optimizers, the pre-hook's buffer
+    assert {int(k): v for k, v in r["ours_losses"].items()} == {s: full[s] for s in (11, 12)}
+    assert r["stock_state_differs"] == [], r["stock_state_differs"]
+    assert {int(k): v for k, v in r["stock_losses"].items()} == {s: full[s] for s in (11, 12)}
+    # Adam and AdamW in one container: replay is refused by name; window 1 is exact.
+    assert r["mixed_replay_error"] is not None and "Adam, torch.optim.adamw.AdamW] cannot be replayed" in r["mixed_replay_error"]
+    assert r["mixed_state_differs"] == [], r["mixed_state_differs"]
+    assert r["mixed_losses_equal"] == [True] * 4
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("last_save_in_hf", True, "checkpoint.last_save_in_hf=True is not implemented by OverlapCheckpointManager"),
+        ("create_seed_checkpoint", True, "create the seed checkpoint with TorchTitan's own CheckpointManager"),
+        ("save_on_signal", ["SIGNOPE"], "checkpoint.save_on_signal names 'SIGNOPE', which is no signal"),
+    ],
+)
+def test_config_refusals_name_the_field(field, value, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        OverlapCheckpointManager.Config(enable=True, **{field: value})
+
+
+def test_a_disabled_manager_does_nothing(tmp_path):
+    manager = OverlapCheckpointManager.Config(enable=False).build(
+        dataloader=None, model_parts=[nn.Linear(2, 2)], optimizers=None, lr_schedulers=None, states={}, sd_adapter=None,
+        base_folder=str(tmp_path),
+    )
+    assert manager.load() is False and manager.save(1) is False
+    manager.maybe_wait_for_staging()
+    manager.close()
+    assert os.listdir(tmp_path) == []
+
+
+def _dataloader():
+    from torch.utils.data import IterableDataset
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+
+    class Numbers(IterableDataset):
+        def __iter__(self):
+            yield from range(100)
+
+    return ParallelAwareDataloader(Numbers(), dp_rank=0, dp_world_size=1, batch_size=2)
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("echo overlapckpt-was-here",))
+
+
+def test_dataloader_state_restores_without_running_code():
+    loader = _dataloader()
+    it = iter(loader)
+    next(it), next(it)
+    saved = DataloaderState(loader).state_dict()
+    fresh = _dataloader()
+    DataloaderState(fresh).load_state_dict(saved)  # plain data: restored
+    assert torch.equal(next(iter(fresh)), next(it))
+    crafted = {"dp_rank_0": pickle.dumps({"state": _Boom()}), "world_size": 1}
+    with pytest.raises(UnsafeCheckpointError, match=r"names the global posix\.system: refused"):
+        DataloaderState(_dataloader()).load_state_dict(crafted)
+    with pytest.raises(ConfigError, match="is for 2 data-parallel ranks, and this run has 1"):
+        DataloaderState(_dataloader()).load_state_dict({**saved, "world_size": 2})
+
+
+def test_merged_model_parts_share_the_modules_and_refuse_overlaps():
+    first, second = nn.Module(), nn.Module()
+    first.layers = nn.ModuleDict({"0": nn.Linear(2, 2)})
+    first.embed = nn.Linear(2, 2)
+    second.layers = nn.ModuleDict({"1": nn.Linear(2, 2)})
+    second.out = nn.Linear(2, 2)
+    merged = merged_model_parts([first, second])
+    assert sorted(merged.state_dict()) == sorted(
+        ["embed.weight", "embed.bias", "layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias", "out.weight", "out.bias"]
+    )
+    assert merged.layers["1"] is second.layers["1"] and merged.embed is first.embed
+    assert list(first.layers) == ["0"]  # the parts themselves are left as they were
+    clash = nn.Module()
+    clash.layers = nn.ModuleDict({"0": nn.Linear(2, 2)})
+    with pytest.raises(ConfigError, match=r"model_parts\[1\] and an earlier part both hold layers\.0"):
+        merged_model_parts([first, clash])
+
+
+def test_key_layout_is_checked(tmp_path):
+    model = nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match=r"key_layout='titan' is invalid; use 'get_state_dict' .* or 'torchtitan'"):
+        Checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), str(tmp_path), key_layout="titan")
