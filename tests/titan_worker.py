@@ -112,8 +112,12 @@ class TrainState:
 class Run:
     """One job's components, built the way TorchTitan's trainer builds them, from the same seed every time."""
 
-    def __init__(self, rank: int, world: int, *, fsdp: bool, parts: int = 1, mixed: bool = False, impl: str = "foreach") -> None:
+    def __init__(
+        self, rank: int, world: int, *, fsdp: bool, parts: int = 1, mixed: bool = False, impl: str = "foreach", pipeline: bool = False
+    ) -> None:
         torch.manual_seed(0)
+        self.rank = rank
+        self.pipeline = pipeline  # rank r holds stage r of two; both read the same batches
         model = TitanLike()
         if fsdp:
             from torch.distributed.device_mesh import init_device_mesh
@@ -123,7 +127,10 @@ class Run:
             for layer in model.layers.values():
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)
-        self.model_parts = [model] if parts == 1 else split_into_stages(model)
+        if pipeline:
+            self.model_parts = [split_into_stages(model)[rank]]
+        else:
+            self.model_parts = [model] if parts == 1 else split_into_stages(model)
         if mixed:  # two optimizer types in one container: biases with Adam, the rest with AdamW
             config = OptimizersContainer.Config(
                 param_groups=[
@@ -139,7 +146,8 @@ class Run:
         # MoE load balancing's shape: a pre-hook on the container that writes a buffer in place.
         self.optimizers.register_step_pre_hook(lambda *args, **kwargs: self._balance())
         self.lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=self.optimizers, training_steps=STEPS)
-        self.dataloader = ParallelAwareDataloader(Tokens(rank), dp_rank=rank, dp_world_size=world, batch_size=4)
+        dp_rank, dp_world = (0, 1) if pipeline else (rank, world)
+        self.dataloader = ParallelAwareDataloader(Tokens(dp_rank), dp_rank=dp_rank, dp_world_size=dp_world, batch_size=4)
         self.train_state = TrainState()
         self.losses: dict[int, float] = {}
         self.states: dict[int, dict[str, torch.Tensor]] = {}
@@ -169,10 +177,13 @@ class Run:
             self.train_state.step += 1
             step = self.train_state.step
             inputs, labels = next(iterator)
-            loss = nn.functional.mse_loss(self.forward(inputs), labels)
-            loss.backward()
-            self.losses[step] = float(loss.detach().item())
-            torch.nn.utils.clip_grad_norm_([p for m in self.model_parts for p in m.parameters()], 1.0, foreach=True)
+            if self.pipeline:
+                self.losses[step] = self.pipeline_forward_backward(inputs, labels)
+            else:
+                loss = nn.functional.mse_loss(self.forward(inputs), labels)
+                loss.backward()
+                self.losses[step] = float(loss.detach().item())
+                torch.nn.utils.clip_grad_norm_([p for m in self.model_parts for p in m.parameters()], 1.0, foreach=True)
             checkpointer.maybe_wait_for_staging()
             self.optimizers.step()
             self.lr_schedulers.step()
@@ -183,6 +194,24 @@ class Run:
                 self.states[step] = self.local_state()
         checkpointer.close()
 
+    def pipeline_forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> float:
+        """One micro-batch through two stages on two ranks: activations forward, their gradient back (gloo send/recv)."""
+        (stage,) = self.model_parts
+        if self.rank == 0:
+            hidden = stage(inputs)
+            dist.send(hidden.detach().contiguous(), dst=1)
+            grad = torch.empty_like(hidden)
+            dist.recv(grad, src=1)
+            hidden.backward(grad)
+            return 0.0
+        hidden = torch.empty(inputs.shape[0], 32)
+        dist.recv(hidden, src=0)
+        hidden.requires_grad_(True)
+        loss = nn.functional.mse_loss(stage(hidden), labels)
+        loss.backward()
+        dist.send(hidden.grad.contiguous(), dst=0)
+        return float(loss.detach().item())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for part in self.model_parts:
             x = part(x)
@@ -190,18 +219,24 @@ class Run:
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """This rank's model and optimizer tensors (local shards), the LR schedule's position, the CPU RNG."""
-        out: dict[str, torch.Tensor] = {}
-        for part in self.model_parts:
-            for k, v in part.state_dict().items():
-                out[f"model.{k}"] = _local(v).clone()
-        for optimizer in self.optimizers.optimizers:
-            for group in optimizer.param_groups:
-                for name, p in zip(group["param_names"], group["params"]):
-                    for k, v in optimizer.state.get(p, {}).items():
-                        out[f"optimizer.{name}.{k}"] = _local(v).clone()
+        out = tensors_of(self.model_parts, self.optimizers)
         out["lr_scheduler.last_epoch"] = torch.tensor(self.lr_schedulers.schedulers[0].last_epoch)
         out["rng"] = torch.get_rng_state()
         return out
+
+
+def tensors_of(model_parts: list[nn.Module], optimizers: Any) -> dict[str, torch.Tensor]:
+    """The model parts' tensors and their optimizer state, as this rank holds them (local shards), cloned."""
+    out: dict[str, torch.Tensor] = {}
+    for part in model_parts:
+        for k, v in part.state_dict().items():
+            out[f"model.{k}"] = _local(v).clone()
+    for optimizer in optimizers.optimizers:
+        for group in optimizer.param_groups:
+            for name, p in zip(group["param_names"], group["params"]):
+                for k, v in optimizer.state.get(p, {}).items():
+                    out[f"optimizer.{name}.{k}"] = _local(v).clone()
+    return out
 
 
 def split_into_stages(model: TitanLike) -> list[nn.Module]:
@@ -314,7 +349,8 @@ def scenario_parts(rank: int, world: int) -> dict[str, Any]:
     again = resumed(rank, world, kw, ours("parts", window=3), 10)
     out["ours_state_differs"] = differing(full.states[10], again.states[-1])
     out["ours_losses"] = again.losses
-    theirs = resumed(rank, world, kw, stock("parts", load_step=10), 10)
+    parts_dir = os.path.join(os.environ["TITAN_BASE"], "parts", "step-10")
+    theirs = resumed(rank, world, kw, stock("stock", initial_load_path=parts_dir, initial_load_model_only=False), -1)
     out["stock_state_differs"] = [k for k in differing(full.states[10], theirs.states[-1]) if k != "rng"]
     out["stock_losses"] = theirs.losses
 
@@ -331,13 +367,40 @@ def scenario_parts(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def scenario_pipeline(rank: int, world: int) -> dict[str, Any]:
+    """Pipeline parallelism across the ranks: rank r holds stage r, plain tensors no other rank holds."""
+    kw = {"fsdp": False, "pipeline": True, "impl": "foreach"}
+    base = os.environ["TITAN_BASE"]
+    full = Run(rank, world, **kw)
+    full.train(full.manager(ours("exact")), record_at=(8, 10, 12))
+    out: dict[str, Any] = {"losses": full.losses, "exact_dirs": sorted(os.listdir(os.path.join(base, "exact")))}
+    state_file = os.path.join(os.path.dirname(base), f"state12_rank{rank}.pt")
+    torch.save({k: v for k, v in full.states[12].items() if k.startswith(("model.", "optimizer."))}, state_file)
+    out["state12_file"] = state_file
+    out["step12_dir"] = os.path.join(base, "exact", "step-12")
+    again = resumed(rank, world, kw, ours("exact"), 8)
+    out["ours_state_differs"] = differing(full.states[8], again.states[-1])
+    out["ours_losses"] = again.losses
+    # TorchTitan's own manager, in a folder of its own (it would write step-12 over ours).
+    theirs = resumed(rank, world, kw, stock("stock", initial_load_path=os.path.join(base, "exact", "step-8"), initial_load_model_only=False), -1)
+    out["stock_state_differs"] = [k for k in differing(full.states[8], theirs.states[-1]) if k != "rng"]
+    out["stock_losses"] = theirs.losses
+    replayed = Run(rank, world, **kw)
+    replayed.train(replayed.manager(ours("replay", window=3)))
+    out["replay_dirs"] = sorted(os.listdir(os.path.join(base, "replay")))
+    again = resumed(rank, world, kw, ours("replay", window=3), 10)
+    out["replay_state_differs"] = differing(full.states[10], again.states[-1])
+    out["replay_losses"] = again.losses
+    return out
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], sys.argv[2]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     os.environ["TITAN_BASE"] = os.path.join(out_dir, "job")
     try:
-        result = {"fsdp": scenario_fsdp, "parts": scenario_parts}[scenario](rank, world)
+        result = {"fsdp": scenario_fsdp, "parts": scenario_parts, "pipeline": scenario_pipeline}[scenario](rank, world)
     except BaseException:
         result = {"crashed": traceback.format_exc()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -19,6 +19,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any, cast
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -114,7 +115,28 @@ def set_up_distributed(
         mesh_shape=mesh_shape_of(model, world),
         key_prefix=str(key_prefix),
     )
-    return DistributedRun(scope=CheckpointScope(rank=rank, world_size=world), group=group, writer_spec=spec, store=store)
+    scope = CheckpointScope(rank=rank, world_size=world, plain_holders=plain_holders(model, group))
+    return DistributedRun(scope=scope, group=group, writer_spec=spec, store=store)
+
+
+def plain_holders(model: nn.Module, group: Any) -> dict[str, tuple[int, ...]]:
+    """The plain (non-DTensor) model tensors that only some ranks hold, and which (a collective).
+
+    With pipeline parallelism each rank holds its stages' layers: they are no replicas of
+    the other ranks', so their owner is among the ranks that hold them. In DDP and FSDP
+    every rank holds every plain tensor, and the result is empty.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    ours = sorted(k for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor) and getattr(v, "device_mesh", None) is None)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, ours, group=group)
+    holders: dict[str, list[int]] = {}
+    for r, keys in enumerate(gathered):
+        for k in keys:
+            holders.setdefault(k, []).append(r)
+    world = len(gathered)
+    return {k: tuple(ranks) for k, ranks in holders.items() if len(ranks) < world}
 
 
 def broadcast_from_rank_0(value: Any, group: Any) -> Any:

@@ -31,6 +31,9 @@ class CheckpointScope:
 
     rank: int = 0
     world_size: int = 1
+    # Plain (non-DTensor) tensors that only some ranks hold (pipeline stages): FQN -> those ranks.
+    # Every other plain tensor is a replica on every rank (DDP).
+    plain_holders: dict[str, tuple[int, ...]] = field(default_factory=dict, compare=False, hash=False)
 
 
 @dataclass
@@ -145,7 +148,7 @@ def build_layout(
             continue
         local = local_tensor(t)
         role = ROLE_PARAM if local.data_ptr() in param_ptrs and fqn in param_names else ROLE_BUFFER
-        placement = placement_of(t, scope.rank, scope.world_size)
+        placement = placement_of(t, scope.rank, scope.world_size, scope.plain_holders.get(fqn))
         entry = _entry(model_path(key_layout, fqn), role, fqn if role == ROLE_PARAM else None, local, placement)
         candidates.append((entry, local, fqn, placement))
 
@@ -164,7 +167,7 @@ def build_layout(
                 v = optimizer.state[p][k]
                 if isinstance(v, torch.Tensor):
                     local = local_tensor(v)
-                    placement = placement_of(v, scope.rank, scope.world_size)
+                    placement = placement_of(v, scope.rank, scope.world_size, scope.plain_holders.get(fqn))
                     entry = _entry(("optimizer", "state", fqn, str(k)), ROLE_OPTIM, fqn, local, placement)
                     candidates.append((entry, local, fqn, placement))
                 else:

@@ -5,7 +5,8 @@ global shape, the global offset of the local part, and the ranks that hold the s
 local part (its replicas):
 
 * a plain tensor in a distributed run (DDP parameters, FSDP buffers) is replicated
-  on every rank of the group;
+  on every rank of the group, or on the ranks that hold it when only some do (pipeline
+  stages: ``distributed.plain_holders`` finds them at construction);
 * a DTensor (FSDP2, HSDP, TP) is sharded along its Shard mesh dimensions and
   replicated along its Replicate ones; each replica group holds one local shard.
 
@@ -42,12 +43,17 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
-def placement_of(t: torch.Tensor, rank: int, world_size: int) -> TensorPlacement:
-    """The placement of ``t`` on this rank (``rank`` of ``world_size`` in the checkpointing group)."""
+def placement_of(t: torch.Tensor, rank: int, world_size: int, holders: tuple[int, ...] | None = None) -> TensorPlacement:
+    """The placement of ``t`` on this rank (``rank`` of ``world_size`` in the checkpointing group).
+
+    ``holders``: for a plain tensor that only some ranks hold, those ranks (None: every rank).
+    """
     mesh = getattr(t, "device_mesh", None)
     placements = getattr(t, "placements", None)
     if mesh is None or placements is None:
         shape = tuple(t.shape)
+        if holders is not None:
+            return TensorPlacement(shape, (0,) * len(shape), holders.index(rank), len(holders))
         return TensorPlacement(shape, (0,) * len(shape), rank, world_size)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 

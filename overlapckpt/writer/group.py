@@ -35,7 +35,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..errors import RankDisagreementError
+from ..errors import CheckpointWriteError, RankDisagreementError
 from ..format.manifest import RankSection
 from ..format.shards import forget_cached_plans
 from ..protocol import WriterGroupSpec
@@ -163,6 +163,20 @@ class WriterGroup:
         out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
         dist.gather_object(section, out, dst=0, group=self.group)
         return out
+
+    def union_of_shapes(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """Every rank's tensors by global shape, on every rank (pipeline stages hold different ones)."""
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, shapes, group=self.group)
+        union: dict[str, tuple[int, ...]] = {}
+        for rank, theirs in enumerate(gathered):
+            for key, shape in theirs.items():
+                if union.setdefault(key, tuple(shape)) != tuple(shape):
+                    raise CheckpointWriteError(
+                        f"tensor {key!r} has global shape {union[key]} on one rank and {tuple(shape)} on rank {rank}; every "
+                        "rank must checkpoint the same model"
+                    )
+        return union
 
     def share_from_coordinator(self, value: Any) -> Any:
         """The coordinator's ``value`` on every rank (a collective)."""

@@ -64,6 +64,8 @@ def persist_snapshot(
     if group is not None:
         # Before any work: a rank that disagrees must not leave the others in a collective.
         sequence = group.agree({"name": req.name, "version": req.step, "requested": req.requested_step})
+        # The manifest and the coverage check need every rank's tensors: pipeline stages hold different ones.
+        global_shapes = group.union_of_shapes(global_shapes)
     slot = buffers[req.buffer_id]
     # Exact-storage views: DCP writes them in place instead of cloning each (hostbuf.exact_view).
     tensors = [exact_view(slot, off, e.dtype, e.shape) for e, off in zip(entries, offsets)]
