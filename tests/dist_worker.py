@@ -372,20 +372,19 @@ def verify_share(root: str) -> dict[str, Any]:
 
     reports: list[dict[str, int]] = []
     blobs_read: list[tuple[str, int, int]] = []
-    real_verify, real_blob = loading.verify_checkpoint, verified_read._checked_blob
+    real_verify, real_sums = loading.verify_checkpoint, verified_read._blob_sums
 
     def recording(*args: Any, **kwargs: Any) -> Any:  # the real pre-read check, its report kept for the test
         report = real_verify(*args, **kwargs)
         reports.append({"nbytes": report.nbytes, "files": report.files})
         return report
 
-    def recording_blob(stream: Any, relative_path: str, info: Any, expected: Any) -> bytes:  # the real blob check
-        blob = real_blob(stream, relative_path, info, expected)
-        blobs_read.append((relative_path, int(info.offset), len(blob)))
-        return blob
+    def recording_sums(relative_path: str, info: Any, expected: Any) -> Any:  # looked up once per blob read, in both read paths
+        blobs_read.append((relative_path, int(info.offset), int(info.length)))
+        return real_sums(relative_path, info, expected)
 
     loading.verify_checkpoint = recording
-    verified_read._checked_blob = recording_blob
+    verified_read._blob_sums = recording_sums
     try:
         info = list_checkpoints(root)[-1]
         model, opt = build("fsdp")
@@ -419,7 +418,7 @@ def verify_share(root: str) -> dict[str, Any]:
         return out
     finally:
         loading.verify_checkpoint = real_verify
-        verified_read._checked_blob = real_blob
+        verified_read._blob_sums = real_sums
 
 
 def malformed_manifest(source_root: str, root: str) -> dict[str, Any]:

@@ -171,7 +171,18 @@ def _shard_positions(root: Path, refs: dict[int, Any]) -> dict[str, tuple[int, i
     return positions
 
 
-def test_single_bit_flips_anywhere_in_the_shard_are_refused(run, capsys):
+@pytest.fixture(params=["whole", "spans"])
+def hashing(request, monkeypatch) -> str:
+    """Both ways a load hashes a tensor's blob: whole, then the decoded tensor again (small blobs), or in three
+    spans combined, the data span's checksum being the tensor's (large blobs; here every blob)."""
+    from overlapckpt.format import verified_read
+
+    if request.param == "spans":
+        monkeypatch.setattr(verified_read, "SPLIT_MIN_BYTES", 0)
+    return request.param
+
+
+def test_single_bit_flips_anywhere_in_the_shard_are_refused(run, capsys, hashing):
     root, refs = run
     _assert_clean(root, refs, capsys)
     shard = root / STEP3 / SHARD
@@ -536,7 +547,7 @@ def _rewrite_manifest(root: Path, edit) -> None:
     path.write_bytes(dump_manifest(document))
 
 
-def test_a_serialization_fault_is_caught_end_to_end(run, capsys):
+def test_a_serialization_fault_is_caught_end_to_end(run, capsys, hashing):
     # The stored bytes match their checksums, but what they decode to is not the snapshot
     # that was saved: only the per-tensor checksum of the host snapshot sees it.
     root, refs = run
@@ -633,7 +644,7 @@ class ReadCountingStore(CheckpointStore):
         yield  # pragma: no cover
 
 
-def test_a_verified_load_reads_each_stored_byte_once(run, monkeypatch):
+def test_a_verified_load_reads_each_stored_byte_once(run, monkeypatch, hashing):
     from overlapckpt import loading
 
     root, refs = run

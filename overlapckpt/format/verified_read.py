@@ -8,6 +8,12 @@ decoded (weights only) and the decoded tensor compared with the checksum of the 
 snapshot it was saved from; only then does it become (or is it copied into) the tensor
 being loaded.
 
+A tensor's blob is read into a buffer of its own and decoded in place: the tensor is a
+view of the bytes read (``tensor_record.py``), so a load makes one copy of the state
+(storage to memory) where stock DCP makes three. A large one is hashed once, in three
+spans combined (``crc_combine.py``): the blob's checksum, and the data span's, which is
+the tensor's, since the tensor is those very bytes.
+
 Blobs are read on several threads (the file reads, the checksums and the copies
 release the GIL). A blob several reads need (a resharded load) is read once.
 
@@ -37,7 +43,9 @@ import torch
 from ..cores import usable_cores
 from ..errors import CorruptCheckpointError
 from .checksum import CRC32, hex32, updater
+from .crc_combine import combine
 from .manifest import Manifest, tensor_checksum
+from .tensor_record import ViewReader, decode_in_place, locate
 
 # Threads that read and check blobs in a load: training is not running then, so up to 8
 # cores (a page-cache read, a CRC32C and a copy each release the GIL).
@@ -46,6 +54,9 @@ MAX_READ_THREADS = 8
 # large enough that small blobs (param_groups, step counters) share an open, small
 # enough that a shard's large tensors spread over the threads.
 READ_BATCH_BYTES = 32 << 20
+# A tensor's bytes at least this long are hashed once, with the checksums of the spans
+# combined (~0.2 ms a blob); shorter ones are cheaper to hash twice.
+SPLIT_MIN_BYTES = 4 << 20
 
 
 def read_thread_count() -> int:
@@ -155,10 +166,14 @@ def verified_reader_class(base: type) -> type:
             self, relative_path: str, batch: list[tuple[Any, Any]], planner: Any, lock: threading.Lock, expected: ExpectedSums | None
         ) -> None:
             path = self.fs.concat_path(self.path, relative_path)
+            from torch.distributed.checkpoint.planner import LoadItemType
+
             with self.fs.create_stream(path, "rb") as stream:
                 for info, reads in batch:
-                    blob = _checked_blob(stream, relative_path, info, expected)
-                    _decode_into(blob, reads, planner, lock, expected)
+                    if reads[0].type == LoadItemType.BYTE_IO:
+                        _decode_bytes(_checked_blob(stream, relative_path, info, expected), reads, planner, lock)
+                    else:
+                        _place(_checked_tensor(stream, relative_path, info, reads[0].storage_index, expected), reads, planner, lock)
 
     VerifiedReader.__name__ = VerifiedReader.__qualname__ = f"Verified{base.__name__}"
     return VerifiedReader
@@ -193,80 +208,128 @@ def _read_into_thread_buffer(stream: Any, length: int) -> memoryview:
     return view[:filled]
 
 
-class _ViewReader(io.RawIOBase):
-    """A read-only, seekable file over a memoryview, with no copy of it (``io.BytesIO`` copies a memoryview)."""
+def _blob_sums(relative_path: str, info: Any, expected: ExpectedSums | None) -> tuple[str | None, str | None]:
+    """(key, checksum) the manifest lists for this blob; a refusal if it lists none. (None, None) without checks."""
+    if expected is None:
+        return None, None
+    offset, length = int(info.offset), int(info.length)
+    span = f"{expected.where}/{relative_path} (bytes {offset}..{offset + length})"
+    sums = expected.blobs.get((relative_path, offset, length))
+    if sums is None:
+        raise _refusal(expected.where, f"{span} is not a blob the manifest lists, though .metadata points at it")
+    key, checksum = sums
+    if getattr(info, "transform_descriptors", None):
+        raise _refusal(expected.where, f"{key!r} in {span} was stored through DCP extensions, which overlapckpt never writes")
+    return key, checksum
 
-    def __init__(self, view: memoryview) -> None:
-        self._view = view
-        self._position = 0
 
-    def readable(self) -> bool:
-        return True
+def _cut_short(relative_path: str, info: Any, got: int, key: str | None, expected: ExpectedSums | None) -> CorruptCheckpointError:
+    offset, length = int(info.offset), int(info.length)
+    if expected is None:
+        return CorruptCheckpointError(f"{relative_path} (bytes {offset}..{offset + length}) is cut short at byte {offset + got}")
+    span = f"{expected.where}/{relative_path} (bytes {offset}..{offset + length})"
+    return _refusal(expected.where, f"{key!r} in {span} is cut short at byte {offset + got}: the file is truncated")
 
-    def seekable(self) -> bool:
-        return True
 
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._view)}[whence]
-        self._position = max(0, base + offset)
-        return self._position
-
-    def tell(self) -> int:
-        return self._position
-
-    def readinto(self, buffer: Any) -> int:
-        out = memoryview(buffer).cast("B")
-        n = max(0, min(len(out), len(self._view) - self._position))
-        out[:n] = self._view[self._position : self._position + n]
-        self._position += n
-        return n
+def _mismatch(relative_path: str, info: Any, key: str | None, expected: ExpectedSums) -> CorruptCheckpointError:
+    offset, length = int(info.offset), int(info.length)
+    return _refusal(expected.where, f"checksum mismatch for {key!r} in {expected.where}/{relative_path} (bytes {offset}..{offset + length})")
 
 
 def _checked_blob(stream: Any, relative_path: str, info: Any, expected: ExpectedSums | None) -> memoryview:
     """One blob's bytes, read once, after its checksum matched the manifest's (``expected``: None checks nothing)."""
-    offset, length = int(info.offset), int(info.length)
-    key = checksum = None
-    if expected is not None:
-        span = f"{expected.where}/{relative_path} (bytes {offset}..{offset + length})"
-        sums = expected.blobs.get((relative_path, offset, length))
-        if sums is None:
-            raise _refusal(expected.where, f"{span} is not a blob the manifest lists, though .metadata points at it")
-        key, checksum = sums
-        if getattr(info, "transform_descriptors", None):
-            raise _refusal(expected.where, f"{key!r} in {span} was stored through DCP extensions, which overlapckpt never writes")
-    stream.seek(offset)
-    blob = _read_into_thread_buffer(stream, length)
-    if len(blob) < length:
-        if expected is None:
-            raise CorruptCheckpointError(f"{relative_path} (bytes {offset}..{offset + length}) is cut short at byte {offset + len(blob)}")
-        raise _refusal(expected.where, f"{key!r} in {span} is cut short at byte {offset + len(blob)}: the file is truncated")
+    key, checksum = _blob_sums(relative_path, info, expected)
+    stream.seek(int(info.offset))
+    blob = _read_into_thread_buffer(stream, int(info.length))
+    if len(blob) < int(info.length):
+        raise _cut_short(relative_path, info, len(blob), key, expected)
     if expected is not None and hex32(updater(expected.algorithm)(blob, 0)) != checksum:
-        raise _refusal(expected.where, f"checksum mismatch for {key!r} in {span}")
+        raise _mismatch(relative_path, info, key, expected)
     return blob
 
 
-def _decode_into(blob: memoryview, reads: list[Any], planner: Any, lock: threading.Lock, expected: ExpectedSums | None) -> None:
-    from torch.distributed._shard._utils import narrow_tensor_by_index
-    from torch.distributed.checkpoint.planner import LoadItemType
+def _read_fresh(stream: Any, length: int) -> bytearray:
+    """``length`` bytes of ``stream`` (fewer at its end) in a buffer of their own: the tensor decoded from it keeps it."""
+    buffer = bytearray(length)
+    view = memoryview(buffer)
+    readinto = getattr(stream, "readinto", None)
+    if readinto is None:  # a stream without readinto (some fsspec files): one copy more
+        data = stream.read(length)
+        view[: len(data)] = data
+        return buffer if len(data) == length else buffer[: len(data)]
+    filled = 0
+    while filled < length:
+        n = readinto(view[filled:])
+        if not n:
+            break
+        filled += n
+    del view
+    return buffer if filled == length else buffer[:filled]
 
-    first = reads[0]
-    if first.type == LoadItemType.BYTE_IO:
-        for read_item in reads:
-            with lock:
-                planner.load_bytes(read_item, io.BytesIO(blob))  # a copy: the planner may keep it
-        return
-    # Weights only, as DCP's own reader: no code from the checkpoint runs.
-    tensor = torch.load(cast(IO[bytes], _ViewReader(blob)), map_location="cpu", weights_only=True)
-    index = first.storage_index
+
+def _checked_tensor(stream: Any, relative_path: str, info: Any, index: Any, expected: ExpectedSums | None) -> torch.Tensor:
+    """One tensor blob, read once and checked (its stored bytes, then the tensor against the snapshot), then decoded.
+
+    The tensor is a view of the bytes read (``tensor_record.py``): no copy. The stored
+    bytes are hashed once, in three spans (torch.save's framing before the data, the
+    data, the framing after), combined into the blob's checksum (``crc_combine.py``);
+    the data span's own checksum is the tensor's, compared with the host snapshot's.
+    Small blobs, and any that are not torch.save's plain form, are hashed whole, decoded
+    by ``torch.load`` where needed, and the tensor hashed again.
+    """
+    key, checksum = _blob_sums(relative_path, info, expected)
+    stream.seek(int(info.offset))
+    length = int(info.length)
+    buffer = _read_fresh(stream, length)
+    if len(buffer) < length:
+        raise _cut_short(relative_path, info, len(buffer), key, expected)
+    view = memoryview(buffer)
+    record = locate(view)  # the zip's directory only: nothing is unpickled before the checksum matched
+    data_sum: str | None = None
+    if expected is not None:
+        update = updater(expected.algorithm)
+        if record is not None and record.data_end - record.data_start >= SPLIT_MIN_BYTES:
+            start, end = record.data_start, record.data_end
+            data = update(view[start:end], 0)
+            whole = combine(expected.algorithm, combine(expected.algorithm, update(view[:start], 0), data, end - start), update(view[end:], 0), length - end)
+            data_sum = hex32(data)
+        else:
+            whole = update(view, 0)
+        if hex32(whole) != checksum:
+            raise _mismatch(relative_path, info, key, expected)
+    del view
+    tensor = decode_in_place(buffer, record) if record is not None else None
+    in_place = tensor is not None
+    if tensor is None:
+        # Weights only, as DCP's own reader: no code from the checkpoint runs.
+        tensor = torch.load(cast(IO[bytes], ViewReader(memoryview(buffer))), map_location="cpu", weights_only=True)
     offset = tuple(int(o) for o in (index.offset or ())) or (0,) * tensor.dim()
     saved = None if expected is None else expected.tensors.get((index.fqn, offset))
-    if saved is not None and tuple(tensor.shape) == saved.shape and tensor_checksum(tensor, saved.algorithm) != saved.checksum:
+    if saved is not None and tuple(tensor.shape) == saved.shape:
         assert expected is not None
-        raise _refusal(
-            expected.where,
-            f"checksum mismatch for {index.fqn!r}: the tensor read back differs from the snapshot that was saved, "
-            "though the stored bytes match their checksums (a serialization fault)",
-        )
+        if in_place and data_sum is not None and saved.algorithm == expected.algorithm:
+            matches = data_sum == saved.checksum  # the tensor is these very bytes
+        else:
+            matches = tensor_checksum(tensor, saved.algorithm) == saved.checksum
+        if not matches:
+            raise _refusal(
+                expected.where,
+                f"checksum mismatch for {index.fqn!r}: the tensor read back differs from the snapshot that was saved, "
+                "though the stored bytes match their checksums (a serialization fault)",
+            )
+    return tensor
+
+
+def _decode_bytes(blob: memoryview, reads: list[Any], planner: Any, lock: threading.Lock) -> None:
+    for read_item in reads:
+        with lock:
+            planner.load_bytes(read_item, io.BytesIO(blob))  # a copy: the planner may keep it
+
+
+def _place(tensor: torch.Tensor, reads: list[Any], planner: Any, lock: threading.Lock) -> None:
+    """The decoded tensor into the load: adopted when it is a read's whole target, else copied into each target."""
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+
     for read_item in reads:
         with lock:
             if len(reads) == 1 and _adopt(planner, read_item, tensor):
