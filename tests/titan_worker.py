@@ -294,6 +294,19 @@ def resumed(rank: int, world: int, run_kwargs: dict[str, Any], config: Any, step
     return run
 
 
+def replay_checks(rank: int, world: int, kw: dict[str, Any], full: Run, base: str) -> dict[str, Any]:
+    """A run at window 3 (replay): its directories, and a resume from step-10 against the exact run's state there."""
+    replayed = Run(rank, world, **kw)
+    replayed.train(replayed.manager(ours("replay", window=3)))
+    dirs = sorted(os.listdir(os.path.join(base, "replay")))  # before the resume adds its own
+    again = resumed(rank, world, kw, ours("replay", window=3), 10)
+    return {
+        "replay_dirs": dirs,
+        "replay_state_differs": differing(full.states[10], again.states[-1]),
+        "replay_losses": again.losses,
+    }
+
+
 def scenario_fsdp(rank: int, world: int) -> dict[str, Any]:
     """FSDP2 over the ranks, TorchTitan's components: ours saves; ours, the stock manager and ours again resume."""
     kw = {"fsdp": True, "impl": "foreach"}
@@ -329,12 +342,7 @@ def scenario_fsdp(rank: int, world: int) -> dict[str, Any]:
     out["from_stock_train_state"] = back.train_state.state_dict()
 
     # Replay at window 3: the checkpoint requested at step 8 holds version 10.
-    replayed = Run(rank, world, **kw)
-    replayed.train(replayed.manager(ours("replay", window=3)))
-    out["replay_dirs"] = sorted(os.listdir(os.path.join(base, "replay")))
-    again = resumed(rank, world, kw, ours("replay", window=3), 10)
-    out["replay_state_differs"] = differing(full.states[10], again.states[-1])
-    out["replay_losses"] = again.losses
+    out.update(replay_checks(rank, world, kw, full, base))
     return out
 
 
@@ -385,12 +393,7 @@ def scenario_pipeline(rank: int, world: int) -> dict[str, Any]:
     theirs = resumed(rank, world, kw, stock("stock", initial_load_path=os.path.join(base, "exact", "step-8"), initial_load_model_only=False), -1)
     out["stock_state_differs"] = [k for k in differing(full.states[8], theirs.states[-1]) if k != "rng"]
     out["stock_losses"] = theirs.losses
-    replayed = Run(rank, world, **kw)
-    replayed.train(replayed.manager(ours("replay", window=3)))
-    out["replay_dirs"] = sorted(os.listdir(os.path.join(base, "replay")))
-    again = resumed(rank, world, kw, ours("replay", window=3), 10)
-    out["replay_state_differs"] = differing(full.states[10], again.states[-1])
-    out["replay_losses"] = again.losses
+    out.update(replay_checks(rank, world, kw, full, base))
     return out
 
 

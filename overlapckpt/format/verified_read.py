@@ -194,18 +194,23 @@ def _read_into_thread_buffer(stream: Any, length: int) -> memoryview:
         buffer = bytearray(length)
         _thread_buffers.buffer = buffer
     view = memoryview(buffer)[:length]
+    return view[: _fill(stream, view)]
+
+
+def _fill(stream: Any, view: memoryview) -> int:
+    """Read ``stream`` into ``view`` until it is full or the stream ends; the bytes read."""
     readinto = getattr(stream, "readinto", None)
     if readinto is None:  # a stream without readinto (some fsspec files): one copy more
-        data = stream.read(length)
+        data = stream.read(len(view))
         view[: len(data)] = data
-        return view[: len(data)]
+        return len(data)
     filled = 0
-    while filled < length:
+    while filled < len(view):
         n = readinto(view[filled:])
         if not n:
             break
         filled += n
-    return view[:filled]
+    return filled
 
 
 def _blob_sums(relative_path: str, info: Any, expected: ExpectedSums | None) -> tuple[str | None, str | None]:
@@ -251,19 +256,8 @@ def _checked_blob(stream: Any, relative_path: str, info: Any, expected: Expected
 def _read_fresh(stream: Any, length: int) -> bytearray:
     """``length`` bytes of ``stream`` (fewer at its end) in a buffer of their own: the tensor decoded from it keeps it."""
     buffer = bytearray(length)
-    view = memoryview(buffer)
-    readinto = getattr(stream, "readinto", None)
-    if readinto is None:  # a stream without readinto (some fsspec files): one copy more
-        data = stream.read(length)
-        view[: len(data)] = data
-        return buffer if len(data) == length else buffer[: len(data)]
-    filled = 0
-    while filled < length:
-        n = readinto(view[filled:])
-        if not n:
-            break
-        filled += n
-    del view
+    with memoryview(buffer) as view:
+        filled = _fill(stream, view)
     return buffer if filled == length else buffer[:filled]
 
 
