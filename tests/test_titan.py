@@ -46,10 +46,6 @@ def test_fsdp_two_ranks_save_resume_and_the_stock_manager(tmp_path):
         # ... and overlapckpt's manager resumes from TorchTitan's own checkpoint.
         assert r["from_stock_differs"] == [], (rank, r["from_stock_differs"])
         assert r["from_stock_train_state"] == {"step": 12, "ntokens_seen": 12 * 4 * 16}
-        # Replay at window 3: requested after steps 4 and 8, holding versions 6 and 10; the last step closes its window.
-        assert _steps(r["replay_dirs"]) == ["step-6", "step-10", "step-12"], (rank, r["replay_dirs"])
-        assert r["replay_state_differs"] == [], (rank, r["replay_state_differs"])
-        assert {int(k): v for k, v in r["replay_losses"].items()} == {s: full[s] for s in (11, 12)}, rank
 
 
 def test_pipeline_stages_on_one_rank_and_two_optimizer_types(tmp_path):
@@ -77,11 +73,11 @@ def test_pipeline_stages_across_two_ranks(tmp_path):
     for rank, r in enumerate(results):
         # Each rank holds tensors no other rank holds: each writes its own, and every one is in the checkpoint.
         assert _steps(r["exact_dirs"]) == ["step-4", "step-8", "step-12"], (rank, r["exact_dirs"])
-        assert r["ours_state_differs"] == [] and r["stock_state_differs"] == [], (rank, r)
+        assert r["ours_state_differs"] == [], (rank, r["ours_state_differs"])
+        # Replay at window 3: requested after steps 4 and 8, holding versions 6 and 10; the last step closes its window.
         assert _steps(r["replay_dirs"]) == ["step-6", "step-10", "step-12"], (rank, r["replay_dirs"])
         assert r["replay_state_differs"] == [], (rank, r["replay_state_differs"])
     assert {int(k): v for k, v in results[1]["ours_losses"].items()} == {s: full[s] for s in range(9, 13)}
-    assert {int(k): v for k, v in results[1]["stock_losses"].items()} == {s: full[s] for s in range(9, 13)}
     assert {int(k): v for k, v in results[1]["replay_losses"].items()} == {s: full[s] for s in (11, 12)}
     # Both stages' checkpoint into one process holding both: resharded from 2 pipeline ranks, bit-exact.
     torch.manual_seed(0)
