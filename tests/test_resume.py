@@ -21,14 +21,23 @@ def _run(*args: str) -> dict[int, float]:
         return {int(k): v for k, v in json.load(f).items()}
 
 
+STEPS = 14
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory) -> dict[int, float]:
+    """The uninterrupted run's losses, in a process of its own (the same run for every cell below)."""
+    tmp = tmp_path_factory.mktemp("full")
+    return _run("full", str(STEPS), str(tmp / "unused"), str(tmp / "full.json"))
+
+
 @pytest.mark.parametrize(
     "window, consistency, request_at, expected_version",
     [(1, "replay", 6, 6), (5, "replay", 4, 8), (3, "stage", 5, 5)],
 )
-def test_resume_in_new_process_reproduces_losses(tmp_path, window, consistency, request_at, expected_version):
-    steps = 14
+def test_resume_in_new_process_reproduces_losses(tmp_path, full, window, consistency, request_at, expected_version):
+    steps = STEPS
     ckpts = str(tmp_path / "ckpts")
-    full = _run("full", str(steps), ckpts, str(tmp_path / "full.json"))
     saved = _run("save", str(steps), ckpts, str(tmp_path / "save.json"), str(window), consistency, str(request_at))
     assert saved[-1] == expected_version
     resumed = _run("resume", str(steps), ckpts, str(tmp_path / "resume.json"), str(window), consistency)
