@@ -584,7 +584,9 @@ def writer_restarted(out: str) -> dict[str, Any]:
     fifo = block_rank_1_in_step_2(out, "restart.fifo")  # its replacement inherits this: only step 2 hangs
     model, opt = build("ddp")
     path = os.path.join(out, "restarted")
-    ckpt = Checkpointer(model, opt, path, window=1, store_class=__import__("fakes").BlockingStore, collective_timeout_s=60.0)
+    ckpt = Checkpointer(
+        model, opt, path, window=1, store_class=__import__("fakes").BlockingStore, collective_timeout_s=60.0, agreement_timeout_s=30.0
+    )
     sampler = Sampler(rank)
     result: dict[str, Any] = {"error": None}
     states: dict[int, dict[str, torch.Tensor]] = {}
