@@ -22,7 +22,7 @@ from .errors import (
 )
 from .format.entries import check_shapes, flatten_tensors
 from .format.extra_state import decode
-from .format.key_layout import TORCHTITAN, flat_param_groups, nested_param_groups, saved_group_keys
+from .format.key_layout import TORCHTITAN, flat_param_groups, saved_group
 from .format.manifest import METADATA_NAME, CheckpointInfo, Manifest, checkpoint_name, step_of_name
 from .format.safe_read import SafeLoadPlanner
 from .format.signing import check_signature, resolve_key
@@ -366,11 +366,7 @@ def unnamed(key_layout: str, host: dict[str, Any], osd: dict[str, Any] | None) -
     if osd is None:
         return model_sd, None
     flat = host["optimizer"]
-    groups = [
-        {**live, **nested_param_groups(flat, [live["params"]], [saved_group_keys(live)])[0], "params": live["params"]}
-        for live in osd["param_groups"]
-    ]
-    return model_sd, {"state": flat["state"], "param_groups": groups}
+    return model_sd, {"state": flat["state"], "param_groups": [saved_group(flat, live) for live in osd["param_groups"]]}
 
 
 def _checked_manifest(

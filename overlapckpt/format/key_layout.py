@@ -53,18 +53,9 @@ def flat_param_groups(param_groups: list[dict[str, Any]]) -> dict[str, Any]:
     return flat
 
 
-def nested_param_groups(flat: dict[str, Any], groups_by_name: list[list[str]], keys: list[list[str]]) -> list[dict[str, Any]]:
-    """Invert :func:`flat_param_groups` for the groups of a live optimizer (each group's values read at its first name)."""
-    out = []
-    for names, group_keys in zip(groups_by_name, keys):
-        group: dict[str, Any] = {"params": list(names)}
-        if names:
-            for key in group_keys:
-                group[key] = flat[f"param_groups.{names[0]}.{key}"]
-        out.append(group)
-    return out
-
-
-def saved_group_keys(group: dict[str, Any]) -> list[str]:
-    """The hyperparameter names of a live param group that the torchtitan layout stores."""
-    return [k for k in group if k not in _GROUP_KEYS_NOT_SAVED]
+def saved_group(flat: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
+    """Invert :func:`flat_param_groups` for one live group (parameters by name): its saved hyperparameters, read at its first name."""
+    names = live["params"]
+    if not names:
+        return dict(live)
+    return {**live, **{k: flat[f"param_groups.{names[0]}.{k}"] for k in live if k not in _GROUP_KEYS_NOT_SAVED}}
