@@ -578,10 +578,26 @@ def writer_killed(out: str) -> dict[str, Any]:
     return _outcome(ckpt, path, error, time.monotonic() - (started or time.monotonic()))
 
 
+def wait_for_exit(pid: int, timeout_s: float) -> None:
+    """Block until process ``pid`` has exited, without reaping it (its parent's next look sees the death)."""
+    import select
+
+    fd = os.pidfd_open(pid)  # readable once the process has exited
+    try:
+        readable, _, _ = select.select([fd], [], [], timeout_s)
+        assert readable, f"process {pid} did not exit within {timeout_s} s of SIGKILL"
+    finally:
+        os.close(fd)
+
+
 def writer_restarted(out: str) -> dict[str, Any]:
-    """Rank 1's writer SIGKILLed mid-persist, then rank 0's while idle: later checkpoints commit on every rank."""
+    """Writers SIGKILLed mid-persist, idle, mid-persist with the death seen in a request's wait for a slot,
+    and as the ranks agree: later checkpoints commit on every rank."""
+    from fakes import BLOCK_FIFO_ENV, ONLY_NAME_ENV
+
     rank = dist.get_rank()
     fifo = block_rank_1_in_step_2(out, "restart.fifo")  # its replacement inherits this: only step 2 hangs
+    fifo_7 = os.path.join(out, "restart-7.fifo")
     model, opt = build("ddp")
     path = os.path.join(out, "restarted")
     ckpt = Checkpointer(
@@ -610,13 +626,30 @@ def writer_restarted(out: str) -> dict[str, Any]:
             opt.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
+            if it == 9:
+                if rank == 0:
+                    # Rank 0's writer hangs inside the shard write of step 7 (after the ranks agreed
+                    # on it) and is killed there; the death is first seen by request(), as it waits
+                    # for the slot step 7 holds. Rank 1's writer loses step 7 when its collective breaks.
+                    with open(fifo_7) as f:
+                        f.readline()
+                    pid = ckpt.writer_pid
+                    os.kill(pid, signal.SIGKILL)
+                    wait_for_exit(pid, timeout_s=60)
+                    ckpt.request()
+                # Rank 1 hands its snapshot of step 9 to its writer only after a collective that
+                # follows rank 0's request() (as a rank whose copies land late does): request()
+                # must not wait for checkpoint 9 to commit.
+                dist.barrier()
+                if rank == 1:
+                    ckpt.request()
             if it == 10:
-                late = [i.step for i in ckpt.wait(timeout_s=120)]  # 7 and 9 committed: nothing in flight
+                late = [i.step for i in ckpt.wait(timeout_s=120)]  # 9 committed: nothing in flight
                 if rank == 1:
                     # Killed as the ranks agree on checkpoint 10: rank 0's writer may be waiting
                     # for this rank's claim, or idle; this rank's request goes to the replacement.
                     os.kill(ckpt.writer_pid, signal.SIGKILL)
-            if it in (2, 4, 7, 9, 10, 12):
+            if it in (2, 4, 7, 10, 12):
                 ckpt.request()
             ckpt.step()
             states[it] = full_state(model, opt)
@@ -628,8 +661,13 @@ def writer_restarted(out: str) -> dict[str, Any]:
                 if killed:
                     result["kill_to_next_commit_s"] = time.monotonic() - killed[0]
             if it == 5 and rank == 0:
-                result["idle_writer_pid"] = ckpt.writer_pid
-                os.kill(ckpt.writer_pid, signal.SIGKILL)  # idle: nothing in flight
+                # Its replacement (started when the next hook sees this death) hangs in step 7's shard write.
+                os.mkfifo(fifo_7)
+                os.environ[BLOCK_FIFO_ENV] = fifo_7
+                os.environ[ONLY_NAME_ENV] = "step-000000007"
+                result["idle_writer_pid"] = pid = ckpt.writer_pid
+                os.kill(pid, signal.SIGKILL)  # idle: nothing in flight
+                wait_for_exit(pid, timeout_s=60)  # so that the next hook, before step 7 is requested, sees it
         result["committed_at_end"] = late + [i.step for i in ckpt.wait(timeout_s=120)]
         result["lost"] = ckpt._engine.dispatcher.lost_to_regroup
         result["writer_restarts"] = ckpt.writer_restarts
@@ -643,7 +681,7 @@ def writer_restarted(out: str) -> dict[str, Any]:
     result["attempts_left"] = sorted(n for n in os.listdir(path) if ".attempt-" in n)
     if rank == 0:  # the reference: DDP stores rank 0's buffers
         result["state_files"] = {}
-        for step in sorted({4, 7, 9, 10, 12} & set(states)):
+        for step in sorted({4, 9, 10, 12} & set(states)):
             result["state_files"][str(step)] = os.path.join(out, f"restart-state-{step}.pt")
             torch.save(states[step], result["state_files"][str(step)])
     return result

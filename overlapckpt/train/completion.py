@@ -72,7 +72,8 @@ class SnapshotCompletion:
             return
         if isinstance(error, WriterDiedError):
             if self._replace_dead_writer(error):
-                # A request the death interrupted starts now, at this same step.
+                # A request the death interrupted starts now, at this same step (or, when the
+                # death was seen in a request's wait for a slot, as that wait returns: starts.py).
                 self._start_pending()
                 self._progress()
                 self._raise_pending()

@@ -118,6 +118,7 @@ class SnapshotEngine(SnapshotStarts, SnapshotCompletion, BlockingCalls, Snapshot
         self._snapshots: list[Snapshot] = []  # started and not yet sent, in start order
         self.requests = RequestQueue()
         self._slot_wait_s = 0.0  # distributed: hook time the next snapshot waited for a free slot
+        self._starting_pending = False  # inside _start_pending: a replaced writer does not start it again
         self._prepared_fingerprint: int | None = None
         self._user_marks_boundary = False
         self._warned: set[str] = set()

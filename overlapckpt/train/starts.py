@@ -51,6 +51,7 @@ class SnapshotStarts:
     _next_request_id: int
     _prepared_fingerprint: int | None
     _slot_wait_s: float
+    _starting_pending: bool
     _snapshots: list[Snapshot]
 
     if TYPE_CHECKING:  # provided by SnapshotEngine and its other mixins
@@ -73,12 +74,22 @@ class SnapshotStarts:
         self._prepared_fingerprint = layout.fingerprint
 
     def _start_pending(self) -> None:
+        if self._starting_pending:
+            # Reentered from the distributed wait for a slot below: a dead writer was replaced
+            # while it drained. The outer call starts the request once that wait returns, at
+            # this same step. Starting it here instead would make the wait hold this hook
+            # until the new checkpoint commits, which needs the other ranks to send theirs,
+            # and they may do that only after a collective this hook blocks (issue 17).
+            return
+        self._starting_pending = True
         try:
             self._start_pending_now()
         except WriterDiedError as e:
             # The writer died while being told of a buffer or plan: replaced (or raised) by
             # _raise_pending; the request stays pending and starts at the next chance.
             self.dispatcher.fail(e)
+        finally:
+            self._starting_pending = False
 
     def _start_pending_now(self) -> None:
         if not self.requests.pending:
