@@ -300,20 +300,12 @@ def load(
     at the world size that wrote them; at another one, CheckpointMismatchError names
     both sizes unless ``per_rank_state="skip"`` loads model and optimizer only.
     """
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     if per_rank_state not in PER_RANK_STATE_CHOICES:
         raise ConfigError(f"per_rank_state={per_rank_state!r} is invalid; use 'restore' or 'skip'")
     group, rank, world = _world(process_group)
     # A wrapper: the optimizer inside; a container of optimizers (TorchTitan's): those it steps.
     optimizers = None if optimizer is None else torch_optimizers(unwrap_optimizer(optimizer))
-    osd: dict[str, Any] | None = None
-    if optimizers is not None:
-        msd, osd = get_state_dict(model, optimizers)  # collective for some parallelisms: every rank, first
-    else:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        msd = get_model_state_dict(model)
+    msd, osd = live_state_dicts(model, optimizers)  # collective for some parallelisms: every rank, first
     target: dict[str, Any] = {}
     failure: BaseException | None = None
     name: str | None = None
@@ -340,13 +332,31 @@ def load(
     if per_rank_state == "restore":
         _check_stateful_names(extra, stateful or {}, where)
     model_sd, optim_sd = unnamed(manifest.key_layout, host, osd)
-    if optimizers is not None:
-        set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=cast(Any, optim_sd))
-    else:
-        model.load_state_dict(model_sd)
+    apply_state_dicts(model, optimizers, model_sd, optim_sd)
     if per_rank_state == "restore":
         _restore_extra_state(extra, stateful or {})
     return CheckpointInfo.from_manifest(manifest, where)
+
+
+def live_state_dicts(model: nn.Module, optimizers: list[torch.optim.Optimizer] | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The model's state dict and the optimizers' (None without any), as ``get_state_dict`` names them (a collective)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizers is None:
+        return get_model_state_dict(model), None
+    return get_state_dict(model, optimizers)
+
+
+def apply_state_dicts(
+    model: nn.Module, optimizers: list[torch.optim.Optimizer] | None, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None
+) -> None:
+    """Set what ``live_state_dicts`` named, read back from a checkpoint."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    if optimizers is None:
+        model.load_state_dict(model_sd)
+    else:
+        set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=cast(Any, optim_sd))
 
 
 def named_as(key_layout: str, msd: dict[str, Any], osd: dict[str, Any] | None) -> dict[str, Any]:

@@ -356,28 +356,18 @@ def _merge_into(target: nn.Module, part: nn.Module, where: str) -> None:
 
 def read_stock_checkpoint(store: Any, name: str, model: nn.Module, optimizers: Any, stateful: dict[str, Any], group: Any) -> None:
     """Restore a checkpoint TorchTitan's own manager wrote (no manifest), through the allowlists, unverified."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    from ..loading import _empty_like_on_cpu, named_as, read_into, unnamed
+    from ..loading import _empty_like_on_cpu, apply_state_dicts, live_state_dicts, named_as, read_into, unnamed
     from ..train.optimizer_group import torch_optimizers
     from ..train.step_hooks import unwrap_optimizer
 
-    group_view = None if optimizers is None else unwrap_optimizer(optimizers)
-    if group_view is not None:
-        msd, osd = get_state_dict(model, torch_optimizers(group_view))
-    else:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        msd, osd = get_model_state_dict(model), None
+    inner = None if optimizers is None else torch_optimizers(unwrap_optimizer(optimizers))
+    msd, osd = live_state_dicts(model, inner)
     target = named_as(TORCHTITAN, msd, osd)
     saved = {k: obj.state_dict() for k, obj in stateful.items()}  # DCP fills the same keys from the checkpoint
     host = {**_empty_like_on_cpu(target), **saved}
     read_into(store, name, host, group, manifest=None)
     model_sd, optim_sd = unnamed(TORCHTITAN, {k: v for k, v in host.items() if k not in saved}, osd)
-    if group_view is not None:
-        set_state_dict(model, torch_optimizers(group_view), model_state_dict=model_sd, optim_state_dict=optim_sd)  # type: ignore[arg-type]
-    else:
-        model.load_state_dict(model_sd)
+    apply_state_dicts(model, inner, model_sd, optim_sd)
     for key, obj in stateful.items():
         obj.load_state_dict(host[key])
 
