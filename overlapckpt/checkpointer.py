@@ -190,6 +190,8 @@ class Checkpointer:
                 "store_class": f"{store_class.__module__}.{store_class.__qualname__}",
                 "copier": None if copier is None else type(copier).__qualname__,
                 "key_layout": key_layout,
+                # Agreed: the other ranks' writers wait for a replacement only if one may come.
+                "max_writer_restarts": max_writer_restarts,
             }
             self._distributed = set_up_distributed(model, process_group, settings, collective_timeout_s, agreement_timeout_s)
         store = store_class(self.path, self.storage_options)

@@ -27,6 +27,9 @@ class WriterGroupSpec:
     key_prefix: str = ""  # drawn at random on rank 0 for this run: the writers' keys live under it
     restarted: bool = False  # a replacement for a dead writer: it opens the writers' next generation
     lost_names: tuple[str, ...] = ()  # a replacement's: checkpoints its rank had sent to the dead writer
+    # Whether a dead writer is ever replaced (max_writer_restarts > 0, the same on every rank):
+    # without, a writer whose collective a death broke reports it at once, waiting for no replacement.
+    replaced_when_dead: bool = True
 
 
 @dataclass

@@ -84,3 +84,24 @@ def test_a_claim_forged_outside_the_runs_prefix_has_no_effect():
     assert boards[1].missing_claim() is None  # the idle writer sees no claim of this run
     run.set("claim/0/1", '{"name": "step-000000003", "requested": 3, "version": 3}')
     assert boards[0].agree(CLAIM) == 0  # the run's own claims agree; the forged ones are not seen
+
+
+@pytest.mark.parametrize("replaced_when_dead", [True, False])
+def test_a_broken_collective_waits_for_a_replacement_only_if_one_may_come(replaced_when_dead):
+    """A writer whose collective failed regroups when a replacement opened the next generation,
+    unless max_writer_restarts=0 (agreed by every rank): then it reports the failure as it is."""
+    from overlapckpt.protocol import WriterGroupSpec
+    from overlapckpt.writer.group import GENERATION_KEY, WriterGroup, run_keys_prefix
+
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    spec = WriterGroupSpec(
+        store_host="127.0.0.1", store_port=host.port, rank=0, world_size=1, timeout_s=30.0, agreement_timeout_s=5.0,
+        mesh_shape=(1,), key_prefix="t", replaced_when_dead=replaced_when_dead,
+    )
+    group = WriterGroup(spec)  # a one-writer group: joining needs no peer
+    try:
+        dist.PrefixStore(run_keys_prefix(spec), host).add(GENERATION_KEY, 1)  # a replacement opened generation 1
+        assert group.regroups_after(RuntimeError("gloo: Connection closed by peer")) is replaced_when_dead
+        assert group.regroups_after(OSError(5, "Input/output error")) is False  # storage: never a regroup
+    finally:
+        group.close()

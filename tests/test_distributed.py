@@ -136,6 +136,7 @@ def test_settings_that_differ_across_ranks_are_refused_on_every_rank(ddp_results
         c = r["settings_mismatch"]
         assert c["error_type"] == "ConfigError", c
         assert "settings differ across ranks: every (rank 0: 3, rank 1: 4)" in c["error"], c
+        assert "max_writer_restarts (rank 0: 2, rank 1: 1)" in c["error"], c
 
 
 def test_the_writers_rendezvous_opens_no_listener(ddp_results):
@@ -205,7 +206,9 @@ def test_writers_killed_mid_persist_idle_and_at_agreement_are_replaced_and_later
 def test_a_writer_killed_mid_persist_fails_every_rank_and_lists_nothing(ddp_results):
     r0, r1 = (r["writer_killed"] for r in ddp_results)
     assert r1["error_type"] == "WriterDiedError", r1
-    assert r0["error_type"] is not None, r0
+    # max_writer_restarts=0 on every rank: rank 0's writer reports the broken collective as it is,
+    # without waiting for a replacement that cannot come.
+    assert r0["error_type"] == "CheckpointWriteError" and "builtins.RuntimeError" in r0["error"], r0
     assert r0["elapsed_s"] < 60 and r1["elapsed_s"] < 60, (r0, r1)
     assert r0["listed"] == [] and r1["listed"] == []
 

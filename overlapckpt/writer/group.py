@@ -136,6 +136,8 @@ class WriterGroup:
         """
         if isinstance(error, OSError) or not isinstance(error, RuntimeError):
             return False  # a storage failure or one of ours: not a broken group
+        if not self.spec.replaced_when_dead:
+            return False  # max_writer_restarts=0 on every rank: no replacement will come
         deadline = time.monotonic() + min(REGROUP_WAIT_S, self.spec.timeout_s)
         while not self.generation_moved():
             if time.monotonic() >= deadline:
