@@ -590,6 +590,21 @@ def wait_for_exit(pid: int, timeout_s: float) -> None:
         os.close(fd)
 
 
+def read_fifo_line(path: str, timeout_s: float) -> str:
+    """The first line a process writes into FIFO ``path``, or AssertionError after ``timeout_s``."""
+    line: list[str] = []
+
+    def read() -> None:
+        with open(path) as f:
+            line.append(f.readline())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    assert line, f"nothing was written into {path} within {timeout_s} s"
+    return line[0]
+
+
 def writer_restarted(out: str) -> dict[str, Any]:
     """Writers SIGKILLed mid-persist, idle, mid-persist with the death seen in a request's wait for a slot,
     and as the ranks agree: later checkpoints commit on every rank."""
@@ -631,8 +646,7 @@ def writer_restarted(out: str) -> dict[str, Any]:
                     # Rank 0's writer hangs inside the shard write of step 7 (after the ranks agreed
                     # on it) and is killed there; the death is first seen by request(), as it waits
                     # for the slot step 7 holds. Rank 1's writer loses step 7 when its collective breaks.
-                    with open(fifo_7) as f:
-                        f.readline()
+                    read_fifo_line(fifo_7, timeout_s=120)
                     pid = ckpt.writer_pid
                     os.kill(pid, signal.SIGKILL)
                     wait_for_exit(pid, timeout_s=60)
