@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from overlapckpt import Checkpointer, list_checkpoints, load  # noqa: E402
 
-from helpers import StatefulSampler, TinyNet  # noqa: E402
+from helpers import StatefulSampler, TinyNet, exited_within, read_fifo_line  # noqa: E402
 
 STEPS = 7
 REQUEST_AT = 3
@@ -578,33 +578,6 @@ def writer_killed(out: str) -> dict[str, Any]:
     return _outcome(ckpt, path, error, time.monotonic() - (started or time.monotonic()))
 
 
-def wait_for_exit(pid: int, timeout_s: float) -> None:
-    """Block until process ``pid`` has exited, without reaping it (its parent's next look sees the death)."""
-    import select
-
-    fd = os.pidfd_open(pid)  # readable once the process has exited
-    try:
-        readable, _, _ = select.select([fd], [], [], timeout_s)
-        assert readable, f"process {pid} did not exit within {timeout_s} s of SIGKILL"
-    finally:
-        os.close(fd)
-
-
-def read_fifo_line(path: str, timeout_s: float) -> str:
-    """The first line a process writes into FIFO ``path``, or AssertionError after ``timeout_s``."""
-    line: list[str] = []
-
-    def read() -> None:
-        with open(path) as f:
-            line.append(f.readline())
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    assert line, f"nothing was written into {path} within {timeout_s} s"
-    return line[0]
-
-
 def writer_restarted(out: str) -> dict[str, Any]:
     """Writers SIGKILLed mid-persist, idle, mid-persist with the death seen in a request's wait for a slot,
     and as the ranks agree: later checkpoints commit on every rank."""
@@ -649,7 +622,7 @@ def writer_restarted(out: str) -> dict[str, Any]:
                     read_fifo_line(fifo_7, timeout_s=120)
                     pid = ckpt.writer_pid
                     os.kill(pid, signal.SIGKILL)
-                    wait_for_exit(pid, timeout_s=60)
+                    assert exited_within(pid, 60), f"writer {pid} outlived SIGKILL by 60 s"
                     ckpt.request()
                 # Rank 1 hands its snapshot of step 9 to its writer only after a collective that
                 # follows rank 0's request() (as a rank whose copies land late does): request()
@@ -681,7 +654,8 @@ def writer_restarted(out: str) -> dict[str, Any]:
                 os.environ[ONLY_NAME_ENV] = "step-000000007"
                 result["idle_writer_pid"] = pid = ckpt.writer_pid
                 os.kill(pid, signal.SIGKILL)  # idle: nothing in flight
-                wait_for_exit(pid, timeout_s=60)  # so that the next hook, before step 7 is requested, sees it
+                # So that the next hook, before step 7 is requested, sees the death.
+                assert exited_within(pid, 60), f"writer {pid} outlived SIGKILL by 60 s"
         result["committed_at_end"] = late + [i.step for i in ckpt.wait(timeout_s=120)]
         result["lost"] = ckpt._engine.dispatcher.lost_to_regroup
         result["writer_restarts"] = ckpt.writer_restarts

@@ -174,6 +174,19 @@ def read_fifo_line(path: str, timeout_s: float) -> str:
         os.close(fd)
 
 
+def exited_within(pid: int, timeout_s: float) -> bool:
+    """Whether process ``pid`` exits within ``timeout_s``: waits on a pidfd (no polling), and reaps nothing,
+    so a parent's next look still sees the death."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout_s)[0])
+    finally:
+        os.close(fd)
+
+
 def read_child_line(child: subprocess.Popen, timeout_s: float) -> str:
     """The child's next stdout line (a binary pipe), or AssertionError if none comes within ``timeout_s``."""
     fd = child.stdout.fileno()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from overlapckpt import Checkpointer, WriterDiedError, list_checkpoints, load
 from overlapckpt.train.transfer import CpuCopier
 
 from fakes import BLOCK_FIFO_ENV, BLOCK_ONCE_MARKER_ENV, ONLY_NAME_ENV, BlockingOnceStore
-from helpers import assert_state_equal, make_run, read_child_line, read_fifo_line, train_step, twin_states
+from helpers import assert_state_equal, exited_within, make_run, read_child_line, read_fifo_line, train_step, twin_states
 
 STEPS = 9
 
@@ -86,18 +85,6 @@ def test_restarts_are_bounded_then_the_death_is_raised(tmp_path):
                 ckpt.request()
 
 
-def _wait_for_exit(pid: int, timeout_s: float) -> bool:
-    """Whether process ``pid`` (not our child) exits within ``timeout_s``: waits on a pidfd, no polling."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([fd], [], [], timeout_s)[0])
-    finally:
-        os.close(fd)
-
-
 # Every moment with memfd buffers; the file fallback (OVERLAPCKPT_SHM_DIR) at the moment that
 # holds the most: a persist in flight (its other cells repeated the memfd ones' checks).
 @pytest.mark.parametrize(
@@ -126,7 +113,7 @@ def test_a_killed_training_process_leaves_no_files_and_no_writer(tmp_path, momen
     finally:
         if child.poll() is None:
             child.kill()
-    assert _wait_for_exit(writer_pid, 30), "the writer outlived its training process"
+    assert exited_within(writer_pid, 30), "the writer outlived its training process"
     assert {f for f in os.listdir("/dev/shm") if f.startswith("overlapckpt-")} == before
     assert os.listdir(shm) == []
     listed = list_checkpoints(str(root)) if root.exists() else []

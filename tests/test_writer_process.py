@@ -9,7 +9,7 @@ import threading
 
 from overlapckpt import Checkpointer
 
-from helpers import make_run, train_step
+from helpers import exited_within, make_run, train_step
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "writer_cwd_script.py")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,22 +70,7 @@ def test_the_writer_runs_in_its_own_session_and_exits_with_a_killed_trainer(tmp_
         assert os.getsid(writer_pid) == writer_pid != os.getsid(trainer.pid)  # a session of its own
         trainer.kill()
         trainer.wait(timeout=30)
-        _wait_until_gone(writer_pid, timeout_s=30)
+        assert exited_within(writer_pid, 30), f"the writer (pid {writer_pid}) outlived its killed trainer by 30 s"
     finally:
         if trainer.poll() is None:
             trainer.kill()
-
-
-def _wait_until_gone(pid: int, timeout_s: float) -> None:
-    """Wait for ``pid`` to exit (it is not our child: poll /proc, bounded by a pidfd where there is one)."""
-    import select
-
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        ready, _, _ = select.select([fd], [], [], timeout_s)
-        assert ready, f"the writer (pid {pid}) outlived its killed trainer by {timeout_s} s"
-    finally:
-        os.close(fd)

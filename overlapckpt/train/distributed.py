@@ -114,7 +114,7 @@ def set_up_distributed(
         agreement_timeout_s=agreement_timeout_s,
         mesh_shape=mesh_shape_of(model, world),
         key_prefix=str(key_prefix),
-        replaced_when_dead=int(settings.get("max_writer_restarts", 1)) > 0,
+        replaced_when_dead=settings["max_writer_restarts"] > 0,
     )
     scope = CheckpointScope(rank=rank, world_size=world, plain_holders=plain_holders(model, group))
     return DistributedRun(scope=scope, group=group, writer_spec=spec, store=store)
