@@ -1,24 +1,35 @@
 #!/usr/bin/env bash
-# The GPU checks on one H200, in under 8 minutes, in two parts that each write their own results:
-#   1. probe (about 3.5 minutes): a pinning check (benchmarks/probe.py), then the GPU tests
-#      (tests/test_gpu.py, tests/test_gpu_runtime.py) -> RESULTS_DIR/probe/;
-#   2. bench: the h200-size benchmark (about 1.04 B parameters, 12.5 GB of fp32 AdamW
-#      state, bf16 autocast, fused AdamW), in what is left of the 460 s -> RESULTS_DIR/.
+# The GPU run on one H200, in under 8 minutes, each part writing its results as it goes:
+#   0. pre-flight (seconds): torch imports in isolated mode, CUDA is visible, a writer starts
+#      from this source checkout and commits (benchmarks/preflight.py). It stops the run.
+#   1. the correctness check (about a minute): the CUDA defects the CPU tests found, on the
+#      device (benchmarks/gpu_check.py) -> RESULTS_DIR/check.jsonl;
+#   2. the GPU tests (pytest -m "gpu or device"), a per-test timeout, one line per outcome
+#      as it comes -> RESULTS_DIR/tests/; the pinning probe first (benchmarks/probe.py);
+#   3. the benchmark (about 1.04 B parameters, 12.5 GB of fp32 AdamW state, bf16 autocast,
+#      fused AdamW), in what is left of the budget -> RESULTS_DIR/.
 # Uses the machine's own python3 and packages, from the source checkout, with no installs.
 #
-#   benchmarks/gpu.sh RESULTS_DIR [all|probe|bench]      (default: all)
+#   benchmarks/gpu.sh RESULTS_DIR [all|probe|bench] [--emulate]     (default: all)
 #
-# Writes RESULTS_DIR/machine.txt; the probe writes probe/pinning.json, probe/pinning.log,
-# probe/gpu-tests.log, probe/gpu-tests.xml, probe/gpu-report.json (replay-vs-twin errors,
-# copy figures); the benchmark writes bench.log, results.json, results.md, timeline.png.
-# Exits 2 at once if /dev/shm is too small for what was asked (after trying to grow it),
-# 1 if the GPU tests or the benchmark failed, else 0.
+# --emulate rehearses the whole flow on the CPU (the emulated device, a tiny benchmark):
+# make test runs it, so a plumbing error shows there and not on the device.
+# Exits 2 at once if the pre-flight fails or /dev/shm is too small for the benchmark (after
+# trying to grow it), 1 if a check, a test or the benchmark failed, else 0. Whatever ran is
+# under RESULTS_DIR, even when a later part fails or time runs out.
 set -uo pipefail
 
-usage="usage: benchmarks/gpu.sh RESULTS_DIR [all|probe|bench]"
+usage="usage: benchmarks/gpu.sh RESULTS_DIR [all|probe|bench] [--emulate]"
 out=${1:?$usage}
-what=${2:-all}
-case "$what" in all | probe | bench) ;; *) echo "$usage" >&2; exit 2 ;; esac
+what=all
+emulate=0
+for arg in "${@:2}"; do
+  case "$arg" in
+    all | probe | bench) what=$arg ;;
+    --emulate) emulate=1 ;;
+    *) echo "$usage" >&2; exit 2 ;;
+  esac
+done
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
@@ -28,74 +39,111 @@ py=${PYTHON:-python3}
 started=$(date +%s)
 elapsed() { echo $(($(date +%s) - started)); }
 
-TOTAL_BUDGET_S=460          # probe + benchmark; the timeouts below add at most 20 s to it
+TOTAL_BUDGET_S=460          # everything; the timeouts below add at most 20 s to it
+PREFLIGHT_TIMEOUT_S=60
+CHECK_TIMEOUT_S=90
 PINNING_TIMEOUT_S=40
-TESTS_TIMEOUT_S=170
+TESTS_TIMEOUT_S=200
+PER_TEST_TIMEOUT_S=60
 MIN_BENCH_S=90              # less than this left: the benchmark would measure only the baseline
-# /dev/shm holds every host buffer (overlapckpt's slots, DCP's shared staging). The probe
-# needs 8 GB at most at once (the writer-kill test's 4 GB slot, the probe's 2 GiB buffer).
-# The benchmark needs 32 GB: W=8 replay holds a 12.5 GB slot and a 14.6 GB gradient log,
-# and DCP's PROCESS staging 12.5 GB, a second copy while the previous upload finishes.
-PROBE_SHM_GB=8
+# /dev/shm holds every host buffer (overlapckpt's slots, DCP's shared staging): the benchmark
+# needs 32 GB (W=8 replay holds a 12.5 GB slot and a 14.6 GB gradient log, DCP's PROCESS
+# staging 12.5 GB); the checks and tests need 8 GB at most (the writer-kill test's 4 GB slot).
 BENCH_SHM_GB=32
+TESTS_SHM_GB=8
 
-# tmpfs does not check its size until a page is touched: grow it where we may (root), and
-# let DCP's PROCESS checkpointer pass ~600 storages as file descriptors.
-mount -o remount,size=110G /dev/shm 2>/dev/null || true
-ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
-shm_free_gb=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
-shm_free_gb=${shm_free_gb:-0}
-need_gb=$BENCH_SHM_GB
-[ "$what" = probe ] && need_gb=$PROBE_SHM_GB
-if [ "$shm_free_gb" -lt "$need_gb" ]; then
-  echo "gpu.sh: /dev/shm has ${shm_free_gb} GB free after trying to grow it, and '$what' needs ${need_gb} GB" \
-    "(host buffers live there; the benchmark's W=8 replay alone holds 27 GB). Give the container more" \
-    "(docker run --shm-size=64g, or as root: mount -o remount,size=64G /dev/shm), or run only the probe," \
-    "which needs ${PROBE_SHM_GB} GB: benchmarks/gpu.sh $out probe" >&2
-  exit 2
+emulate_flag=()
+tests_select=()
+if [ "$emulate" = 1 ]; then
+  emulate_flag=(--emulate)
+  export OVERLAPCKPT_TEST_DEVICE=emulated
+  # The device tests run in make test in full; the rehearsal runs two, to prove the plumbing.
+  tests_select=(-k "side_stream_without_host_sync or guard_catches")
+  MIN_BENCH_S=10
 fi
 
 {
   date -u +"%Y-%m-%d %H:%M UTC"
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,pcie.link.gen.current,pcie.link.width.current --format=csv
+  if [ "$emulate" = 1 ]; then
+    echo "emulated device (a rehearsal on the CPU)"
+  else
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,pcie.link.gen.current,pcie.link.width.current --format=csv
+  fi
   "$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
   echo "cores $(nproc); open files $(ulimit -n); locked memory $(ulimit -l)"; free -g; df -h /dev/shm /tmp
 } >"$out/machine.txt" 2>&1
 
+# 0. Pre-flight: seconds, and it stops everything after it.
+timeout "$PREFLIGHT_TIMEOUT_S" "$py" benchmarks/preflight.py "${emulate_flag[@]}" 2>&1 | tee "$out/preflight.log"
+if [ "${PIPESTATUS[0]}" -ne 0 ]; then
+  echo "gpu.sh: the pre-flight failed after $(elapsed) s (see $out/preflight.log); nothing else ran" >&2
+  exit 2
+fi
+
+shm_free_gb() { df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9; }
 rc=0
 if [ "$what" != bench ]; then
-  # 1. The probe. The pinning check first: quick, and its figures stand even if a test hangs.
-  mkdir -p "$out/probe"
-  timeout "$PINNING_TIMEOUT_S" "$py" benchmarks/probe.py --out "$out/probe/pinning.json" >"$out/probe/pinning.log" 2>&1
-  echo "pinning check: exit $? after $(elapsed) s: $(tail -1 "$out/probe/pinning.log")"
-  timeout "$TESTS_TIMEOUT_S" "$py" -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_runtime.py \
-    --junitxml="$out/probe/gpu-tests.xml" --gpu-report="$out/probe/gpu-report.json" -p no:cacheprovider \
-    >"$out/probe/gpu-tests.log" 2>&1
+  # 1. The correctness check of the defects, on the device.
+  timeout "$CHECK_TIMEOUT_S" "$py" benchmarks/gpu_check.py --out "$out/check.jsonl" "${emulate_flag[@]}" >"$out/check.log" 2>&1
+  check_rc=$?
+  echo "correctness check: exit $check_rc after $(elapsed) s: $(grep -c '"ok": true' "$out/check.jsonl" 2>/dev/null || echo 0) passed"
+  [ "$check_rc" -ne 0 ] && rc=1
+
+  # 2. The pinning probe (CUDA only), then the GPU tests, each outcome written as it ends.
+  mkdir -p "$out/tests"
+  if [ "$emulate" = 0 ]; then
+    timeout "$PINNING_TIMEOUT_S" "$py" benchmarks/probe.py --out "$out/tests/pinning.json" >"$out/tests/pinning.log" 2>&1
+    echo "pinning check: exit $? after $(elapsed) s: $(tail -1 "$out/tests/pinning.log")"
+  fi
+  if [ "$emulate" = 0 ] && [ "$(shm_free_gb)" -lt "$TESTS_SHM_GB" ] 2>/dev/null; then
+    mount -o remount,size=110G /dev/shm 2>/dev/null || true
+  fi
+  timeout "$TESTS_TIMEOUT_S" "$py" -m pytest -q -m "gpu or device" tests/test_gpu.py tests/test_gpu_runtime.py "${tests_select[@]}" \
+    --per-test-timeout-s "$PER_TEST_TIMEOUT_S" --results-jsonl "$out/tests/results.jsonl" --junitxml="$out/tests/gpu-tests.xml" \
+    --gpu-report="$out/tests/gpu-report.json" -p no:cacheprovider >"$out/tests/gpu-tests.log" 2>&1
   tests_rc=$?
-  echo "gpu tests: exit $tests_rc after $(elapsed) s: $(tail -1 "$out/probe/gpu-tests.log")"
+  echo "gpu tests: exit $tests_rc after $(elapsed) s: $(tail -1 "$out/tests/gpu-tests.log")"
   [ "$tests_rc" -ne 0 ] && rc=1
 fi
 
 if [ "$what" != probe ]; then
-  # 2. The benchmark. Checkpoints go to tmpfs when it has room for them beside the host
+  # 3. The benchmark. Checkpoints go to tmpfs when it has room for them beside the host
   # buffers (about 65 GB in the widest replay window), so the figures measure the
   # device-to-host stall and not this machine's disk. The methods the targets are judged
   # on run first, right after the baseline: DCP's PROCESS async save, then W=8 replay and
   # stage; --budget-s skips what would not end in time, and results are written after
   # every method.
   left=$((TOTAL_BUDGET_S - $(elapsed)))
+  if [ "$emulate" = 0 ]; then
+    # tmpfs does not check its size until a page is touched: grow it where we may (root), and
+    # let DCP's PROCESS checkpointer pass ~600 storages as file descriptors.
+    mount -o remount,size=110G /dev/shm 2>/dev/null || true
+    ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+  fi
   if [ "$left" -lt "$MIN_BENCH_S" ]; then
     echo "benchmark: not run, ${left} s left of ${TOTAL_BUDGET_S} s (it needs ${MIN_BENCH_S}); run: benchmarks/gpu.sh $out bench" >&2
     rc=1
+  elif [ "$emulate" = 0 ] && [ "$(shm_free_gb)" -lt "$BENCH_SHM_GB" ] 2>/dev/null; then
+    echo "gpu.sh: /dev/shm has $(shm_free_gb) GB free after trying to grow it, and the benchmark needs ${BENCH_SHM_GB} GB" \
+      "(host buffers live there; the benchmark's W=8 replay alone holds 27 GB). Give the container more" \
+      "(docker run --shm-size=64g, or as root: mount -o remount,size=64G /dev/shm), or run only the checks and tests:" \
+      "benchmarks/gpu.sh $out probe" >&2
+    exit 2
   else
-    ckdir=/tmp/overlapckpt-bench
-    if [ "$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)" -ge 90 ] 2>/dev/null; then
-      ckdir=/dev/shm/overlapckpt-bench-ckpt
+    if [ "$emulate" = 1 ]; then
+      size=(--size micro --device cpu --every 4 --checkpoints 1 --throughput-checkpoints 1 --warmup 2 --quiet-steps 2)
+      methods=dcp_async_thread,overlapckpt_w1
+      ckdir=$out/bench-checkpoints
+    else
+      size=(--size h200 --device cuda --every 10 --checkpoints 2 --throughput-checkpoints 2 --warmup 3 --windows 4,8)
+      methods=dcp_async_process,overlapckpt_w8_replay,overlapckpt_w8_stage,overlapckpt_w1,overlapckpt_w4_stage
+      methods=$methods,overlapckpt_w4_replay,dcp_async_process_overlap,dcp_async_thread,dcp_save,torch_save
+      ckdir=/tmp/overlapckpt-bench
+      if [ "$(shm_free_gb)" -ge 90 ] 2>/dev/null; then
+        ckdir=/dev/shm/overlapckpt-bench-ckpt
+      fi
     fi
-    methods=dcp_async_process,overlapckpt_w8_replay,overlapckpt_w8_stage,overlapckpt_w1,overlapckpt_w4_stage
-    methods=$methods,overlapckpt_w4_replay,dcp_async_process_overlap,dcp_async_thread,dcp_save,torch_save
-    timeout $((left + 20)) "$py" benchmarks/harness.py --size h200 --device cuda --every 10 --checkpoints 2 \
-      --throughput-checkpoints 2 --warmup 3 --windows 4,8 --methods "$methods" \
+    timeout $((left + 20)) "$py" benchmarks/harness.py "${size[@]}" --methods "$methods" \
       --out "$out" --checkpoint-dir "$ckdir" --budget-s "$left" --timeout-s 120 >"$out/bench.log" 2>&1
     bench_rc=$?
     echo "benchmark: exit $bench_rc after $(elapsed) s (checkpoints in $ckdir)"
@@ -105,4 +153,5 @@ if [ "$what" != probe ]; then
   fi
 fi
 df -h /dev/shm >>"$out/machine.txt" 2>&1
+echo "gpu.sh: done in $(elapsed) s, exit $rc"
 exit $rc

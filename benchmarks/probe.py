@@ -7,7 +7,7 @@ Measures, on one 2 GiB buffer of each kind: reserving a shared-memory buffer
 not pay inside a hook), ``is_pinned()`` before and after, the device-to-host
 bandwidth into pageable memory, into torch's own pinned memory (``cudaHostAlloc``)
 and into the registered shared buffer, and the host time of one
-``CudaStreamCopier.copy_async`` of the whole buffer against its copy time. It
+``StreamCopier.copy_async`` (over ``CudaDevice``) of the whole buffer against its copy time. It
 reports; it does not pass or fail (the GPU tests assert).
 """
 
@@ -28,7 +28,8 @@ sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 from measure import machine_description  # noqa: E402
 
 from overlapckpt.hostbuf import SharedHostBuffer  # noqa: E402
-from overlapckpt.train.transfer import CudaStreamCopier  # noqa: E402
+from overlapckpt.train.cuda_device import CudaDevice  # noqa: E402
+from overlapckpt.train.transfer import StreamCopier  # noqa: E402
 
 PROBE_NBYTES = 2 << 30
 COPY_REPEATS = 3
@@ -53,7 +54,7 @@ def probe(nbytes: int) -> dict[str, Any]:
     out: dict[str, Any] = {"machine": machine_description(device), "nbytes": nbytes}
 
     started = time.perf_counter()
-    buffer = SharedHostBuffer(nbytes, pin=False)
+    buffer = SharedHostBuffer(nbytes, pin=None)
     out["shm_reserve_s"] = time.perf_counter() - started
     out["is_pinned_before_register"] = buffer.tensor.is_pinned()
     started = time.perf_counter()
@@ -73,7 +74,7 @@ def probe(nbytes: int) -> dict[str, Any]:
         del pinned
         out["d2h_registered_shm_bytes_per_s"] = _best_d2h_bytes_per_s(src, buffer.tensor)
 
-        copier = CudaStreamCopier(device)
+        copier = StreamCopier(CudaDevice(device))
         torch.cuda.synchronize()
         started = time.perf_counter()
         ticket = copier.copy_async([src], [buffer.tensor])

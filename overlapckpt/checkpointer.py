@@ -32,6 +32,7 @@ from .train.preemption import PreemptionGuard, default_grace_s
 from .train.run_start import agreed_run_id, take_root_lease
 from .train.step_hooks import unwrap_optimizer
 from .train.transfer import Copier, make_copier
+from .train.warnings_text import KEEP_STAGING_WARNING
 from .train.writer_handle import WriterProcess
 from .train.writer_link import DEFAULT_MAX_WRITER_RESTARTS, WriterLink
 
@@ -59,13 +60,14 @@ class Checkpointer:
         max_inflight: snapshots in flight at once; each holds one host slot of the state's size.
         store_class: a ``CheckpointStore`` subclass the writer process uses to reach storage.
         max_window: with ``window="auto"``, the widest window it may choose.
-        keep_staging: stage mode: keep the staging area between checkpoints (no allocation per
-            checkpoint) instead of freeing it after its last drain. Default: free it on CUDA (the
-            caching allocator makes the next allocation cheap, and 7/8 of the state would otherwise
-            stay on the GPU), keep it on the CPU (where a fresh region costs a page fault per 4 KiB).
-        copier: how bytes reach host memory (``overlapckpt.transfer``): by default a side CUDA stream
-            on GPU, and on CPU ``CpuStreamCopier`` (copies on a worker thread, a spare core); pass
-            ``CpuCopier()`` to copy inside the hooks instead.
+        keep_staging: accepted for compatibility; stage mode's staging region is now always kept
+            (allocated once, outside the checkpoints' hooks: a region freed after each checkpoint was
+            allocated again inside ``optimizer.step()``, where it could run out of memory or
+            synchronize). ``False`` warns.
+        copier: how bytes reach host memory (``overlapckpt.train.transfer``): by default a
+            ``StreamCopier`` over the device (a side CUDA stream on GPU; on CPU the emulated device,
+            whose side stream is a worker thread on a spare core); pass ``CpuCopier()`` to copy
+            inside the hooks instead.
         phase_timer: with ``window="auto"``, what times forward+backward and the optimizer step
             (default: CUDA events on GPU, the host clock on CPU).
         max_writer_restarts: a writer process that dies is replaced by a new one, which persists the
@@ -251,6 +253,8 @@ class Checkpointer:
             )
         first = next(iter(model.parameters()), None)
         device = first.device if first is not None else torch.device("cpu")
+        if keep_staging is False:
+            warnings.warn(KEEP_STAGING_WARNING, DeprecationWarning, stacklevel=2)
         if window == AUTO_WINDOW and phase_timer is None:
             phase_timer = make_gap_timer(device)
         try:
@@ -265,11 +269,9 @@ class Checkpointer:
                 link=link,
                 max_inflight=max_inflight,
                 stage_budget_bytes=stage_budget_bytes,
-                keep_staging=(device.type != "cuda") if keep_staging is None else bool(keep_staging),
                 max_window=max_window,
                 copier=copier if copier is not None else make_copier(device),
                 gap_timer=phase_timer if window == AUTO_WINDOW else None,
-                device=device,
                 scope=CheckpointScope() if self._distributed is None else self._distributed.scope,
                 lineage=self._lineage,
                 at_boundary=None if self._preemption is None else self._preemption.at_boundary,

@@ -46,7 +46,7 @@ class OwnedControlPage(ControlPage):
     """The training process's page: its shared memory, whose descriptor goes to the writer."""
 
     def __init__(self) -> None:
-        self.buffer = SharedHostBuffer(PAGE_BYTES, pin=False)
+        self.buffer = SharedHostBuffer(PAGE_BYTES, pin=None)
         self.buffer.tensor.zero_()
         super().__init__(self.buffer.tensor.data_ptr())
 

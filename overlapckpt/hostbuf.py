@@ -21,7 +21,8 @@ import errno
 import os
 import tempfile
 import uuid
-from typing import Any
+import weakref
+from typing import Any, Protocol
 
 import torch
 
@@ -79,10 +80,34 @@ def fd_path(fd: int) -> str:
     return f"/proc/self/fd/{fd}"
 
 
-class SharedHostBuffer:
-    """One slot of host memory for one snapshot, shared with the writer process by descriptor."""
+# cudaHostRegister's error for a range that overlaps one already registered.
+_HOST_MEMORY_ALREADY_REGISTERED = 712
 
-    def __init__(self, nbytes: int, pin: bool) -> None:
+
+class HostPinner(Protocol):
+    """What page-locks host memory for a device's DMA (the device seam's CUDA runtime calls)."""
+
+    def register_host(self, ptr: int, nbytes: int) -> int: ...
+
+    def unregister_host(self, ptr: int) -> int: ...
+
+
+def _release_host_memory(pinner: HostPinner | None, mapping: torch.Tensor, fd: int) -> None:
+    # Unregister before the mapping can go: a registration outliving its memory makes the
+    # next cudaHostRegister at a reused address fail.
+    if pinner is not None:
+        pinner.unregister_host(mapping.data_ptr())
+    os.close(fd)
+
+
+class SharedHostBuffer:
+    """One slot of host memory for one snapshot, shared with the writer process by descriptor.
+
+    ``release()`` unregisters and unmaps it. A buffer dropped without it (a Checkpointer
+    never closed) is released by a finalizer when it is collected, or at interpreter exit.
+    """
+
+    def __init__(self, nbytes: int, pin: HostPinner | None) -> None:
         if nbytes <= 0:
             raise ConfigError(f"host buffer size {nbytes} bytes is invalid; it must be positive")
         self.nbytes = nbytes
@@ -98,21 +123,28 @@ class SharedHostBuffer:
                 "shared-memory filesystem, or point OVERLAPCKPT_SHM_DIR at one with room"
             ) from e
         self.tensor = map_shared_file(fd_path(self.fd), nbytes)
-        self._pinned = False
-        if pin:
-            self._pin()
+        if pin is not None:
+            self._pin(pin)
+        self._finalizer = weakref.finalize(self, _release_host_memory, pin, self.tensor, self.fd)
 
-    def _pin(self) -> None:
+    def _pin(self, pinner: HostPinner) -> None:
         # cudaHostRegister page-locks the existing mapping, so the DMA engine can copy
         # into it without a staging bounce and without blocking the host.
-        cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
-        if int(err) != 0:
+        err = pinner.register_host(self.tensor.data_ptr(), self.nbytes)
+        if err == 0:
+            return
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        os.close(self.fd)
+        if err == _HOST_MEMORY_ALREADY_REGISTERED:
             raise ConfigError(
-                f"cudaHostRegister of a {self.nbytes}-byte host buffer failed (cudaError {int(err)}); "
-                "raise the locked-memory limit (ulimit -l) or lower the checkpoint's size"
+                f"cudaHostRegister of a {self.nbytes}-byte host buffer failed: its address range is already "
+                "registered (cudaErrorHostMemoryAlreadyRegistered), by code that page-locked this memory and "
+                "never unregistered it; release such memory with cudaHostUnregister before it is unmapped"
             )
-        self._pinned = True
+        raise ConfigError(
+            f"cudaHostRegister of a {self.nbytes}-byte host buffer failed (cudaError {err}); "
+            "raise the locked-memory limit (ulimit -l) or lower the checkpoint's size"
+        )
 
     def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The slot bytes at ``offset`` seen as a tensor of ``dtype`` and ``shape``."""
@@ -120,13 +152,9 @@ class SharedHostBuffer:
 
     def release(self) -> None:
         """Unpin and drop this process's mapping and descriptor (the caller drops its views first)."""
-        if self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            self._pinned = False
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
         self.tensor = torch.empty(0, dtype=torch.uint8)
+        self.fd = -1
+        self._finalizer()  # once: a second call, or the collection later, does nothing
 
 
 def view_bytes(buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

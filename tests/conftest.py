@@ -10,12 +10,22 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 def pytest_collection_modifyitems(config, items):
+    # "gpu": needs real hardware. "device": runs on CUDA where there is one, else on the
+    # emulated device (tests/gpu_support.py), so it runs in make test.
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def rig():
+    """The device the GPU tests run on: CUDA, or the emulated one."""
+    from gpu_support import current_rig
+
+    return current_rig()
 
 
 @pytest.fixture(scope="session")
@@ -44,3 +54,50 @@ def s3_options(s3_server):
 
 def pytest_addoption(parser):
     parser.addoption("--gpu-report", default=None, help="write the replay-vs-twin error report (JSON) here")
+    parser.addoption(
+        "--per-test-timeout-s", type=float, default=None,
+        help="fail a test that runs longer than this (SIGALRM in the main thread); the next test still runs",
+    )
+    parser.addoption("--results-jsonl", default=None, help="append one JSON line per test outcome here, as each one ends")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """The per-test timeout (benchmarks/gpu.sh): a test that hangs loses itself, not the rest of the run."""
+    import signal
+
+    timeout_s = item.config.getoption("--per-test-timeout-s")
+    if not timeout_s:
+        yield
+        return
+
+    def expired(signum, frame):
+        raise TimeoutError(f"{item.nodeid} ran past --per-test-timeout-s={timeout_s}")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def pytest_runtest_logreport(report):
+    """Each outcome written as it comes, so a run cut short keeps every result before the cut."""
+    import json
+
+    path = _RESULTS_JSONL[0]
+    if path is None or (report.when != "call" and report.outcome == "passed"):
+        return
+    with open(path, "a") as f:
+        f.write(json.dumps({"test": report.nodeid, "when": report.when, "outcome": report.outcome, "duration_s": round(report.duration, 3)}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+_RESULTS_JSONL: list[str | None] = [None]  # --results-jsonl, set once the options are parsed
+
+
+def pytest_configure(config):
+    _RESULTS_JSONL[0] = config.getoption("--results-jsonl", default=None)

@@ -251,6 +251,7 @@ def scenario_ddp(out: str) -> dict[str, Any]:
     result["one_rank_only"] = mismatched_requests(out, {0: 2}, "one")
     result["writer_killed"] = writer_killed(out)
     result["settings_mismatch"] = settings_mismatch(out)
+    result["export_refused"] = export_refused(out)
     result["auto_window"] = auto_window(out)
     result["listeners"] = listeners_opened(out)
     return result
@@ -335,6 +336,21 @@ def settings_mismatch(out: str) -> dict[str, Any]:
         Checkpointer(model, opt, os.path.join(out, "settings"), every=3 + dist.get_rank(), max_writer_restarts=2 - dist.get_rank())
     except Exception as e:
         return {"error_type": type(e).__name__, "error": str(e)}
+    return {"error_type": None}
+
+
+def export_refused(out: str) -> dict[str, Any]:
+    """export_formats=("hf_trainer",) in a distributed run: refused on every rank, before any file is written.
+
+    The Hugging Face Trainer resumes DDP from one rng_state_{rank}.pth per process, and a
+    rank's writer holds only its share of the tensors; the export is for one process.
+    """
+    model, opt = build("ddp")
+    path = os.path.join(out, "export")
+    try:
+        Checkpointer(model, opt, path, export_formats=("hf_trainer",))
+    except Exception as e:
+        return {"error_type": type(e).__name__, "error": str(e), "written": os.path.exists(path)}
     return {"error_type": None}
 
 

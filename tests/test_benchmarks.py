@@ -259,3 +259,49 @@ def test_dist_table_has_a_row_per_method_and_rank(dist_result):
         for rank in (0, 1):
             assert f"| {label} | {rank} |" in table
     assert "### DDP on 2 CPU ranks (gloo): micro workload" in table
+
+
+def test_the_gpu_run_rehearses_on_the_emulated_device(tmp_path):
+    # benchmarks/gpu.sh as the GPU machine runs it (a source checkout, PYTHONPATH=.), on the
+    # emulated device: the pre-flight, the correctness check, the GPU tests and the benchmark,
+    # each writing its results, so a plumbing error shows here and not in the device's 15 minutes.
+    out = tmp_path / "gpu"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHON"] = sys.executable
+    proc = subprocess.run(
+        ["bash", os.path.join(REPO, "benchmarks", "gpu.sh"), str(out), "--emulate"],
+        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert "all checks passed" in (out / "preflight.log").read_text()
+    checks = [json.loads(line) for line in (out / "check.jsonl").read_text().splitlines()]
+    assert [c["check"] for c in checks] == [
+        "step_counters", "replay_clone_memory", "stage_region", "unowned_parameter", "training_stream", "unreleased_buffer",
+    ]
+    assert [c["check"] for c in checks if not c["ok"]] == []
+    tests = [json.loads(line) for line in (out / "tests" / "results.jsonl").read_text().splitlines()]
+    assert len(tests) == 2 and {t["outcome"] for t in tests} == {"passed"}, tests
+    with open(out / "results.json") as f:
+        bench = json.load(f)
+    assert set(bench["methods"]) == {"baseline", "dcp_async_thread", "overlapckpt_w1"} and not bench["failed"]
+
+
+def test_a_gpu_test_that_hangs_loses_itself_and_the_outcomes_are_written_as_they_come(tmp_path):
+    # gpu.sh's per-test timeout and --results-jsonl (tests/conftest.py): a hang fails its
+    # own test, the next one still runs, and each outcome is on disk when it ends.
+    (tmp_path / "conftest.py").write_text(open(os.path.join(REPO, "tests", "conftest.py")).read())
+    (tmp_path / "test_hang.py").write_text(
+        "import threading\n\n"
+        "def test_hangs():\n    threading.Event().wait()  # never set: a hang\n\n"
+        "def test_after():\n    assert True\n"
+    )
+    results = tmp_path / "results.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--per-test-timeout-s", "2",
+         "--results-jsonl", str(results), str(tmp_path / "test_hang.py")],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    outcomes = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [(o["test"].split("::")[1], o["outcome"]) for o in outcomes] == [("test_hangs", "failed"), ("test_after", "passed")]
+    assert "ran past --per-test-timeout-s=2.0" in proc.stdout

@@ -60,5 +60,47 @@ def test_a_buffer_the_filesystem_cannot_hold_is_refused_up_front(tmp_path, monke
     os.close(fd)
     os.unlink(tmp_path / "sparse")
     with pytest.raises(ConfigError, match=rf"cannot allocate a {too_big}-byte host buffer in {tmp_path}.*OVERLAPCKPT_SHM_DIR"):
-        SharedHostBuffer(too_big, pin=False)
+        SharedHostBuffer(too_big, pin=None)
     assert os.listdir(tmp_path) == []  # the failed file is not left behind
+
+
+def test_a_host_buffer_dropped_without_release_is_unregistered():
+    import gc
+
+    from overlapckpt.train.emulated_device import EmulatedDevice
+
+    dev = EmulatedDevice()
+    buffer = SharedHostBuffer(1 << 20, pin=dev)
+    address = buffer.tensor.data_ptr()
+    assert dev.registered == {address: 1 << 20}
+    del buffer
+    gc.collect()
+    # Left registered, the range would make the next cudaHostRegister at a reused address fail.
+    assert dev.registered == {}
+
+
+def test_a_range_already_registered_is_named_in_the_error():
+    from overlapckpt.train.emulated_device import ERROR_HOST_MEMORY_ALREADY_REGISTERED, EmulatedDevice
+
+    class AlreadyRegistered(EmulatedDevice):
+        def register_host(self, ptr: int, nbytes: int) -> int:
+            return ERROR_HOST_MEMORY_ALREADY_REGISTERED
+
+    with pytest.raises(ConfigError, match="address range is already registered") as raised:
+        SharedHostBuffer(1 << 20, pin=AlreadyRegistered())
+    assert "ulimit" not in str(raised.value)  # not the locked-memory limit: that would send the user astray
+
+
+def test_a_checkpointer_never_closed_unregisters_its_host_buffers_at_exit(tmp_path):
+    import subprocess
+    import sys
+
+    log = tmp_path / "registrations.log"
+    script = os.path.join(os.path.dirname(__file__), "unclosed_script.py")
+    proc = subprocess.run([sys.executable, script, str(tmp_path / "ckpts"), str(log)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = log.read_text().split()
+    registered = {e.split(":")[1] for e in events if e.startswith("register:")}
+    unregistered = {e.split(":")[1] for e in events if e.startswith("unregister:")}
+    assert "committed" in proc.stdout and len(registered) >= 1  # the precondition: it checkpointed into registered memory
+    assert unregistered == registered

@@ -139,6 +139,15 @@ def test_settings_that_differ_across_ranks_are_refused_on_every_rank(ddp_results
         assert "max_writer_restarts (rank 0: 2, rank 1: 1)" in c["error"], c
 
 
+def test_the_hugging_face_export_is_refused_in_a_distributed_run(ddp_results):
+    # A single rng_state.pth where the Trainer's DDP resume reads rng_state_{rank}.pth could
+    # only be written by a distributed export: there is none to write it.
+    for r in ddp_results:
+        c = r["export_refused"]
+        assert c["error_type"] == "ConfigError" and not c["written"], c
+        assert "export_formats=('hf_trainer',) is for one process" in c["error"], c
+
+
 def test_the_writers_rendezvous_opens_no_listener(ddp_results):
     """The writers join the job's own store (env:// rendezvous) under a random prefix: no socket of ours listens."""
     for rank, r in enumerate(ddp_results):

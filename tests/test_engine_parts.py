@@ -11,9 +11,9 @@ from overlapckpt import Checkpointer, load
 from overlapckpt.hostbuf import SharedHostBuffer
 from overlapckpt.train import slots as slots_module
 from overlapckpt.train.boundary import capture_boundary, resolve_values
-from overlapckpt.train.cpu_stream import CpuStreamCopier
+from overlapckpt.train.emulated_device import EmulatedDevice
 from overlapckpt.train.layout import build_layout
-from overlapckpt.train.transfer import SMALL_COPY_BYTES, plan_packed_copy
+from overlapckpt.train.transfer import SMALL_COPY_BYTES, StreamCopier, plan_packed_copy
 
 from helpers import assert_state_equal, make_run, snapshot, train_step
 
@@ -66,7 +66,7 @@ def test_grad_scaler_is_captured_without_state_dict_and_equals_it():
             raise AssertionError("GradScaler.state_dict() was called")
 
     scaler.__class__ = NoStateDict
-    copier = CpuStreamCopier()
+    copier = StreamCopier(EmulatedDevice())
     boundary, tickets = capture_boundary(build_layout(model, opt), opt, {"scaler": scaler}, copier)
     for t in tickets:
         copier.wait(t)
@@ -88,7 +88,7 @@ def test_a_tensor_learning_rate_replays_exactly(tmp_path):
         train_step(model, opt, sched, sampler)
         twin[it] = snapshot(model, opt)
     model, opt, sched, sampler = _tensor_lr_run()
-    with Checkpointer(model, opt, tmp_path, window=3, consistency="replay", copier=CpuStreamCopier()) as ckpt:
+    with Checkpointer(model, opt, tmp_path, window=3, consistency="replay", copier=StreamCopier(EmulatedDevice())) as ckpt:
         for it in range(1, 9):
             train_step(model, opt, sched, sampler)
             if it == 3:

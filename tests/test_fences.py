@@ -1,6 +1,6 @@
 """Every fence, driven through the CPU stream model: present, the snapshot is exact; removed, it tears.
 
-``CpuStreamCopier(hold_until_waited=True)`` runs a copy only once someone waits for
+``StreamCopier`` over the emulated device's held schedule runs a copy only once someone waits for
 it: the latest moment a real stream could run it, so a missing fence lets the
 mutation it guards run first on every run, not by chance. Each scenario first runs
 with every fence (bit-exact against an uninterrupted twin), then with one fence
@@ -18,17 +18,17 @@ import torch
 from torch import nn
 
 from overlapckpt import Checkpointer, load
-from overlapckpt.train.cpu_stream import CpuStreamCopier
-from overlapckpt.train.transfer import CopyTicket, FenceResult
+from overlapckpt.train.emulated_device import EmulatedDevice
+from overlapckpt.train.transfer import CopyTicket, FenceResult, StreamCopier
 
 from helpers import make_run
 
 
-class HeldCopier(CpuStreamCopier):
+class HeldCopier(StreamCopier):
     """The adversarial stream: a copy runs when waited for, no earlier."""
 
     def __init__(self) -> None:
-        super().__init__(hold_until_waited=True)
+        super().__init__(EmulatedDevice("held"))
 
 
 class WithoutGroupFence(HeldCopier):
@@ -139,8 +139,8 @@ def test_removing_one_fence_tears_the_snapshot(tmp_path, scenario, copier_cls):
         assert all(name.startswith("norm.") for names in torn.values() for name in names)
 
 
-def test_cpu_stream_copier_runs_copies_on_its_worker_in_order(tmp_path):
-    copier = CpuStreamCopier(hold_until_waited=True)
+def test_stream_copier_runs_copies_on_the_side_stream_in_order(tmp_path):
+    copier = StreamCopier(EmulatedDevice("held"))
     src = [torch.full((1000,), float(i)) for i in range(3)]
     dst = [torch.zeros(1000) for _ in range(3)]
     tickets = [copier.copy_async([s], [d]) for s, d in zip(src, dst)]
@@ -155,10 +155,7 @@ def test_cpu_stream_copier_runs_copies_on_its_worker_in_order(tmp_path):
 
 
 class DeviceValuesCopier(HeldCopier):
-    """The held stream, with small values (a tensor lr) modelled as device-resident: their copies are deferred."""
-
-    def __init__(self) -> None:
-        CpuStreamCopier.__init__(self, hold_until_waited=True, small_values_on_device=True)
+    """The held stream, where small values (a tensor lr) are device-resident too: their copies are deferred."""
 
 
 class WithoutBoundaryValueClone(DeviceValuesCopier):

@@ -15,19 +15,19 @@ import torch
 from torch import nn
 
 from overlapckpt import Checkpointer, ConfigError, load
-from overlapckpt.train.cpu_stream import CpuStreamCopier
-from overlapckpt.train.transfer import CopyTicket, FenceResult
+from overlapckpt.train.emulated_device import EmulatedDevice
+from overlapckpt.train.transfer import CopyTicket, FenceResult, StreamCopier
 
 from helpers import closure_train_step, make_run, snapshot, tensors_that_differ, train_step, twin_states
 
 REQUEST_AT = 3
 
 
-class HeldCopier(CpuStreamCopier):
+class HeldCopier(StreamCopier):
     """A copy runs when waited for, no earlier: the latest a real stream could run it."""
 
     def __init__(self, events: list[str] | None = None) -> None:
-        super().__init__(hold_until_waited=True)
+        super().__init__(EmulatedDevice("held"))
         self.events = events
 
     def fence_compute(self, ticket: CopyTicket) -> FenceResult:

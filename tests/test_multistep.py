@@ -239,3 +239,65 @@ def test_optimizers_that_write_gradients_in_their_step_are_known(optimizer, expe
 
     model, _, _, _ = make_run()
     assert _step_writes_gradients(optimizer(model.parameters())) is expected
+
+
+def _run_with_a_parameter_left_out(seed: int = 0):
+    """TinyNet whose output layer's bias no optimizer owns (it stays at its initial value)."""
+    model, _, _, sampler = make_run(seed=seed)
+    params = [p for name, p in model.named_parameters() if name != "out.bias"]
+    return model, torch.optim.AdamW(params, lr=1e-2, foreach=True), sampler
+
+
+def _step_left_out(model, opt, sampler):
+    x, y = sampler.next_batch()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_a_parameter_no_optimizer_owns_is_carried_unchanged(tmp_path, window):
+    # Before, W>1 replay raised a raw KeyError from the gradient layout at the first step.
+    model, opt, sampler = _run_with_a_parameter_left_out()
+    twin = {}
+    for s in range(1, 7):
+        _step_left_out(model, opt, sampler)
+        twin[s] = snapshot(model, opt)
+    assert torch.equal(twin[6][0]["out.bias"], make_run()[0].out.bias.detach())  # the precondition: never updated
+    model, opt, sampler = _run_with_a_parameter_left_out()
+    with Checkpointer(model, opt, tmp_path, window=window, consistency="replay") as ckpt:
+        for s in range(1, 7):
+            _step_left_out(model, opt, sampler)
+            if s == REQUEST_AT:
+                ckpt.request()
+            ckpt.step()
+        (info,) = ckpt.wait(timeout_s=120)
+    assert info.step == REQUEST_AT + window - 1
+    fresh, fresh_opt, fresh_sampler = _run_with_a_parameter_left_out(seed=5)
+    _step_left_out(fresh, fresh_opt, fresh_sampler)
+    load(str(tmp_path), fresh, fresh_opt)
+    assert_state_equal(*twin[info.step], fresh, fresh_opt)
+
+
+def test_replay_accepts_a_tensor_lr_that_training_ran_with_foreach_and_capturable():
+    # On CUDA, AdamW(foreach=True, capturable=True) takes a tensor lr. The writer replays on
+    # CPU tensors with capturable off, where torch refuses a tensor lr with foreach; it takes
+    # the single-tensor path instead, which computes the same update.
+    from overlapckpt.writer.replay import replay_hyperparameters
+
+    torch.manual_seed(0)
+    start, grad = torch.randn(16), torch.randn(16)
+    trained = torch.optim.AdamW([torch.nn.Parameter(start.clone())], lr=torch.tensor(1e-2), foreach=True, capturable=True)
+    logged = {k: v for k, v in trained.param_groups[0].items() if k != "params"}
+    refused = torch.nn.Parameter(start.clone())
+    refused.grad = grad.clone()
+    with pytest.raises(RuntimeError, match="lr as a Tensor is not supported"):  # the precondition: capturable off, CPU refuses it
+        torch.optim.AdamW([{"params": [refused], **logged, "capturable": False}]).step()
+    replayed, reference = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    replay_opt = torch.optim.AdamW([{"params": [replayed], **replay_hyperparameters(logged)}])  # as the writer builds it
+    reference_opt = torch.optim.AdamW([reference], lr=torch.tensor(1e-2), foreach=False)
+    for p, opt in ((replayed, replay_opt), (reference, reference_opt)):
+        for _ in range(3):
+            p.grad = grad.clone()
+            opt.step()
+    assert torch.equal(replayed, reference) and not torch.equal(replayed, start)

@@ -74,3 +74,42 @@ def test_the_writer_runs_in_its_own_session_and_exits_with_a_killed_trainer(tmp_
     finally:
         if trainer.poll() is None:
             trainer.kill()
+
+
+def test_the_writer_starts_from_a_source_checkout_that_is_not_installed(tmp_path):
+    # As on the GPU machine: torch installed, overlapckpt only as a source tree on PYTHONPATH.
+    # This suite runs on an editable install, which would hide a writer that cannot find the
+    # package: so a fresh venv that sees this venv's packages (torch) but not that install.
+    import shutil
+    import site
+    import sysconfig
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    checkout = tmp_path / "checkout"
+    shutil.copytree(os.path.join(repo, "overlapckpt"), checkout / "overlapckpt", ignore=shutil.ignore_patterns("__pycache__"))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    venv_python = venv / "bin" / "python"
+    purelib = subprocess.run(
+        [str(venv_python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    # A path line in a .pth adds the directory without running the .pth files in it (the editable finder).
+    ours = {sysconfig.get_paths()["purelib"], *site.getsitepackages()}
+    with open(os.path.join(purelib, "packages-of-the-test-venv.pth"), "w") as f:
+        f.write("\n".join(sorted(ours)) + "\n")
+    script = (
+        "import torch, overlapckpt\n"
+        "from overlapckpt import Checkpointer\n"
+        "print('package', overlapckpt.__file__, flush=True)\n"
+        "model = torch.nn.Linear(4, 4); opt = torch.optim.AdamW(model.parameters())\n"
+        "model(torch.randn(2, 4)).sum().backward(); opt.step()\n"
+        "with Checkpointer(model, opt, 'ckpts') as ckpt:\n"
+        "    ckpt.request(); (info,) = ckpt.wait(timeout_s=120)\n"
+        "print('committed', info.step, flush=True)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["PYTHONPATH"] = str(checkout)
+    proc = subprocess.run([str(venv_python), "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"package {checkout / 'overlapckpt' / '__init__.py'}" in proc.stdout  # the copy, not the install
+    assert "committed 0" in proc.stdout  # the step before the Checkpointer: its count starts there

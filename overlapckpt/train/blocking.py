@@ -18,6 +18,7 @@ from .snapshot import Snapshot, SnapshotMode, SnapshotState
 if TYPE_CHECKING:
     from .dispatch import PersistDispatcher
     from .requests import RequestQueue
+    from .slots import SlotPool
     from .snapshot_copies import SnapshotCopies
     from .transfer import Copier
     from .writer_link import WriterLink
@@ -31,6 +32,7 @@ class BlockingCalls:
     dispatcher: PersistDispatcher
     link: WriterLink
     requests: RequestQueue
+    slots: SlotPool
     step_count: int
     snapshots_dropped: int
     dead: WriterDiedError | None
@@ -104,7 +106,7 @@ class BlockingCalls:
                 for t in snap.tickets:
                     self.copier.wait(t)
             else:
-                snap.slot.busy = False
+                self.slots.drop(snap.slot, snap.tickets)
                 self._snapshots.remove(snap)
                 self.snapshots_dropped += 1
         try:

@@ -58,12 +58,17 @@ class SnapshotCompletion:
         if self.slots.preallocation_done():
             self.slots.finish_preallocation()  # announce the buffers a background thread allocated
         for snap in list(self._snapshots):
-            if snap.state == SnapshotState.LANDING and snap.all_enqueued and all(self.copier.poll(t) for t in snap.tickets):
+            # Every ticket, in every hook, not only once the window is complete: each clone a
+            # copy read (replay's gradients) is freed when its own copy lands. Held until the
+            # window landed, a replay window's clones would add up to (W-1)/2 x the parameters.
+            landed = [self.copier.poll(t) for t in snap.tickets]
+            if snap.state == SnapshotState.LANDING and snap.all_enqueued and all(landed):
                 self._snapshots.remove(snap)
+                snap.staged_views = []  # its drains landed: nothing of it reads the staging region any more
                 proposal = self.windows.propose(snap.layout, self.plans, self.staging)
                 stats = self.dispatcher.send(snap, proposed_next_window=proposal)
                 if snap.mode == SnapshotMode.STAGE:
-                    self.staging.release_if_idle(self.copier)
+                    self.staging.forget_landed_drains()
                 self.windows.observe_copies(stats.copied_nbytes, stats.copy_s)
 
     def _raise_pending(self) -> None:
@@ -92,7 +97,7 @@ class SnapshotCompletion:
             # Snapshots still being copied are dropped: their request may be made again. The
             # ones sent were complete in host memory and are persisted by the new writer.
             for snap in self._snapshots:
-                snap.slot.busy = False
+                self.slots.drop(snap.slot, snap.tickets)  # unmapped only once its queued copies landed
             self.snapshots_dropped += len(self._snapshots)
             self._snapshots.clear()
         # In a distributed run they go on to the new writer instead: this rank never sent

@@ -78,11 +78,9 @@ class SnapshotEngine(SnapshotStarts, SnapshotCompletion, BlockingCalls, Snapshot
         link: WriterLink,
         max_inflight: int,
         stage_budget_bytes: int | None,
-        keep_staging: bool,
         max_window: int,
         copier: Copier,
         gap_timer: PhaseTimer | None,
-        device: torch.device,
         scope: CheckpointScope,
         lineage: Lineage,
         at_boundary: Callable[[], None] | None = None,
@@ -103,9 +101,9 @@ class SnapshotEngine(SnapshotStarts, SnapshotCompletion, BlockingCalls, Snapshot
         self.windows = WindowPolicy(
             window, self.consistency, max_window, gap_timer, gradients_fenced=not copier.clone_is_cheap, distributed=self.distributed
         )
-        self.slots = SlotPool(link, pin=copier.pins_host_memory, max_inflight=max_inflight)
+        self.slots = SlotPool(link, copier, max_inflight=max_inflight)
         self.plans = PlanCache(model, optimizer, link, scope, key_layout)
-        self.staging = StagingArea(device, stage_budget_bytes, keep=keep_staging)
+        self.staging = StagingArea(copier, stage_budget_bytes)
         self.gradients = GradientLogger(optimizer, copier)
         self.copies = SnapshotCopies(optimizer, stateful, copier, self.staging, self.gradients)
         self.dispatcher = PersistDispatcher(
@@ -144,6 +142,9 @@ class SnapshotEngine(SnapshotStarts, SnapshotCompletion, BlockingCalls, Snapshot
         """Our pre-hook, first of all pre-hooks: fence here only if another pre-hook may mutate state next."""
         if self.dead is not None:
             return
+        # The step runs on the stream current here: copies order against it, even those a
+        # request() made outside the loop's stream context starts.
+        self.copier.note_training_stream()
         self._note_grad_scaler()
         if not others_follow:
             return
@@ -166,6 +167,7 @@ class SnapshotEngine(SnapshotStarts, SnapshotCompletion, BlockingCalls, Snapshot
         """Right before the update (after the closure, clipping and every pre-hook): fence, log gradients."""
         if self.dead is not None:
             return
+        self.copier.note_training_stream()
         if self.gap_timer is not None:
             # Before any fence below: forward+backward ends here, our waits are not part of it.
             self.gap_timer.mark(FWD_BWD_END)
@@ -193,6 +195,7 @@ class SnapshotEngine(SnapshotStarts, SnapshotCompletion, BlockingCalls, Snapshot
             if self.at_boundary is not None and not self._user_marks_boundary:
                 self.at_boundary()  # a preemption signal must still end the process
             return
+        self.copier.note_training_stream()
         if self.gap_timer is not None:
             # Before the fence below: the optimizer step ends here, the wait on the gradient copy is ours.
             self.gap_timer.mark(OPT_END)

@@ -141,6 +141,9 @@ def build_layout(
     fqn_by_id = _param_fqns(model)
     param_ptrs = {local_tensor(p).data_ptr() for p in model.parameters()}
     param_names = set(fqn_by_id.values())
+    # A parameter no optimizer updates (left out of it, a frozen module excluded) never
+    # changes: it travels with the buffers, in the last group, and replay carries it as is.
+    optimized = {fqn_by_id[id(p)] for group in optimizer.param_groups for p in group["params"]}
     candidates: list[tuple[TensorEntry, torch.Tensor, str, TensorPlacement]] = []  # entry, local, unit key, placement
 
     for fqn, t in get_model_state_dict(model).items():
@@ -149,7 +152,7 @@ def build_layout(
         local = local_tensor(t)
         role = ROLE_PARAM if local.data_ptr() in param_ptrs and fqn in param_names else ROLE_BUFFER
         placement = placement_of(t, scope.rank, scope.world_size, scope.plain_holders.get(fqn))
-        entry = _entry(model_path(key_layout, fqn), role, fqn if role == ROLE_PARAM else None, local, placement)
+        entry = _entry(model_path(key_layout, fqn), role, fqn if role == ROLE_PARAM and fqn in optimized else None, local, placement)
         candidates.append((entry, local, fqn, placement))
 
     group_fqns: list[list[str]] = []

@@ -23,8 +23,8 @@ from .warnings_text import CLOSURE_IGNORED_WARNING, GRAD_SCALER_WARNING, LATE_HO
 if TYPE_CHECKING:
     from .gradlog import GradientLogger
     from .requests import RequestQueue
+    from .slots import SlotPool
     from .step_hooks import StepPoint
-    from .transfer import Copier
     from .window_policy import WindowPolicy
 
 
@@ -33,9 +33,9 @@ class SnapshotRestarts:
 
     optimizer: torch.optim.Optimizer
     consistency: SnapshotMode
-    copier: Copier
     gradients: GradientLogger
     requests: RequestQueue
+    slots: SlotPool
     step_point: StepPoint
     windows: WindowPolicy
     step_count: int
@@ -83,12 +83,9 @@ class SnapshotRestarts:
 
     def _restart(self, snap: Snapshot) -> None:
         """Replace a replay snapshot that cannot reach its version by one started at the next chance."""
-        for ticket in snap.tickets:
-            # The slot may be released or regrown for a new layout: its host memory must
-            # not be unmapped under copies still writing it. Rare, so the host waits here.
-            self.copier.wait(ticket)
         self._snapshots.remove(snap)
-        snap.slot.busy = False
+        # Its copies may still be queued: the pool unmaps the slot only once they landed.
+        self.slots.drop(snap.slot, snap.tickets)
         self.requests.put_back(snap.requested_step, snap.started_step)
 
     def _warn_about_late_hooks(self) -> None:

@@ -16,6 +16,12 @@ that is the one remaining allocation on the critical path.
 
 Every buffer is announced to the writer, which maps the same file; once the writer
 says it has mapped a buffer, its file name is unlinked.
+
+A slot whose snapshot was dropped (its writer died, its window was abandoned) may still
+have copies queued into it. It is free for the next snapshot at once (that one's copies
+queue behind them on the same stream, and the writer reads only after they landed), but
+it is unregistered and unmapped only once those copies have landed: a DMA into memory
+already unmapped would write into whatever the address holds next.
 """
 
 from __future__ import annotations
@@ -27,9 +33,10 @@ import torch
 
 from .. import protocol as p
 from ..errors import OverlapCkptError
-from ..hostbuf import SharedHostBuffer
+from ..hostbuf import HostPinner, SharedHostBuffer
 from .layout import StateLayout
 from .plan import CopyPlan
+from .transfer import Copier, CopyTicket
 from .writer_handle import WriterProcess
 from .writer_link import WriterLink
 
@@ -46,6 +53,8 @@ class HostSlot:
     grad_buffer_id: int | None = None
     grad_buffer: SharedHostBuffer | None = None  # replay: the gradients the window logs
     busy: bool = False
+    # Copies of a dropped snapshot that may still write into this slot: awaited before it is unmapped.
+    pending: list[CopyTicket] = field(default_factory=list)
     # Destination views for each entry, cached per plan: building them costs host time.
     views_key: tuple[int, int] | None = None  # (layout fingerprint, window) of the cached views
     views: list[torch.Tensor] = field(default_factory=list)
@@ -73,10 +82,12 @@ def _touch_pages(buffer: SharedHostBuffer) -> None:
 class SlotPool:
     """Host slots for in-flight snapshots, and their link to the writer's mappings."""
 
-    def __init__(self, link: WriterLink, pin: bool, max_inflight: int) -> None:
+    def __init__(self, link: WriterLink, copier: Copier, max_inflight: int) -> None:
         self.link = link
         link.on_replaced(self._hand_to)
-        self.pin = pin  # page-lock for DMA: only where the copier copies by DMA into it
+        self.copier = copier
+        # Page-locked for DMA (in the device's own context): only where the copier copies by DMA into it.
+        self.pin: HostPinner | None = copier.device if copier.pins_host_memory else None
         self.max_inflight = max_inflight
         self.slots: list[HostSlot] = []
         self._next_buffer_id = 0
@@ -103,6 +114,9 @@ class SlotPool:
 
     def _allocate(self, count: int, slot_nbytes: int, grad_nbytes: int) -> None:
         try:
+            if self.copier.device is not None:
+                # This thread's first runtime call (cudaHostRegister) must not go to GPU 0.
+                self.copier.device.bind_thread()
             for _ in range(count):
                 buffer = SharedHostBuffer(slot_nbytes, pin=self.pin)
                 grad = SharedHostBuffer(grad_nbytes, pin=self.pin) if grad_nbytes else None
@@ -192,7 +206,17 @@ class SlotPool:
 
     # ---- release ---------------------------------------------------------------------
 
+    def drop(self, slot: HostSlot, tickets: list[CopyTicket]) -> None:
+        """Free ``slot`` of a snapshot that will not be sent; its copies may still be queued."""
+        slot.busy = False
+        slot.pending = [t for t in slot.pending + tickets if not self.copier.poll(t)]
+
     def release_slot(self, slot: HostSlot) -> None:
+        for ticket in slot.pending:
+            # Rare (a dropped snapshot's slot regrown or torn down): the host waits for the
+            # DMA into this memory before it is unregistered and unmapped.
+            self.copier.wait(ticket)
+        slot.pending = []
         self.slots.remove(slot)
         slot.views = []
         self._release_gradient_buffer(slot)

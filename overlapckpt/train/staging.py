@@ -5,16 +5,22 @@ device-to-device (fast, HBM) into one staging region; the engine then drains one
 group per step from it to the host slot, on the side stream, with no fence against
 training (no training kernel touches the region).
 
-* One region for all slots: the budget (``stage_budget_bytes``) is a cap on device
-  memory for staging, whatever ``max_inflight`` is. A new snapshot that needs the
-  region while an earlier one still drains from it has the engine enqueue the
-  earlier one's remaining drains at once, and the compute stream waits for every
-  drain before overwriting the region (fence 4).
-* Sized to what the window needs, never to the budget. On CUDA, free device memory
-  (``mem_get_info`` plus what the caching allocator holds unused) is checked before
-  allocating, so a region that cannot fit raises ``ConfigError`` naming the bytes,
-  not an out-of-memory error halfway through a hook.
-* Freed once its last drain landed, unless ``keep=True`` (no allocation per checkpoint).
+* One region, allocated once, outside the checkpoints' hooks: at construction when the
+  optimizer state exists, else right after the first optimizer step (where the host
+  slots are sized too), sized for the widest window. An allocation inside a
+  checkpoint's hook could raise out-of-memory inside ``optimizer.step()``, or take the
+  caching allocator's free-and-retry path (``cudaFree``: a device synchronization).
+  It is kept for the Checkpointer's life and released at ``close()``; a state that
+  grows past it is the one reallocation left in a hook (as for host slots).
+* Checked before it is allocated, against what a new allocation can get:
+  ``mem_get_info``'s free bytes. The caching allocator's reserved-but-unused blocks
+  do not count: fragmented, they may not hold a region of this size. A region that
+  cannot fit raises ``ConfigError`` naming the bytes.
+* The budget (``stage_budget_bytes``) caps it, whatever ``max_inflight`` is. A new
+  snapshot that needs the region while an earlier one still drains from it has the
+  engine enqueue the earlier one's remaining drains at once, and the training stream
+  waits for every drain before overwriting the region (fence 4). So there is only ever
+  one region, and only ever one snapshot's groups in it.
 * State that lives on the host (a CPU ``step`` counter of a non-capturable Adam) is
   not staged: it is copied straight into the host slot at stage time, which is exact
   at version s, instead of a synchronizing host-to-device copy into the region.
@@ -24,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, InternalError
 from ..hostbuf import view_bytes
 from .layout import StateLayout
 from .plan import CopyPlan, align_bytes
@@ -36,63 +42,51 @@ def staged_entry_indices(plan: CopyPlan) -> list[int]:
     return [i for g in plan.groups[1:] for i in g.entry_indices]
 
 
-def _on_training_device(t: torch.Tensor, device: torch.device) -> bool:
-    # On a GPU run, state on the host (a CPU step counter) is not staged; on a CPU run everything is.
-    return t.device.type == device.type
-
-
 def _region_nbytes(entry_nbytes: list[int]) -> int:
     # Each entry starts aligned, as in the host slot, so every dtype views it in place.
     return sum(align_bytes(n) for n in entry_nbytes)
 
 
-def _device_bytes_available(device: torch.device) -> int:
-    free_bytes, _ = torch.cuda.mem_get_info(device)
-    # The caching allocator's reserved-but-unused blocks are available to it too.
-    return free_bytes + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-
-
 class StagingArea:
     """The one staging region, its budget, and the drains that still read it."""
 
-    def __init__(self, device: torch.device, budget_bytes: int | None, keep: bool) -> None:
-        self.device = device
+    def __init__(self, copier: Copier, budget_bytes: int | None) -> None:
+        self.copier = copier
         self.budget_bytes = budget_bytes
-        self.keep = keep
         self.region: torch.Tensor | None = None
         self._drains: list[CopyTicket] = []  # drain copies that read the region and may not have landed
 
     def needed_bytes(self, plan: CopyPlan, layout: StateLayout) -> int:
-        """Bytes the region needs for ``plan``: the entries of groups 1..W-1 on the training device."""
+        """Bytes the region needs for ``plan``: the entries of groups 1..W-1 that live on the device."""
         return _region_nbytes(
-            [layout.entries[i].nbytes for i in staged_entry_indices(plan) if _on_training_device(layout.live_tensors[i], self.device)]
+            [layout.entries[i].nbytes for i in staged_entry_indices(plan) if self.copier.is_device_resident(layout.live_tensors[i])]
         )
 
     def fits(self, needed_bytes: int) -> bool:
         return self.budget_bytes is None or needed_bytes <= self.budget_bytes
 
-    def check(self, needed_bytes: int, window: int, state_nbytes: int) -> None:
-        """Raise ConfigError if a region of ``needed_bytes`` is over budget or cannot be allocated."""
+    def reserve(self, needed_bytes: int, window: int, state_nbytes: int) -> None:
+        """Hold a region of at least ``needed_bytes`` (ConfigError if over budget or it cannot be allocated)."""
         if not self.fits(needed_bytes):
             raise ConfigError(
                 f"stage mode needs {needed_bytes} bytes of staging for window {window} (groups 1..{window - 1} "
                 f"of {state_nbytes} bytes of state), but stage_budget_bytes={self.budget_bytes}; raise "
                 f"stage_budget_bytes to at least {needed_bytes}, use a smaller window, or use consistency='replay'"
             )
-        if self.device.type == "cuda" and needed_bytes > 0:
-            held = self.region.numel() if self.region is not None else 0
-            available = _device_bytes_available(self.device) + held
-            if needed_bytes > available:
-                raise ConfigError(
-                    f"stage mode needs {needed_bytes} bytes of device memory for staging (window {window}), but "
-                    f"only {available} bytes are free on {self.device}; use a smaller window, "
-                    "consistency='replay' (no device memory), or free device memory"
-                )
+        if needed_bytes == 0 or (self.region is not None and self.region.numel() >= needed_bytes):
+            return
+        available = self.copier.device_free_bytes()
+        if available is not None and needed_bytes > available:
+            raise ConfigError(
+                f"stage mode needs {needed_bytes} bytes of device memory for staging (window {window}), but a new "
+                f"allocation can get only {available} bytes (free device memory, mem_get_info); use a smaller "
+                "window, consistency='replay' (no device memory), or free device memory"
+            )
+        self.region = None  # freed first, so the old and the new region are never both held
+        self.region = self.copier.allocate_on_training_stream(needed_bytes)
 
-    def stage(
-        self, copier: Copier, plan: CopyPlan, layout: StateLayout, host_views: list[torch.Tensor]
-    ) -> list[torch.Tensor | None]:
-        """Clone groups 1..W-1 now, on the compute stream, in order after step s: version s.
+    def stage(self, plan: CopyPlan, layout: StateLayout, host_views: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Clone groups 1..W-1 now, on the training stream, in order after step s: version s.
 
         Returns, per entry, the staged tensor its drain copies from; None where the
         entry was copied to ``host_views`` at once (host-resident state) or is in group 0.
@@ -102,43 +96,40 @@ class StagingArea:
         later = staged_entry_indices(plan)
         if not later:
             return staged
-        on_device = [i for i in later if _on_training_device(layout.live_tensors[i], self.device)]
-        on_host = [i for i in later if not _on_training_device(layout.live_tensors[i], self.device)]
+        resident = [self.copier.is_device_resident(layout.live_tensors[i]) for i in later]
+        on_device = [i for i, r in zip(later, resident) if r]
+        on_host = [i for i, r in zip(later, resident) if not r]
         copy_on_host([layout.live_tensors[i] for i in on_host], [host_views[i] for i in on_host])
         if not on_device:
             return staged
-        needed = _region_nbytes([layout.entries[i].nbytes for i in on_device])
-        self.check(needed, plan.window_steps, layout.nbytes)
         for ticket in self._drains:
             # Fence 4: the earlier snapshot's drains read this region on the side stream;
-            # the compute stream must not overwrite it, nor reuse its memory once freed
+            # the training stream must not overwrite it, nor reuse its memory once freed
             # below, before they are done.
-            copier.fence_compute(ticket)
+            self.copier.fence_compute(ticket)
         self._drains = []
-        if self.region is None or self.region.numel() < needed or (not self.keep and self.region.numel() != needed):
-            self.region = None  # freed first, so the old and the new region are never both held
-            self.region = torch.empty(needed, dtype=torch.uint8, device=self.device)
+        # Held since construction or the first step; only a state that grew reallocates here.
+        self.reserve(_region_nbytes([layout.entries[i].nbytes for i in on_device]), plan.window_steps, layout.nbytes)
+        region = self.region
+        if region is None:
+            raise InternalError("stage mode found no staging region after reserving it")
         cursor = 0
         region_views: list[torch.Tensor] = []
         for i in on_device:
             e = layout.entries[i]
-            staged[i] = view = view_bytes(self.region, cursor, e.dtype, e.shape)
+            staged[i] = view = view_bytes(region, cursor, e.dtype, e.shape)
             region_views.append(view)
             cursor += align_bytes(e.nbytes)
-        with torch.no_grad():
-            torch._foreach_copy_(region_views, [layout.live_tensors[i].detach() for i in on_device])
+        self.copier.copy_on_training_stream(region_views, [layout.live_tensors[i] for i in on_device])
         return staged
 
     def note_drain(self, ticket: CopyTicket) -> None:
         self._drains.append(ticket)
 
-    def release_if_idle(self, copier: Copier) -> None:
-        """Free the region once every drain reading it has landed (kept when ``keep``)."""
-        self._drains = [t for t in self._drains if not copier.poll(t)]
-        if not self._drains and not self.keep:
-            self.region = None
+    def forget_landed_drains(self) -> None:
+        """Stop tracking the drains that have landed (the region stays for the next snapshot)."""
+        self._drains = [t for t in self._drains if not self.copier.poll(t)]
 
     def release(self) -> None:
         self._drains = []
         self.region = None
-

@@ -67,9 +67,12 @@ class SnapshotStarts:
         plan = self.plans.plan(layout, widest)
         replay_possible = self.consistency == SnapshotMode.REPLAY and widest > 1
         grad_nbytes = GradientLogger.buffer_nbytes(plan, layout) if replay_possible else 0
-        if self.consistency == SnapshotMode.STAGE and self.windows.tuner is None and widest > 1:
-            # A fixed window: an over-budget or unallocatable staging area is known now.
-            self.staging.check(self.staging.needed_bytes(plan, layout), widest, layout.nbytes)
+        if self.consistency == SnapshotMode.STAGE and widest > 1:
+            # Outside any checkpoint's hooks: an over-budget or unallocatable staging area
+            # is known now, and no checkpoint allocates device memory inside optimizer.step().
+            needed = self.staging.needed_bytes(plan, layout)
+            if self.windows.tuner is None or self.staging.fits(needed):
+                self.staging.reserve(needed, widest, layout.nbytes)
         self.slots.preallocate(plan.slot_nbytes, grad_nbytes)
         self._prepared_fingerprint = layout.fingerprint
 
@@ -171,7 +174,7 @@ class SnapshotStarts:
                 if other.mode == SnapshotMode.STAGE:
                     self.copies.enqueue_remaining(other, self.step_count, self._hook_serial)
             # First, so that an over-budget staging area raises before the snapshot is registered.
-            snap.staged_views = self.staging.stage(self.copier, plan, layout, views)
+            snap.staged_views = self.staging.stage(plan, layout, views)
         if mode == SnapshotMode.REPLAY:
             snap.replay_log = self.gradients.open(slot, plan, layout, base_step=s)
         slot.busy = True

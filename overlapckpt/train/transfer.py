@@ -1,38 +1,44 @@
 """Copiers: move tensors into host buffers without stopping the training stream.
 
-One protocol, three implementations:
+One protocol, two implementations:
 
-* ``CudaStreamCopier``: device-to-host copies on a side CUDA stream into pinned
-  shared host buffers, tracked with events; the training process learns that a
-  copy landed by querying those events from its hooks, never by synchronizing.
-* ``CpuStreamCopier`` (``cpu_stream.py``): the same stream model on the CPU. Copies
-  run in order on a worker thread, an event is set when a copy is done, and "the
-  compute stream waits on the event" becomes a host wait before the mutation it
-  guards. CPU tests drive every fence through it.
-* ``CpuCopier``: copies at the call with a plain memcpy; every ticket it returns
-  has already landed, so no fence is ever needed. (The CPU default is the stream
-  model, which overlaps the copy with forward and backward on a spare core.)
+* ``StreamCopier``: the copier. Device-to-host copies on a side stream into pinned
+  shared host buffers, tracked with events; the training process learns that a copy
+  landed by querying those events from its hooks, never by synchronizing. It runs over
+  a device seam (``device.py``) with two backends: CUDA (``cuda_device.py``) and a CUDA
+  device emulated on the CPU (``emulated_device.py``), which is what CPU training and
+  every CPU test run. So every line of logic below runs in the CPU tests.
+* ``CpuCopier``: copies at the call with a plain memcpy; every ticket it returns has
+  already landed, so no fence is ever needed.
 
-Fences, in the order a snapshot meets them (the engine places them; each copier
-implements them for its stream model):
+Fences, in the order a snapshot meets them (the engine places them; the copier
+implements them over the device):
 
 1. ``copy_async``: the copy reads the state only after the optimizer step that
-   produced it has been applied (on CUDA: the side stream waits on the compute
-   stream; on the CPU the host ran the step before the call).
+   produced it: the side stream waits on the training stream, the one the step was
+   queued on (recorded at each hook, ``note_training_stream``: a ``request()`` made
+   outside the loop's stream context must not order the copy against another stream).
 2. ``fence_compute``: called before the next mutation of what a copy reads (the
    next optimizer step's pre-hook for parameters and optimizer state; after the
-   step for replay's gradients, which the next iteration may write in place). On
-   CUDA it is a device-side wait: the host runs on, and training stalls only if
-   the copy outlasts forward+backward.
-3. ``stage``: a clone on the compute stream (device-to-device on CUDA) for state
-   that the next forward mutates (buffers), or that must be read later than its
-   next mutation (replay's gradients on CUDA). The clone is kept alive by the
-   ticket of the copy that reads it until that copy has landed.
+   step for replay's gradients, which the next iteration may write in place). A
+   device-side wait: the host runs on, and training stalls only if the copy outlasts
+   forward+backward.
+3. ``stage``: a clone on the training stream (device-to-device) for state that the
+   next forward mutates (buffers), or that must be read later than its next mutation
+   (replay's gradients with ``clone_is_cheap``). The clone is kept alive by the ticket
+   of the copy that reads it until that copy has landed, and no longer: the engine
+   polls every ticket in every hook, so each clone goes when its own copy lands.
 4. Staging drains (stage mode): a staging region is overwritten only after every
    drain reading it has landed (``StagingArea`` fences them).
 5. Boundary values (``copy_values_to_host``): a tensor lr or GradScaler's scale is
-   cloned on the compute stream when captured, since the loop writes it in place
+   cloned on the training stream when captured, since the loop writes it in place
    (``scheduler.step()``, ``scaler.update()``) before any hook of ours runs again.
+
+Host-resident state (Adam's ``step`` counter of a non-fused optimizer on CUDA) is
+written by the host in program order, so it is copied at the call, exactly at this
+version. Where its destination lies inside a packed span (below), the span's one DMA
+would later write over it: its value is then captured at the call and written into the
+slot once the DMA has landed.
 """
 
 from __future__ import annotations
@@ -45,10 +51,14 @@ from typing import Any, Protocol
 
 import torch
 
+from .device import StreamDevice, align_up
+
 # Device tensors below this size are gathered into one device scratch buffer and
 # copied to the host in one transfer: each copy costs a few microseconds of launch
 # and DMA set-up, and an optimizer has one 4-byte ``step`` tensor per parameter.
 SMALL_COPY_BYTES = 64 * 1024
+# Clones packed into one allocation start on this boundary, so every dtype views them in place.
+CLONE_ALIGN_BYTES = 64
 
 
 class FenceResult(enum.Enum):
@@ -67,23 +77,32 @@ class CopyTicket:
     enqueued_at_s: float
     landed_at_s: float | None = None
     copy_s: float | None = None
-    done_event: Any = None  # a torch.cuda.Event, a threading.Event, or None (landed at the call)
+    done_event: Any = None  # the device's event after the batch, or None (landed at the call)
     start_event: Any = None
-    # Temporaries (clones, packing scratch) the copy still reads; dropped once it landed.
+    # Temporaries (clones) the copy still reads; dropped once it landed, so they are freed then.
     keepalive: list[torch.Tensor] = field(default_factory=list)
+    # Host-resident values inside a packed span: (slot view, value at the call), written once the span's DMA landed.
+    deferred_host_writes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     group_index: int | None = None  # the copy group this ticket carries, None for gradients
     fence_after_hook: int = -1  # the hook that enqueued it: hooks after that one fence it
-    error: BaseException | None = None  # a copy that raised on a worker thread
 
 
 class Copier(Protocol):
     """How snapshot bytes move from training tensors into host buffers."""
 
-    # Host buffers must be page-locked (cudaHostRegister) for this copier's DMA.
+    # Host buffers must be page-locked (``register_host``) for this copier's DMA.
     pins_host_memory: bool
-    # A clone on the compute stream costs less than a fenced copy (HBM against PCIe):
+    # A clone on the training stream costs less than a fenced copy (HBM against PCIe):
     # replay then clones gradients and drains the clones without a fence.
     clone_is_cheap: bool
+    @property
+    def device(self) -> StreamDevice | None:
+        """The device the copies come from (None: there is none, copies happen at the call)."""
+        ...
+
+    def note_training_stream(self) -> None:
+        """At the start of each hook: the stream the optimizer step is queued on."""
+        ...
 
     def copy_async(
         self,
@@ -93,6 +112,20 @@ class Copier(Protocol):
     ) -> CopyTicket: ...
 
     def stage(self, sources: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    def allocate_on_training_stream(self, nbytes: int) -> torch.Tensor:
+        """Device memory whose writes and reuse are ordered on the training stream (stage mode's region)."""
+        ...
+
+    def copy_on_training_stream(self, destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None: ...
+
+    def device_free_bytes(self) -> int | None:
+        """Device memory a new allocation can get without freeing the allocator's cache (None: no device)."""
+        ...
+
+    def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor that a copy from the device may target without a host sync."""
+        ...
 
     def is_device_resident(self, t: torch.Tensor) -> bool:
         """Whether copies of ``t`` go through the stream (a device tensor), not a copy at the call."""
@@ -126,11 +159,16 @@ class PackedSpan:
     ``span`` is the host buffer's bytes from the first destination to the end of the
     last; ``scratch_offsets[k]`` is where source k goes inside a scratch buffer laid
     out like ``span``, so one copy of the scratch writes every destination at once.
+    The copy writes the whole span: the bytes between destinations too.
     """
 
     span: torch.Tensor
     scratch_offsets: tuple[int, ...]
     sources: tuple[torch.Tensor, ...]
+
+    def covers(self, destination: torch.Tensor) -> bool:
+        start = self.span.data_ptr()
+        return start <= destination.data_ptr() < start + self.span.numel()
 
 
 def plan_packed_copy(
@@ -171,16 +209,18 @@ def plan_packed_copy(
     return packed, rest
 
 
-def gather_into_scratch(packed: PackedSpan, device: torch.device) -> torch.Tensor:
-    """A scratch buffer laid out like ``packed.span``, holding the small sources (one foreach copy)."""
-    scratch = torch.empty(packed.span.numel(), dtype=torch.uint8, device=device)
-    views = []
-    for off, s in zip(packed.scratch_offsets, packed.sources):
-        raw = scratch[off : off + tensor_nbytes(s)]
-        views.append(raw.view(s.dtype).view(s.shape))
-    with torch.no_grad():
-        torch._foreach_copy_(views, [s.detach() for s in packed.sources])
-    return scratch
+def views_of(block: torch.Tensor, offsets: Sequence[int], like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of the uint8 ``block`` at ``offsets``, shaped and typed like ``like`` (contiguous)."""
+    return [block[off : off + tensor_nbytes(t)].view(t.dtype).view(t.shape) for off, t in zip(offsets, like)]
+
+
+def packed_offsets(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    """Aligned offsets of ``tensors`` packed one after another, and the bytes they take."""
+    offsets, cursor = [], 0
+    for t in tensors:
+        offsets.append(cursor)
+        cursor += align_up(tensor_nbytes(t), CLONE_ALIGN_BYTES)
+    return offsets, cursor
 
 
 class CpuCopier:
@@ -188,6 +228,10 @@ class CpuCopier:
 
     pins_host_memory = False
     clone_is_cheap = False
+    device = None
+
+    def note_training_stream(self) -> None:
+        return None
 
     def copy_async(
         self,
@@ -204,6 +248,18 @@ class CpuCopier:
     def stage(self, sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         # The copy happens at the call, before any later mutation: nothing to protect.
         return list(sources)
+
+    def allocate_on_training_stream(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def copy_on_training_stream(self, destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+        copy_on_host(sources, destinations)
+
+    def device_free_bytes(self) -> int | None:
+        return None
+
+    def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
 
     def is_device_resident(self, t: torch.Tensor) -> bool:
         return False  # every copy happens at the call
@@ -224,23 +280,21 @@ class CpuCopier:
         return None
 
 
-class CudaStreamCopier:
-    """Device-to-host copies on a side stream, fenced with CUDA events."""
+class StreamCopier:
+    """Device-to-host copies on a side stream, fenced with events, over a ``StreamDevice``."""
 
-    pins_host_memory = True
-    clone_is_cheap = True
-
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: StreamDevice) -> None:
         self.device = device
-        self.side_stream = torch.cuda.Stream(device=device)
+        self.pins_host_memory = device.pins_host_memory
+        self.clone_is_cheap = device.clone_is_cheap
+        self.side_stream = device.new_stream()
+        self.training_stream = device.current_stream()
+
+    def note_training_stream(self) -> None:
+        self.training_stream = self.device.current_stream()
 
     def after_side_stream_wait(self) -> None:
         """Runs on the side stream after fence 1, before the copies: a seam for tests to delay them."""
-
-    def _wait_for_compute(self) -> None:
-        # Fence 1: the side stream must not read the state before the optimizer
-        # step queued on the compute stream has written it.
-        self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def copy_async(
         self,
@@ -248,94 +302,140 @@ class CudaStreamCopier:
         destinations: Sequence[torch.Tensor],
         keepalive: Sequence[torch.Tensor] = (),
     ) -> CopyTicket:
+        dev = self.device
         enqueued = time.perf_counter()
-        on_host = [k for k, s in enumerate(sources) if s.device.type == "cpu"]
-        # Host-resident state (Adam's CPU step counter) is mutated by the host in
-        # program order, so copying it now captures this version exactly.
-        copy_on_host([sources[k] for k in on_host], [destinations[k] for k in on_host])
-        on_device = [k for k, s in enumerate(sources) if s.device.type != "cpu"]
-        dev_src = [sources[k] for k in on_device]
+        resident = [dev.is_resident(s) for s in sources]
+        on_device = [k for k, r in enumerate(resident) if r]
+        on_host = [k for k, r in enumerate(resident) if not r]
+        dev_src = [sources[k].detach() for k in on_device]
         dev_dst = [destinations[k] for k in on_device]
-        self._wait_for_compute()
-        start = torch.cuda.Event(enable_timing=True)
-        done = torch.cuda.Event(enable_timing=True)
-        held = list(keepalive)
-        with torch.cuda.stream(self.side_stream), torch.no_grad():
-            start.record(self.side_stream)
+        # Fence 1: the side stream must not read the state before the optimizer step
+        # queued on the training stream has written it.
+        dev.wait_stream(self.side_stream, self.training_stream)
+        with dev.stream_context(self.side_stream):
+            start = dev.record_event(self.side_stream)
             self.after_side_stream_wait()
             packed, rest = plan_packed_copy(dev_src, dev_dst)
             if packed is not None:
-                # Allocated on the side stream, so the allocator orders its reuse after
-                # this copy; the ticket keeps it alive until the copy has landed.
-                scratch = gather_into_scratch(packed, self.device)
-                packed.span.copy_(scratch, non_blocking=True)
-                held.append(scratch)
-            for k in rest:
-                dev_dst[k].copy_(dev_src[k].detach(), non_blocking=True)
-            done.record(self.side_stream)
+                # Allocated on the side stream and dropped right after: the allocator hands
+                # its memory to later work on this stream only, which runs after this copy.
+                scratch = dev.empty(packed.span.numel())
+                dev.copy_(views_of(scratch, packed.scratch_offsets, packed.sources), packed.sources)
+                dev.copy_([packed.span], [scratch])
+                del scratch
+            dev.copy_([dev_dst[k] for k in rest], [dev_src[k] for k in rest])
+            done = dev.record_event(self.side_stream)
+        deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
+        now: list[int] = []
+        for k in on_host:
+            if packed is not None and packed.covers(destinations[k]):
+                # The span's DMA writes these bytes too, later: keep the value of this
+                # version and write it once the DMA has landed (``_mark_landed``).
+                deferred.append((destinations[k], sources[k].detach().clone()))
+            else:
+                now.append(k)
+        # Host-resident state is written by the host in program order: exact now.
+        copy_on_host([sources[k] for k in now], [destinations[k] for k in now])
         nbytes = sum(tensor_nbytes(d) for d in destinations)
-        return CopyTicket(nbytes=nbytes, enqueued_at_s=enqueued, done_event=done, start_event=start, keepalive=held)
+        return CopyTicket(
+            nbytes=nbytes, enqueued_at_s=enqueued, done_event=done, start_event=start, keepalive=list(keepalive),
+            deferred_host_writes=deferred,
+        )
 
     def is_device_resident(self, t: torch.Tensor) -> bool:
-        return t.device.type != "cpu"
+        return self.device.is_resident(t)
 
     def stage(self, sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Device-to-device clones on the compute stream, in order after the step that wrote them.
+        """Clones on the training stream, in order after the step that wrote them, packed in one allocation.
 
         No ``record_stream``: the ticket of the copy that reads a clone holds it until
         that copy's event has fired, so the allocator cannot reuse its memory earlier.
         """
-        with torch.no_grad():
-            return [s.detach().clone() for s in sources]
+        out = [s.detach() for s in sources]
+        resident = [self.device.is_resident(s) for s in sources]
+        device_side = [k for k, r in enumerate(resident) if r]
+        if device_side:
+            like = [out[k] for k in device_side]
+            offsets, total = packed_offsets(like)
+            with self.device.stream_context(self.training_stream):
+                block = self.device.empty(total)
+                clones = views_of(block, offsets, like)
+                self.device.copy_(clones, like)
+            for k, c in zip(device_side, clones):
+                out[k] = c
+        for k, r in enumerate(resident):
+            if not r:
+                out[k] = out[k].clone()  # the host's own program order
+        return out
+
+    def allocate_on_training_stream(self, nbytes: int) -> torch.Tensor:
+        with self.device.stream_context(self.training_stream):
+            return self.device.empty(nbytes)
+
+    def copy_on_training_stream(self, destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+        with self.device.stream_context(self.training_stream):
+            self.device.copy_(destinations, [s.detach() for s in sources])
+
+    def device_free_bytes(self) -> int | None:
+        return self.device.mem_get_info()[0]
+
+    def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return self.device.host_empty(shape, dtype)
 
     def fence_compute(self, ticket: CopyTicket) -> FenceResult:
-        """Make the compute stream wait for the copy (a device-side wait; the host runs on)."""
+        """Make the training stream wait for the copy (a device-side wait; the host runs on)."""
         if ticket.done_event is None or ticket.landed_at_s is not None:
             return FenceResult.NOT_NEEDED
+        in_flight = not self.device.event_done(ticket.done_event)
         # Fence 2: the next mutation of what this copy reads (the optimizer's in-place
         # update, or the next iteration's gradients) must not start before it is read.
-        torch.cuda.current_stream(self.device).wait_event(ticket.done_event)
-        return FenceResult.WAITED_LANDED if ticket.done_event.query() else FenceResult.WAITED_IN_FLIGHT
+        self.device.wait_event(self.training_stream, ticket.done_event)
+        return FenceResult.WAITED_IN_FLIGHT if in_flight else FenceResult.WAITED_LANDED
 
     def poll(self, ticket: CopyTicket) -> bool:
         if ticket.landed_at_s is not None:
             return True
-        if ticket.done_event is None or not ticket.done_event.query():
+        if ticket.done_event is None or not self.device.event_done(ticket.done_event):
             return False
         self._mark_landed(ticket)
         return True
 
     def wait(self, ticket: CopyTicket) -> None:
-        """Block the host until the copy landed: only from wait()/close(), never a hook."""
+        """Block the host until the copy landed: only from wait()/close() and rare paths, never a hook's routine."""
         if ticket.landed_at_s is None and ticket.done_event is not None:
-            ticket.done_event.synchronize()
+            self.device.synchronize_event(ticket.done_event)
             self._mark_landed(ticket)
 
     def synchronize(self) -> None:
         """Block until every queued copy is done: before host buffers are unpinned or unmapped."""
-        self.side_stream.synchronize()
+        self.device.synchronize_stream(self.side_stream)
 
     def close(self) -> None:
         self.synchronize()
+        self.device.close()
 
     def _mark_landed(self, ticket: CopyTicket) -> None:
         ticket.landed_at_s = time.perf_counter()
-        ticket.copy_s = ticket.start_event.elapsed_time(ticket.done_event) / 1000.0
+        ticket.copy_s = self.device.elapsed_s(ticket.start_event, ticket.done_event)
+        # The span's DMA is done: the host-resident values it wrote over go back in.
+        copy_on_host([v for _, v in ticket.deferred_host_writes], [d for d, _ in ticket.deferred_host_writes])
+        ticket.deferred_host_writes = []
         ticket.keepalive.clear()
 
 
 def make_copier(device: torch.device) -> Copier:
-    """The default copier for the device the state lives on.
+    """The default copier for the device the state lives on: a side stream on CUDA, the emulated device elsewhere.
 
-    On the CPU, the stream model: its copies run on a spare core while forward and
-    backward run (benchmarks/copier_compare.py: hooks 1.4 ms per checkpoint against
-    20.7 ms for a copy in the hook, 172 MiB of state, the loop 6% faster).
+    On the CPU, the emulated device's side stream is a worker thread: its copies run on a
+    spare core while forward and backward run (benchmarks/copier_compare.py).
     """
     if device.type == "cuda" and torch.cuda.is_available():
-        return CudaStreamCopier(device)
-    from .cpu_stream import CpuStreamCopier
+        from .cuda_device import CudaDevice
 
-    return CpuStreamCopier()
+        return StreamCopier(CudaDevice(device))
+    from .emulated_device import EmulatedDevice
+
+    return StreamCopier(EmulatedDevice())
 
 
 def copy_values_to_host(
@@ -350,12 +450,12 @@ def copy_values_to_host(
     Fence 5: the loop mutates these values in place right after they are captured,
     before any hook of ours runs again (``scheduler.step()`` fills a tensor lr,
     ``scaler.update()`` writes GradScaler's scale). A copy on the side stream could
-    read the new value, so each is first cloned on the compute stream (``stage``),
+    read the new value, so each is first cloned on the training stream (``stage``),
     ordered before those writes, and the side stream copies the clone.
     """
     device_resident = [copier.is_device_resident(t) for t in tensors]
     host = [
-        torch.empty(t.shape, dtype=t.dtype, pin_memory=copier.pins_host_memory and resident)
+        copier.host_empty(tuple(t.shape), t.dtype) if resident else torch.empty(t.shape, dtype=t.dtype)
         for t, resident in zip(tensors, device_resident)
     ]
     on_device = [k for k, resident in enumerate(device_resident) if resident]

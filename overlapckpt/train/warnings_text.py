@@ -51,3 +51,9 @@ REPLAY_MUTATION_WARNING = (
     "update rule, so checkpoints that would replay use window=1 from now on (exact at the requested step), "
     "and the open window restarts. Use consistency='stage' to spread the copy over a window."
 )
+
+KEEP_STAGING_WARNING = (
+    "overlapckpt: keep_staging=False no longer frees stage mode's staging region after each checkpoint: the "
+    "region is allocated once, outside the checkpoints' hooks, and kept, because allocating it again inside "
+    "optimizer.step() could run out of device memory or synchronize the device. Drop the keep_staging argument"
+)

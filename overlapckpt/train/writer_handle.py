@@ -47,7 +47,13 @@ _BOOTSTRAP = (
 
 
 def _package_parent_dir() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    """The directory that holds the ``overlapckpt`` package this module was imported from.
+
+    This file is ``overlapckpt/train/writer_handle.py``: three levels up. From a plain
+    source checkout (``PYTHONPATH=.``, nothing installed) it is the only place the
+    writer can import the package from.
+    """
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _describe_exit(code: int | None) -> str:

@@ -25,13 +25,19 @@ def _import(spec: tuple[str, str]) -> Any:
     return import_qualified(*spec)
 
 
-def _replay_hyperparameters(h: dict[str, Any]) -> dict[str, Any]:
+def replay_hyperparameters(h: dict[str, Any]) -> dict[str, Any]:
+    """A logged step's hyperparameters as the CPU replay's optimizer takes them."""
     # param_names names the whole group's parameters; a copy group replays some of them.
     out = {k: v for k, v in h.items() if k != "param_names"}
     # The replay runs on CPU tensors; capturable only changes where the step count
     # lives (a device tensor for CUDA graphs), not the arithmetic.
     if out.get("capturable"):
         out["capturable"] = False
+        # torch refuses a tensor lr (or betas) with foreach unless capturable; the
+        # single-tensor path computes the same update with it.
+        tensors = [out.get("lr"), *(out.get("betas") or ())]
+        if out.get("foreach") and any(isinstance(v, torch.Tensor) for v in tensors):
+            out["foreach"] = False
     return out
 
 
@@ -70,7 +76,7 @@ def _replay_group(
         groups_fqns.setdefault(log.param_group_of[fqn], []).append(fqn)
     first = steps[0]
     param_groups = [
-        {**_replay_hyperparameters(first.hyperparameters[g]), "params": [params[f] for f in names]}
+        {**replay_hyperparameters(first.hyperparameters[g]), "params": [params[f] for f in names]}
         for g, names in sorted(groups_fqns.items())
     ]
     optimizer = optimizer_cls(param_groups)
@@ -80,7 +86,7 @@ def _replay_group(
     for record in steps:
         i = record.step - log.base_step
         for pg, (g, names) in zip(optimizer.param_groups, sorted(groups_fqns.items())):
-            for k, v in _replay_hyperparameters(record.hyperparameters[g]).items():
+            for k, v in replay_hyperparameters(record.hyperparameters[g]).items():
                 pg[k] = v
             for f in names:
                 p = params[f]

@@ -1,0 +1,247 @@
+"""The copier over the emulated device: CUDA's placement, allocator and streams, and what they expose.
+
+The emulated device must behave as CUDA does where a checkpoint's correctness depends on
+it, or the CPU tests prove nothing about the GPU; the first tests check the emulator
+itself. The others are the CUDA defects a reading of the copier found, each reproduced
+here on the device the GPU's logic now runs on in every CPU test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from overlapckpt import Checkpointer, load
+from overlapckpt.train.emulated_device import POISON_BYTE, EmulatedDevice, torch_cuda_placement
+from overlapckpt.train.transfer import FenceResult, StreamCopier
+
+POISON_FP32 = torch.tensor([POISON_BYTE] * 4, dtype=torch.uint8).view(torch.float32).item()
+
+
+# ---- the emulator ---------------------------------------------------------------------------------
+
+
+def test_a_fresh_allocation_holds_garbage_and_freed_memory_goes_to_the_next_allocation_on_its_stream():
+    dev = EmulatedDevice("held")
+    first = dev.empty(1024)
+    assert torch.equal(first, torch.full((1024,), POISON_BYTE, dtype=torch.uint8))  # never zeros
+    first.fill_(7)
+    address = first.data_ptr()
+    del first  # freed on the host's stream: poisoned and handed out again at once
+    second = dev.empty(1000)
+    assert second.data_ptr() == address
+    assert int(second.min()) == int(second.max()) == POISON_BYTE
+    assert dev.memory_allocated() == 1024 and dev.max_memory_allocated() == 1024
+    side = dev.new_stream()
+    with dev.stream_context(side):
+        third = dev.empty(1024)
+    assert third.data_ptr() != address  # another stream's cache
+    dev.close()
+
+
+def test_memory_freed_before_a_held_copy_ran_is_overwritten_on_every_run():
+    # The caching allocator's contract: memory freed on the host's stream may be reused at
+    # once, so a copy queued on another stream must hold what it reads.
+    dev = EmulatedDevice("held")
+    side = dev.new_stream()
+    source = dev.empty(16).view(torch.float32)
+    source.fill_(3.0)
+    destination = torch.zeros(4)
+    with dev.stream_context(side):
+        dev.copy_([destination], [source])
+        done = dev.record_event(side)
+    del source  # released too early: the copy has not run
+    dev.synchronize_event(done)
+    assert torch.equal(destination, torch.full((4,), POISON_FP32))
+    dev.close()
+
+
+def test_a_device_side_wait_on_a_side_stream_orders_it_after_the_event():
+    dev = EmulatedDevice("held")
+    a, b = dev.new_stream(), dev.new_stream()
+    x = torch.zeros(4)
+    y = torch.zeros(4)
+    with dev.stream_context(a):
+        dev.copy_([x], [torch.ones(4)])
+    dev.wait_stream(b, a)
+    with dev.stream_context(b):
+        dev.copy_([y], [x])
+        done = dev.record_event(b)
+    assert not dev.event_done(done) and torch.equal(x, torch.zeros(4))  # held: nothing ran
+    dev.synchronize_event(done)  # b's wait released a's copy first
+    assert torch.equal(y, torch.ones(4))
+    dev.close()
+
+
+def test_registration_is_checked_as_cuda_checks_it():
+    dev = EmulatedDevice()
+    assert dev.register_host(4096, 8192) == 0
+    assert dev.register_host(8192, 64) == 712  # overlaps: cudaErrorHostMemoryAlreadyRegistered
+    assert dev.unregister_host(4096) == 0
+    assert dev.unregister_host(4096) == 713  # cudaErrorHostMemoryNotRegistered
+
+
+def test_torch_cuda_placement_keeps_the_step_of_a_non_fused_adam_on_the_host():
+    model = nn.Linear(4, 4)
+    foreach = torch.optim.AdamW(model.parameters(), foreach=True)
+    fused = torch.optim.AdamW(model.parameters(), fused=True)
+    for opt in (foreach, fused):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    on_host = torch_cuda_placement(foreach)
+    assert on_host(foreach.state[model.weight]["step"]) and not on_host(foreach.state[model.weight]["exp_avg"])
+    assert not on_host(model.weight)
+    assert not torch_cuda_placement(fused)(fused.state[model.weight]["step"])
+
+
+# ---- the defects ----------------------------------------------------------------------------------
+
+
+def _loop(model, opt, x):
+    def step():
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _state(model, opt):
+    return (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()},
+    )
+
+
+def _restored(path, make, step=None):
+    model, opt = make()
+    model(torch.zeros(1, model[0].in_features)).sum().backward()
+    opt.step()  # creates the state load() reads into
+    opt.zero_grad(set_to_none=True)
+    load(str(path), model, opt, step=step)
+    return _state(model, opt)
+
+
+def _differences(got, expected):
+    (gm, go), (em, eo) = got, expected
+    out = [k for k in em if not torch.equal(gm[k], em[k])]
+    out += [f"{n}.{k}" for n in eo for k in eo[n] if not torch.equal(go[n][k], eo[n][k])]
+    return out
+
+
+def _small_adamw():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+
+
+def test_host_resident_step_counters_survive_the_packed_device_copy(tmp_path):
+    # AdamW (foreach) on CUDA keeps each parameter's step on the host; every entry here is
+    # small, so the group goes as one packed span whose DMA also covers the step counters'
+    # bytes. Written at the call, they were then overwritten with the scratch's garbage.
+    model, opt = _small_adamw()
+    x = torch.randn(16, 8)
+    step = _loop(model, opt, x)
+    for _ in range(4):
+        step()
+    placement = torch_cuda_placement(opt)
+    assert placement(opt.state[model[0].bias]["step"]) and not placement(model[0].bias)  # interleaved in the slot
+    dev = EmulatedDevice("held", host_resident=placement)
+    with Checkpointer(model, opt, tmp_path, copier=StreamCopier(dev)) as ckpt:
+        step()
+        ckpt.request()
+        expected = _state(model, opt)
+        step()
+        step()
+        (info,) = ckpt.wait(timeout_s=120)
+    assert info.step == 1 and expected[1]["0.bias"]["step"].item() == 5.0  # the Checkpointer counts its own steps
+    assert _differences(_restored(tmp_path, _small_adamw), expected) == []
+
+
+def _replay_model():
+    torch.manual_seed(0)
+    # Four layers of 256 KiB, one per copy group at W=4; above the packing size, so the
+    # device memory a step holds is its gradient clones.
+    model = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(4)])
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+
+
+def test_replay_frees_each_gradient_clone_when_its_own_copy_lands(tmp_path):
+    layer_bytes = 256 * 256 * 4
+    x = torch.randn(8, 256)
+    twin_model, twin_opt = _replay_model()
+    twin = _loop(twin_model, twin_opt, x)
+    for _ in range(4):
+        twin()
+    expected = _state(twin_model, twin_opt)  # version 4: requested after 1, window 4
+
+    model, opt = _replay_model()
+    step = _loop(model, opt, x)
+    # Eager: every copy has landed by the next poll, so a clone lives only until its ticket is read.
+    dev = EmulatedDevice("eager", clone_is_cheap=True)
+    with Checkpointer(model, opt, tmp_path, window=4, consistency="replay", copier=StreamCopier(dev)) as ckpt:
+        step()
+        ckpt.request()
+        ckpt.step()
+        dev.reset_peak()
+        held_before = dev.memory_allocated()
+        for _ in range(3):
+            step()
+            ckpt.step()
+        window_peak = dev.max_memory_allocated() - held_before
+        (info,) = ckpt.wait(timeout_s=120)
+    assert info.step == 4
+    assert window_peak >= 3 * layer_bytes  # the precondition: step 4 clones groups 0..2 at once
+    # One step's clones at a time; held until the window landed they were 1 + 2 + 3 layers.
+    assert window_peak < 4 * layer_bytes, window_peak
+    assert _differences(_restored(tmp_path, _replay_model), expected) == []
+
+
+def test_a_request_outside_the_training_stream_still_waits_for_it(tmp_path):
+    # The loop trains under a stream of its own; request() is called outside that context.
+    # Work still queued on the training stream (here a write to the weights, as an update
+    # kernel the device has not run yet) must land before the copy reads.
+    model, opt = _small_adamw()
+    x = torch.randn(16, 8)
+    step = _loop(model, opt, x)
+    step()
+    dev = EmulatedDevice("held")
+    training = dev.new_stream()
+    with Checkpointer(model, opt, tmp_path, copier=StreamCopier(dev)) as ckpt:
+        with dev.stream_context(training):
+            step()  # the hooks run inside the training stream's context
+            weight = model[0].weight.detach()
+            training.enqueue(lambda: weight.add_(1.0))
+        expected_weight = model[0].weight.detach().clone() + 1.0
+        ckpt.request()
+        (info,) = ckpt.wait(timeout_s=120)
+    assert info.step == 1
+    got, _ = _restored(tmp_path, _small_adamw)
+    assert torch.equal(got["0.weight"], expected_weight)
+
+
+def test_stream_copier_fences_a_held_copy_on_the_training_stream():
+    dev = EmulatedDevice("held")
+    copier = StreamCopier(dev)
+    src, dst = torch.arange(8.0), torch.zeros(8)
+    ticket = copier.copy_async([src], [dst])
+    assert not copier.poll(ticket)
+    assert copier.fence_compute(ticket) == FenceResult.WAITED_IN_FLIGHT
+    assert torch.equal(dst, src) and copier.poll(ticket)
+    assert copier.fence_compute(ticket) == FenceResult.NOT_NEEDED
+    copier.close()
+
+
+@pytest.mark.parametrize("schedule", ["async", "held", "eager"])
+def test_every_schedule_lands_the_same_bytes(schedule):
+    dev = EmulatedDevice(schedule, host_resident=lambda t: t.dtype == torch.int64)
+    copier = StreamCopier(dev)
+    host_buffer = torch.zeros(64, dtype=torch.uint8)
+    sources = [torch.arange(4, dtype=torch.float32), torch.tensor([9], dtype=torch.int64), torch.arange(2, dtype=torch.float32)]
+    views = [host_buffer[0:16].view(torch.float32), host_buffer[16:24].view(torch.int64), host_buffer[24:32].view(torch.float32)]
+    ticket = copier.copy_async(sources, views)
+    sources[1].fill_(5)  # the host writes its own state on: the copy holds the value at the call
+    copier.wait(ticket)
+    assert [v.tolist() for v in views] == [[0.0, 1.0, 2.0, 3.0], [9], [0.0, 1.0]]
+    copier.close()
