@@ -10,7 +10,7 @@ TORCH_PIN ?= torch==2.13.0
 TITAN_TEST_PKGS := torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1 tyro==1.0.17 docstring_parser==0.18.0 \
 	typeguard==4.6.1 shtab==1.13.0 einops==0.8.2 spmd_types==0.2.3
 
-.PHONY: venv install demo demo-dist check test bench bench-dist clean
+.PHONY: venv install demo demo-dist check test soak bench bench-dist clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,12 @@ check: install
 
 test: check
 	$(PY) -m pytest -q -n 2 tests
+
+# Many seeded random fault schedules (tests/fault_schedule.py): writer and trainer SIGKILLs at
+# random steps and inside persists and replays, slow storage, every mode. About 25 minutes.
+SOAK_TRIALS ?= 200
+soak: install
+	$(PY) tests/soak.py --trials $(SOAK_TRIALS)
 
 bench: install
 	$(PY) -m pip install --quiet -e '.[test,bench]'

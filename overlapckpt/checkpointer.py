@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -23,11 +24,13 @@ from .format.storage import CheckpointStore
 from .loading import load
 from .options import check_export_formats, check_optimizer_for_mode, check_options, check_stateful
 from .protocol import WatchPreemptionRequest
+from .restore_marks import take_restore_mark
 from .train.autowindow import AUTO_WINDOW, DEFAULT_MAX_WINDOW, PhaseTimer, make_gap_timer
 from .train.distributed import DistributedRun, is_distributed, set_up_distributed
 from .train.engine import SnapshotEngine
 from .train.layout import CheckpointScope, check_optimizer_matches_model
 from .train.lineage import Lineage
+from .train.optimizer_group import torch_optimizers
 from .train.preemption import PreemptionGuard, default_grace_s
 from .train.run_start import agreed_run_id, take_root_lease
 from .train.step_hooks import unwrap_optimizer
@@ -35,6 +38,8 @@ from .train.transfer import Copier, make_copier
 from .train.warnings_text import KEEP_STAGING_WARNING
 from .train.writer_handle import WriterProcess
 from .train.writer_link import DEFAULT_MAX_WRITER_RESTARTS, WriterLink
+
+log = logging.getLogger("overlapckpt")
 
 
 class Checkpointer:
@@ -199,7 +204,7 @@ class Checkpointer:
         store = store_class(self.path, self.storage_options)
         store.prepare_root()
         self._store = store
-        self._lineage = Lineage(agreed_run_id(self._distributed), padded_names=pads_directory_names(key_layout))
+        self._lineage = Lineage(agreed_run_id(self._distributed), padded_names=pads_directory_names(key_layout), root=self.path)
         self._lease: RootLease | None = None
         self._lineage.note_existing(store.committed_names(), own=set())
         self.model = model
@@ -293,6 +298,12 @@ class Checkpointer:
             if self._preemption is not None:
                 self._preemption.uninstall()
             raise
+        # Resumed with load(): continue that checkpoint's version count and lineage, as restore() does.
+        resumed = take_restore_mark(model, optimizer, torch_optimizers(optimizer))
+        if resumed is not None:
+            same_root = self._store.checkpoint_url(os.path.basename(resumed.path.rstrip("/"))) == resumed.path
+            self.continued_from(resumed if same_root else resumed.step)
+            log.info("continuing from %s: the next optimizer step makes version %d", resumed.path, resumed.step + 1)
 
     # ---- training loop ---------------------------------------------------------------
 

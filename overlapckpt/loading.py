@@ -29,6 +29,7 @@ from .format.signing import check_signature, resolve_key
 from .format.storage import CheckpointStore, dcp_root_cause, is_storage_error, read_error, translate_read_errors
 from .format.verified_read import ExpectedSums
 from .format.verify import describe_problems, read_manifest, verify_checkpoint
+from .restore_marks import mark_restored
 from .train.optimizer_group import torch_optimizers
 from .train.step_hooks import unwrap_optimizer
 
@@ -335,7 +336,11 @@ def load(
     apply_state_dicts(model, optimizers, model_sd, optim_sd)
     if per_rank_state == "restore":
         _restore_extra_state(extra, stateful or {})
-    return CheckpointInfo.from_manifest(manifest, where)
+    info = CheckpointInfo.from_manifest(manifest, where)
+    if optimizer is not None:
+        # A Checkpointer built next on these objects continues this version count (restore_marks.py).
+        mark_restored(model, unwrap_optimizer(optimizer), optimizers, info)
+    return info
 
 
 def live_state_dicts(model: nn.Module, optimizers: list[torch.optim.Optimizer] | None) -> tuple[dict[str, Any], dict[str, Any] | None]:

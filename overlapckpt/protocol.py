@@ -154,6 +154,19 @@ class CommittedResponse:
     agreed_next_window: int | None = None  # window="auto": the window every rank uses next
 
 
+@dataclass(frozen=True)
+class ReplayProgressNotice:
+    """The writer is about to roll a snapshot's slot forward in place, or has: not an answer.
+
+    Replay writes the shared slot in place. If the writer dies after it began, a successor
+    must not replay the same log again (the groups would be stepped twice): the training
+    side reads the last notice the dead writer sent before its end of the pipe closed.
+    """
+
+    request_id: int  # the persist request whose slot this is
+    finished: bool  # False: replay is about to write the slot; True: the slot holds the version now
+
+
 @dataclass
 class ErrorResponse:
     request_id: int | None  # the persist request that failed, or None

@@ -10,6 +10,7 @@ import os
 import threading
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from overlapckpt.format.attempts import checkpoint_of_directory
@@ -94,3 +95,111 @@ class FailingRetentionStore(CheckpointStore):
 
     def remove_checkpoint(self, name: str) -> None:
         raise OSError(5, "Input/output error (injected)", name)
+
+
+TRAINER_PID_ENV = "OVERLAPCKPT_TEST_TRAINER_PID"  # the training process: AdamW below blocks only in others
+
+
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW that hangs, or dies, in the writer process's replay.
+
+    Hangs once after its first step there (BLOCK_FIFO_ENV, BLOCK_ONCE_MARKER_ENV), or kills
+    its process after a chosen number of steps (FAULTS_ENV, kind "replay-step").
+
+    Named AdamW because replay steps the training's own update rule, found by its class name.
+    In the writer (any process but TRAINER_PID_ENV's) with BLOCK_FIFO_ENV set and the
+    BLOCK_ONCE_MARKER_ENV marker absent, a post-step hook tells the test through the FIFO and
+    hangs after the first step: the shared slot then holds one group stepped once, the
+    others not yet. (A hook, not an override of step(): torch's own AdamW.step fires the
+    step hooks too, and an override calling it would count every step twice.)
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        marker = os.environ.get(BLOCK_ONCE_MARKER_ENV)
+        if str(os.getpid()) != os.environ.get(TRAINER_PID_ENV) and marker and not os.path.exists(marker):
+            self.register_step_post_hook(_hang_once)
+        if _writer_faults("replay-step"):
+            self.register_step_post_hook(_kill_in_replay)
+
+
+def _hang_once(optimizer: Any, args: Any, kwargs: Any) -> None:
+    marker = os.environ[BLOCK_ONCE_MARKER_ENV]
+    if os.path.exists(marker):
+        return
+    with open(marker, "w"):
+        pass
+    with open(os.environ[BLOCK_FIFO_ENV], "w") as fifo:
+        fifo.write(f"{os.getpid()}\n")
+    threading.Event().wait()  # until the test kills this process
+
+
+FAULTS_ENV = "OVERLAPCKPT_TEST_FAULTS"  # JSON: the writer-side faults of tests/fault_schedule.py
+FIRED_DIR_ENV = "OVERLAPCKPT_TEST_FIRED_DIR"  # a directory: one marker file per fault that fired (each fires once)
+SLOW_WRITE_S_ENV = "OVERLAPCKPT_TEST_SLOW_WRITE_S"  # seconds each shard write takes longer: slow storage
+
+
+def fire_once(fault_id: str) -> bool:
+    """True the first time ``fault_id`` is asked for, across every process of a trial."""
+    import errno
+
+    path = os.path.join(os.environ[FIRED_DIR_ENV], fault_id)
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except OSError as e:
+        if e.errno == errno.EEXIST:
+            return False
+        raise
+    return True
+
+
+def _writer_faults(kind: str) -> list[dict[str, Any]]:
+    import json
+
+    if str(os.getpid()) == os.environ.get(TRAINER_PID_ENV):
+        return []
+    return [f for f in json.loads(os.environ.get(FAULTS_ENV, "[]")) if f["kind"] == kind]
+
+
+class FaultStore(CheckpointStore):
+    """Kills its own writer process (SIGKILL) at the N-th file write of the first checkpoint at or after a step.
+
+    Configured by FAULTS_ENV (kind "persist-write": id, at_step, write), once per fault
+    (FIRED_DIR_ENV); SLOW_WRITE_S_ENV makes every shard write that much slower.
+    """
+
+    def make_writer(self, name, before_commit):
+        import signal
+        import time
+
+        from overlapckpt.format.manifest import step_of_name
+
+        writer = super().make_writer(name, before_commit)
+        step = step_of_name(checkpoint_of_directory(name)) or 0
+        due = [f for f in _writer_faults("persist-write") if step >= f["at_step"]]
+        slow_s = float(os.environ.get(SLOW_WRITE_S_ENV, "0"))
+        writes = [0]
+
+        def on_write(path: str) -> None:
+            writes[0] += 1
+            if slow_s:
+                time.sleep(slow_s)  # the injected slowness itself, not a wait for work
+            for f in due:
+                if writes[0] == f["write"] and fire_once(f["id"]):
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+        writer.fs = _HookedFileSystem(on_write)
+        return writer
+
+
+def _kill_in_replay(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """A writer-side post-step hook of fakes.AdamW: SIGKILL inside the replay, once per fault."""
+    import signal
+
+    _REPLAY_STEPS[0] += 1  # every replayed step of this writer process, across groups
+    for f in _writer_faults("replay-step"):
+        if _REPLAY_STEPS[0] == f["after_steps"] and fire_once(f["id"]):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+_REPLAY_STEPS = [0]

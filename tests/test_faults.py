@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from overlapckpt import Checkpointer, WriterDiedError, list_checkpoints, load
 from overlapckpt.train.transfer import CpuCopier
@@ -25,17 +27,19 @@ def _kill_writer(ckpt: Checkpointer) -> int:
     return pid
 
 
-@pytest.mark.parametrize("moment", ["idle", "mid-copy", "mid-persist"])
+@pytest.mark.parametrize("moment", ["idle", "mid-copy", "mid-persist", "mid-persist-replay"])
 def test_a_killed_writer_is_replaced_and_later_checkpoints_are_exact(tmp_path, monkeypatch, moment):
+    # mid-persist-replay: the writer dies after it replayed the window into the shared slot,
+    # in place, inside the shard write; what its successor persists must still be version 5.
     twin = twin_states(STEPS)
     fifo = tmp_path / "block.fifo"
-    if moment == "mid-persist":
+    if moment.startswith("mid-persist"):
         os.mkfifo(fifo)
         monkeypatch.setenv(BLOCK_FIFO_ENV, str(fifo))
-        monkeypatch.setenv(ONLY_NAME_ENV, "step-000000003")
+        monkeypatch.setenv(ONLY_NAME_ENV, "step-000000005" if moment == "mid-persist-replay" else "step-000000003")
         monkeypatch.setenv(BLOCK_ONCE_MARKER_ENV, str(tmp_path / "blocked-once"))
     model, opt, sched, sampler = make_run()
-    window = 3 if moment == "mid-copy" else 1
+    window = 3 if moment in ("mid-copy", "mid-persist-replay") else 1
     # Copies at the call: the snapshot is complete, and goes to the writer, at ckpt.step().
     ckpt = Checkpointer(
         model, opt, tmp_path / "ckpts", window=window, consistency="replay", store_class=BlockingOnceStore, copier=CpuCopier()
@@ -57,11 +61,14 @@ def test_a_killed_writer_is_replaced_and_later_checkpoints_are_exact(tmp_path, m
                 if moment == "mid-persist" and it == 3:
                     read_fifo_line(str(fifo), timeout_s=120)  # the writer is inside the shard write of step 3
                     killed.append(_kill_writer(ckpt))
+                if moment == "mid-persist-replay" and it == 5:
+                    read_fifo_line(str(fifo), timeout_s=120)  # replayed to version 5, inside its shard write
+                    killed.append(_kill_writer(ckpt))
             infos = ckpt.wait(timeout_s=120)
         finally:
             ckpt.close(timeout_s=60)
     assert ckpt.writer_restarts == 1 and ckpt.writer_pid != killed[0]
-    expected = {"idle": [3], "mid-copy": [8], "mid-persist": [3]}[moment]
+    expected = {"idle": [3], "mid-copy": [8], "mid-persist": [3], "mid-persist-replay": [5]}[moment]
     assert [i.step for i in infos] == expected
     assert ckpt.snapshots_dropped == (1 if moment == "mid-copy" else 0)
     assert [i.step for i in list_checkpoints(str(tmp_path / "ckpts"))] == expected
@@ -121,3 +128,52 @@ def test_a_killed_training_process_leaves_no_files_and_no_writer(tmp_path, momen
     for info in listed:  # every listed checkpoint loads
         fresh, fresh_opt, _, _ = make_run(seed=3, width=512)
         load(info.path, fresh, fresh_opt)
+
+
+def test_a_writer_killed_inside_its_replay_loses_that_checkpoint_and_lists_no_wrong_one(tmp_path, monkeypatch):
+    # The writer replays a window into the shared slot in place, group by group. Killed
+    # after one group's first step, the slot is neither the copy the log starts from nor
+    # the version: its successor replayed the log again, and listed a checkpoint whose
+    # group 0 was stepped twice. It is lost instead, and the next one commits exactly.
+    from fakes import TRAINER_PID_ENV
+    from fakes import AdamW as BlockingReplayAdamW
+
+    fifo = tmp_path / "block.fifo"
+    os.mkfifo(fifo)
+    monkeypatch.setenv(BLOCK_FIFO_ENV, str(fifo))
+    monkeypatch.setenv(BLOCK_ONCE_MARKER_ENV, str(tmp_path / "blocked-once"))
+    monkeypatch.setenv(TRAINER_PID_ENV, str(os.getpid()))
+
+    def run():
+        model, _, sched, sampler = make_run()
+        opt = BlockingReplayAdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.05 * s))
+        return model, opt, sched, sampler
+
+    twin_model, twin_opt, twin_sched, twin_sampler = run()
+    twin = {}
+    for it in range(1, 10):
+        train_step(twin_model, twin_opt, twin_sched, twin_sampler)
+        twin[it] = (copy.deepcopy(twin_model.state_dict()), copy.deepcopy(twin_opt.state_dict()))
+    model, opt, sched, sampler = run()
+    ckpt = Checkpointer(model, opt, tmp_path / "ckpts", window=3, consistency="replay", copier=CpuCopier())
+    with pytest.warns(UserWarning, match=r"the writer process died .* a new one was started"):
+        try:
+            for it in range(1, 10):
+                train_step(model, opt, sched, sampler)
+                if it in (3, 6):
+                    ckpt.request()
+                ckpt.step()
+                if it == 5:
+                    read_fifo_line(str(fifo), timeout_s=120)  # the writer is inside the replay of version 5
+                    _kill_writer(ckpt)
+            infos = ckpt.wait(timeout_s=120)
+        finally:
+            ckpt.close(timeout_s=60)
+    listed = list_checkpoints(str(tmp_path / "ckpts"))
+    for info in listed:  # every listed checkpoint is the state it claims
+        fresh, fresh_opt, _, _ = make_run(seed=5)
+        load(str(tmp_path / "ckpts"), fresh, fresh_opt, step=info.step)
+        assert_state_equal(*twin[info.step], fresh, fresh_opt)
+    assert [i.step for i in listed] == [i.step for i in infos] == [8]
+    assert ckpt.writer_restarts == 1 and ckpt._engine.dispatcher.lost_mid_replay == 1

@@ -75,3 +75,73 @@ def test_a_failure_after_the_commit_is_a_warning(tmp_path, caplog):
             assert [s["step"] for s in ckpt.stats] == [1, 2]  # both committed, neither failed
     assert any("retention (keep=1) failed" in r.getMessage() and "OSError" in r.getMessage() for r in caplog.records)
     assert _names(tmp_path) == ["step-000000001", "step-000000002"]
+
+
+def _run_1(root) -> dict[int, tuple]:
+    """Checkpoints at steps 2 and 4 of run 1; its state at each step."""
+    from helpers import snapshot
+
+    model, opt, sched, sampler = make_run()
+    states = {}
+    with Checkpointer(model, opt, root, stateful={"sched": sched}) as ckpt:
+        for s in range(1, 5):
+            train_step(model, opt, sched, sampler)
+            states[s] = snapshot(model, opt)
+            ckpt.step()
+            if s in (2, 4):
+                ckpt.request()
+                ckpt.wait(timeout_s=120)
+    return states
+
+
+def test_a_checkpointer_built_after_load_continues_that_checkpoints_count(tmp_path, recwarn):
+    # The README's resume: load() into fresh objects, then a Checkpointer on the same root.
+    # Before, the count started over: the next checkpoint was step-000000001, of version 3.
+    from helpers import assert_state_equal, snapshot
+
+    _run_1(tmp_path)
+    model, opt, sched, sampler = make_run(seed=3)
+    train_step(model, opt, sched, sampler)  # the state load() reads into
+    assert load(str(tmp_path), model, opt, stateful={"sched": sched}, step=2).step == 2
+    with Checkpointer(model, opt, tmp_path, keep=1, stateful={"sched": sched}) as ckpt:
+        assert ckpt.step_count == 2
+        train_step(model, opt, sched, sampler)
+        expected = snapshot(model, opt)
+        ckpt.step()
+        ckpt.request()
+        (info,) = ckpt.wait(timeout_s=120)
+        run2 = ckpt._lineage.run_id
+    assert info.step == 3 and os.path.basename(info.path) == "step-000000003"
+    # keep=1 counts this run's own; the older run's newer step-4 stays, and latest names ours.
+    assert _names(tmp_path) == ["step-000000002", "step-000000003", "step-000000004"]
+    with open(tmp_path / "step-000000003" / "overlapckpt.json") as f:
+        manifest = json.load(f)
+    assert manifest["run_id"] == run2 and manifest["restored_from"] == "step-000000002"
+    assert (tmp_path / "latest").read_text().strip() == "step-000000003"
+    fresh, fresh_opt, _, _ = make_run(seed=5)
+    train_step(fresh, fresh_opt, *make_run(seed=5)[2:])
+    assert load(str(tmp_path), fresh, fresh_opt).step == 3
+    assert_state_equal(*expected, fresh, fresh_opt)
+    assert not [w for w in recwarn if "as if training had started over" in str(w.message)]
+
+
+def test_a_run_that_stepped_after_load_or_never_loaded_is_warned_once_with_the_call_to_continue(tmp_path):
+    import pytest
+
+    _run_1(tmp_path)
+    model, opt, sched, sampler = make_run(seed=3)
+    train_step(model, opt, sched, sampler)
+    load(str(tmp_path), model, opt, step=2)
+    train_step(model, opt, sched, sampler)  # a step after the load: the state is no longer version 2
+    with Checkpointer(model, opt, tmp_path) as ckpt:
+        assert ckpt.step_count == 0
+        with pytest.warns(UserWarning) as caught:
+            for _ in range(2):
+                train_step(model, opt, sched, sampler)
+                ckpt.step()
+                ckpt.request()
+                ckpt.wait(timeout_s=120)
+    ahead = [str(w.message) for w in caught if "as if training had started over" in str(w.message)]
+    assert len(ahead) == 1, ahead  # once, though two checkpoints were named below version 4
+    assert "checkpoint of version 1" in ahead[0] and "up to version 4 (the newest: 2, 4)" in ahead[0]
+    assert "load(root, model, optimizer)" in ahead[0] and "ckpt.continued_from(<version>)" in ahead[0]

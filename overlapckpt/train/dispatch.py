@@ -10,6 +10,8 @@ It never blocks, except in ``wait_one``.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import logging
 import time
 from collections.abc import Callable
@@ -30,12 +32,21 @@ from .writer_link import WriterLink
 log = logging.getLogger("overlapckpt.commits")
 
 
+class ReplayProgress(enum.Enum):
+    """How far the writer got with a sent replay snapshot's in-place replay (``ReplayProgressNotice``)."""
+
+    NOT_STARTED = "not-started"  # the slot holds the copied groups as the log expects them
+    STARTED = "started"  # some groups may have been stepped: the slot is neither the copy nor the version
+    FINISHED = "finished"  # the slot holds the version: persisted again, it is not replayed again
+
+
 @dataclass
 class _Sent:
     snapshot: Snapshot
     stats: SnapshotStats
     request: p.PersistRequest  # kept: a new writer persists it again if this one dies
     sent_at_s: float = field(default_factory=time.monotonic)
+    replay: ReplayProgress = ReplayProgress.NOT_STARTED
 
 
 class PersistDispatcher:
@@ -68,6 +79,7 @@ class PersistDispatcher:
         self._unreturned: list[CheckpointInfo] = []
         self.error: OverlapCkptError | None = None
         self.lost_to_regroup = 0  # checkpoints a distributed run lost to a writer's replacement
+        self.lost_mid_replay = 0  # checkpoints whose writer died while it replayed them in place
         self.agreed_window: int | None = None  # window="auto" in a distributed run: what the writers agreed
 
     @property
@@ -166,7 +178,14 @@ class PersistDispatcher:
         return out
 
     def _hand_to(self, writer: WriterProcess) -> None:
-        """A new writer replaced a dead one: persist again what the dead one held (complete in host memory)."""
+        """A new writer replaced a dead one: persist again what the dead one held (complete in host memory).
+
+        First what the dead one said before it died and nobody read: a commit is a commit,
+        and a replay it began decides what its successor may persist.
+        """
+        for response in self.link.last_words:
+            self._handle(response)
+        self.link.last_words = []
         self.error = None
         if self.link.distributed:
             # The other ranks lost this checkpoint with the writers' group (WritersRegroupedError):
@@ -177,8 +196,23 @@ class PersistDispatcher:
                 log.warning("the checkpoint of step %s was lost with this rank's writer; the next one commits", sent.snapshot.version)
             self._sent.clear()
             return
-        for sent in self._sent.values():
+        for request_id, sent in list(self._sent.items()):
             snap = sent.snapshot
+            if sent.replay == ReplayProgress.STARTED:
+                # Some of its groups may have been stepped in place, others not: replayed again
+                # they would be stepped twice, and left as they are the slot is no version at all.
+                del self._sent[request_id]
+                snap.slot.busy = False
+                self.lost_mid_replay += 1
+                log.warning(
+                    "the checkpoint of step %s was lost: its writer died while replaying it into host memory; "
+                    "the next one commits", snap.version,
+                )
+                continue
+            if sent.replay == ReplayProgress.FINISHED:
+                # The slot holds the version already: persist it as it is.
+                sent.request = dataclasses.replace(sent.request, replay=None)
+                sent.replay = ReplayProgress.NOT_STARTED
             sent.stats.writer_restarts = self.link.restarts.count
             sent.request.stats["writer_restarts"] = self.link.restarts.count  # what its manifest records
             writer.send(p.SetPlanRequest(snap.plan_id, snap.layout.entries, snap.plan.offsets, snap.layout.global_shapes))
@@ -191,6 +225,11 @@ class PersistDispatcher:
     def _handle(self, response: object) -> None:
         if isinstance(response, p.MappedResponse):
             return  # counted by the writer link; the buffer is shared from now on
+        if isinstance(response, p.ReplayProgressNotice):
+            progressed = self._sent.get(response.request_id)
+            if progressed is not None:
+                progressed.replay = ReplayProgress.FINISHED if response.finished else ReplayProgress.STARTED
+            return
         if isinstance(response, p.CommittedResponse):
             sent = self._sent.pop(response.request_id, None)
             if sent is None:

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import logging
 import secrets
+import warnings
 from dataclasses import dataclass, field
 
 from ..format.manifest import RUN_ID_HEX, checkpoint_name, step_of_name
+from .warnings_text import ROOT_AHEAD_WARNING
 
 log = logging.getLogger("overlapckpt.lineage")
 
@@ -32,13 +34,29 @@ class Lineage:
     # This run holds the root's lease (format/lease.py): no other job writes the root.
     root_leased: bool = False
     padded_names: bool = True  # step-000000100; False: step-100 (the torchtitan key layout)
+    root: str = ""  # for the warning below
+    _warned_root_ahead: bool = False
 
     def note_existing(self, committed_names: list[str], own: set[str]) -> None:
         """The root's committed checkpoints, less this run's own: their versions are taken."""
         self.taken_versions = {v for n in committed_names if n not in own and (v := step_of_name(n)) is not None}
 
     def name_for(self, version: int) -> str:
-        """The directory name of this run's checkpoint of ``version``."""
+        """The directory name of this run's checkpoint of ``version``.
+
+        The first time a run that continued from nothing names a version below one that
+        another run's checkpoint holds, it warns once: its names would read as if training
+        had started over (a resume with ``load()`` into new objects, or none at all).
+        """
+        if self.restored_from is None and not self._warned_root_ahead and self.taken_versions and max(self.taken_versions) > version:
+            self._warned_root_ahead = True
+            newest = sorted(self.taken_versions)
+            warnings.warn(
+                ROOT_AHEAD_WARNING.format(
+                    root=self.root, newest=newest[-1], versions=", ".join(map(str, newest[-5:])), version=version
+                ),
+                stacklevel=2,
+            )
         if version in self.taken_versions:
             return checkpoint_name(version, self.run_id, padded=self.padded_names)
         return checkpoint_name(version, padded=self.padded_names)

@@ -57,3 +57,10 @@ KEEP_STAGING_WARNING = (
     "region is allocated once, outside the checkpoints' hooks, and kept, because allocating it again inside "
     "optimizer.step() could run out of device memory or synchronize the device. Drop the keep_staging argument"
 )
+
+ROOT_AHEAD_WARNING = (
+    "overlapckpt: this run's checkpoint of version {version} goes to {root}, which holds another run's checkpoints "
+    "up to version {newest} (the newest: {versions}): its names read as if training had started over. To continue "
+    "that run, restore it first (load(root, model, optimizer) before building the Checkpointer, or ckpt.restore()), "
+    "or say which version this state is: ckpt.continued_from(<version>)"
+)

@@ -160,6 +160,21 @@ class WriterProcess:
             raise self._died("while checkpoints were in flight")
         return out
 
+    def last_words(self) -> list[object]:
+        """After its death: every message the writer sent that was not read yet (its socket buffer).
+
+        The death may be noticed by a send or a liveness check before the pipe is read;
+        what it said before it died (a commit, how far a replay went) still decides what
+        its successor must do.
+        """
+        out: list[object] = []
+        try:
+            while self._conn.poll(0):
+                out.append(self._receive())
+        except (EOFError, OSError, pickle.UnpicklingError):
+            pass  # the end of what it said
+        return out
+
     def wait_ready(self) -> None:
         """Block until the writer has started (in a distributed run: joined the writers' group)."""
         while not self._ready:

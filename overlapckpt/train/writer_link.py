@@ -65,6 +65,8 @@ class WriterLink:
         self._factory = factory
         self.restarts = WriterRestartBudget(max_restarts)
         self._handovers: list[Callable[[WriterProcess], None]] = []
+        # What the last dead writer sent and nobody read: the handovers read it (dispatch.py).
+        self.last_words: list[object] = []
 
     def on_replaced(self, handover: Callable[[WriterProcess], None]) -> None:
         """Call ``handover(new_writer)`` after each replacement, in registration order."""
@@ -74,6 +76,7 @@ class WriterLink:
         """Start a new writer in place of the dead one and hand it everything; False if none may start."""
         if self._factory is None or not self.restarts.allow():
             return False
+        self.last_words = self.writer.last_words()
         self.writer.close(timeout_s=5.0)  # reap the dead one
         self.writer = self._factory()
         for handover in self._handovers:

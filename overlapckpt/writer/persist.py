@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,6 +60,7 @@ def persist_snapshot(
     req: p.PersistRequest,
     signing_key: bytes | None = None,
     write_threads: int = 1,
+    on_replay: Callable[[bool], None] | None = None,
 ) -> p.CommittedResponse:
     started = time.perf_counter()
     if group is not None:
@@ -72,7 +74,13 @@ def persist_snapshot(
     if req.replay is not None:
         from .replay import replay_to_version
 
+        # The training side hears of it before the slot is written, and once it holds the
+        # version: a successor of a writer killed in between must not replay it again.
+        if on_replay is not None:
+            on_replay(False)
         replay_to_version(entries, tensors, req.replay, buffers[req.replay.grad_buffer_id])
+        if on_replay is not None:
+            on_replay(True)
     # Per local part: the checksum of the host snapshot, checked against what DCP decodes at
     # load. The same algorithm as the stored bytes' (the storage writer's default_algorithm()).
     algorithm = default_algorithm()

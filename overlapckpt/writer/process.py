@@ -45,11 +45,12 @@ class _WriterState:
         self.control_page: torch.Tensor | None = None  # the mapping the watch reads and writes
         self.plans: dict[int, p.SetPlanRequest] = {}
 
-    def persist(self, req: p.PersistRequest) -> p.CommittedResponse:
+    def persist(self, req: p.PersistRequest, conn: Connection) -> p.CommittedResponse:
         plan = self.plans[req.plan_id]
         return persist_snapshot(
             self.store, self.group, plan.entries, plan.offsets, plan.global_shapes, self.buffers, req, self.signing_key,
             write_threads=self.threads,
+            on_replay=lambda finished: _send(conn, p.ReplayProgressNotice(req.request_id, finished)),
         )
 
 
@@ -82,7 +83,7 @@ def _persist(conn: Connection, state: _WriterState, req: p.PersistRequest) -> No
             _send(conn, _error_response(req.request_id, _lost(req.name, group.generation, "the replaced writer's rank lost it")))
             return
         try:
-            _send(conn, state.persist(req))
+            _send(conn, state.persist(req, conn))
             return
         except BaseException as e:
             cause = dcp_root_cause(e)
