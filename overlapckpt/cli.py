@@ -53,14 +53,27 @@ def _when(unix_s: float) -> str:
     return datetime.datetime.fromtimestamp(unix_s, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would act on escaped (``\x1b``, ``\n``, ...).
+
+    What a manifest holds is data from storage: a crafted name or field must not move the
+    cursor, clear the screen or forge a line of output.
+    """
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def _say(text: str, file: Any = None) -> None:
+    print(printable(text), file=file if file is not None else sys.stdout)
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     infos = list_checkpoints(args.root, _storage_options(args.option))
     if not infos:
-        print(f"no committed checkpoint under {args.root}")
+        _say(f"no committed checkpoint under {args.root}")
         return 0
-    print(f"{'step':>10} {'requested':>10} {'mode':>7} {'window':>6} {'ranks':>5} {'size':>10}  committed                path")
+    _say(f"{'step':>10} {'requested':>10} {'mode':>7} {'window':>6} {'ranks':>5} {'size':>10}  committed                path")
     for i in infos:
-        print(
+        _say(
             f"{i.step:>10} {i.requested_step:>10} {i.mode:>7} {i.window:>6} {i.world_size:>5} {_size(i.nbytes):>10}  "
             f"{_when(i.created_at)}  {i.path}"
         )
@@ -72,36 +85,37 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     name = resolve_checkpoint(store, args.step)
     m = read_manifest(store, name)
     if args.json:
-        print(json.dumps(m.raw, indent=1, sort_keys=True))
+        for line in json.dumps(m.raw, indent=1, sort_keys=True).splitlines():
+            _say(line)
         return 0
     ledger = m.ledger or {}
-    print(f"checkpoint   {store.checkpoint_url(name)}")
-    print(f"version      step {m.step} (requested at step {m.requested_step}), mode {m.mode}, window {m.window}")
-    print(f"state        {len(m.items)} tensors, {_size(m.nbytes)}; torch {m.torch_version}; committed {_when(m.created_at)}")
-    print(f"extra state  {', '.join(m.extra_state_index) or '-'}; boundary captured at {ledger.get('boundary')}")
+    _say(f"checkpoint   {store.checkpoint_url(name)}")
+    _say(f"version      step {m.step} (requested at step {m.requested_step}), mode {m.mode}, window {m.window}")
+    _say(f"state        {len(m.items)} tensors, {_size(m.nbytes)}; torch {m.torch_version}; committed {_when(m.created_at)}")
+    _say(f"extra state  {', '.join(m.extra_state_index) or '-'}; boundary captured at {ledger.get('boundary')}")
     if m.ranks:
         mesh = "x".join(str(d) for d in m.mesh_shape)
-        print(f"ranks        {m.world_size} (mesh {mesh}); each wrote its share:")
+        _say(f"ranks        {m.world_size} (mesh {mesh}); each wrote its share:")
         for r in m.ranks:
             versions = sorted({g["version"] for g in (r.ledger or {}).get("groups", [])})
             copied = (r.stats or {}).get("copied_nbytes")
-            print(
+            _say(
                 f"  rank {r.rank}: {_size(r.nbytes)} in {len(r.items)} tensors or shards, groups at versions "
                 f"{versions}{'' if copied is None else f', copied {_size(int(copied))}'}"
             )
     if m.exports:
-        print(f"framework    {', '.join(sorted(m.exports))}")
+        _say(f"framework    {', '.join(sorted(m.exports))}")
     for g in ledger.get("groups", []):
         landed = g.get("landed_s")
-        print(f"  group {g['index']}: {_size(g['nbytes'])} at version {g['version']}, landed {'-' if landed is None else f'{landed * 1000:.1f} ms'} after the request")
+        _say(f"  group {g['index']}: {_size(g['nbytes'])} at version {g['version']}, landed {'-' if landed is None else f'{landed * 1000:.1f} ms'} after the request")
     if ledger.get("gradient_steps"):
-        print(f"  gradients logged for steps {', '.join(ledger['gradient_steps'])}; replayed on the CPU to version {m.step}")
+        _say(f"  gradients logged for steps {', '.join(ledger['gradient_steps'])}; replayed on the CPU to version {m.step}")
     if ledger.get("closed_early_at") is not None:
-        print(f"  window closed early at step {ledger['closed_early_at']}")
+        _say(f"  window closed early at step {ledger['closed_early_at']}")
     choice = ledger.get("window_choice")
     if choice:
         fwd, bw = choice.get("fwd_bwd_s"), choice.get("copy_bytes_per_s")
-        print(
+        _say(
             f"  window='auto' chose {choice['window_steps']}: {choice['reason']} "
             f"(forward+backward {'-' if fwd is None else f'{fwd * 1000:.2f} ms'}, copy "
             f"{'-' if bw is None else f'{bw / 1e9:.2f} GB/s'})"
@@ -126,19 +140,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
         try:
             report = verify_checkpoint(store, name, signing_key=resolve_key(None))  # OVERLAPCKPT_SIGNING_KEY, if set
         except CorruptCheckpointError as e:
-            print(f"CORRUPT {store.checkpoint_url(name)}: {e}")
+            _say(f"CORRUPT {store.checkpoint_url(name)}: {e}")
             failed += 1
             continue
         if report.ok:
-            print(
+            _say(
                 f"ok      {report.path}: {report.blobs} blobs in {report.files} files, .metadata and the manifest, "
                 f"{_size(report.nbytes)}: every {report.algorithm} checksum matches"
             )
         else:
             failed += 1
-            print(f"CORRUPT {report.path}: {len(report.problems)} problem(s), {report.blobs} blobs read")
+            _say(f"CORRUPT {report.path}: {len(report.problems)} problem(s), {report.blobs} blobs read")
             for problem in report.problems:
-                print(f"  {problem}")
+                _say(f"  {problem}")
     return 1 if failed else 0
 
 
@@ -166,13 +180,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except CheckpointReadError as e:  # storage, not the checkpoint: name what the storage said
         cause = e.__cause__ if e.__cause__ is not None else e
-        print(f"overlapckpt {args.command}: {args.root}: {type(cause).__name__}: {cause}", file=sys.stderr)
+        _say(f"overlapckpt {args.command}: {args.root}: {type(cause).__name__}: {cause}", file=sys.stderr)
         return 2
     except OverlapCkptError as e:
-        print(f"overlapckpt {args.command}: {e}", file=sys.stderr)
+        _say(f"overlapckpt {args.command}: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # storage unreachable (botocore's errors are not OSErrors), bad URL, missing s3fs
-        print(f"overlapckpt {args.command}: {args.root}: {type(e).__name__}: {e}", file=sys.stderr)
+        _say(f"overlapckpt {args.command}: {args.root}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
 
 

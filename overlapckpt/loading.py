@@ -317,8 +317,9 @@ def load(
             target.update(named_as(key_layout, msd, osd))
             return target
 
+        # With a key, authenticity first: nothing of .metadata is decoded before its signature holds.
+        check_signed(store, name, read_manifest(store, name), signing_key)
         manifest = _checked_manifest(store, name, (rank, world), per_rank_state, verify, target_for)
-        check_signed(store, name, manifest, signing_key)
     except OverlapCkptError as e:  # raised on every rank below, before any rank reads
         failure = e
     _agree_before_reading(group, failure, name)

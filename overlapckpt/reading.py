@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointNotFoundError, ConfigError
+from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from .format.entries import optimizer_state_by_index
 from .format.key_layout import GET_STATE_DICT
-from .format.manifest import CheckpointInfo
+from .format.manifest import DATA_FILE_RE, CheckpointInfo
 from .format.storage import CheckpointStore, translate_read_errors
+from .format.verify import read_manifest
 from .loading import _checked_manifest, _per_rank_extra_state, check_signed, checkpoint_at, read_into
 
 __all__ = ["CheckpointContents", "optimizer_state_by_index", "read_checkpoint"]
@@ -55,6 +56,8 @@ def read_checkpoint(
     """
     store, name = checkpoint_at(path, step, storage_options)
     where = store.checkpoint_url(name)
+    # With a key, authenticity first: nothing of .metadata is decoded before its signature holds.
+    check_signed(store, name, read_manifest(store, name), signing_key)
     host = _template(store, name)
     manifest = _checked_manifest(store, name, (0, 1), "skip", verify, host)
     if manifest.key_layout != GET_STATE_DICT:
@@ -62,7 +65,6 @@ def read_checkpoint(
             f"{where} names its state in the {manifest.key_layout!r} key layout, and read_checkpoint returns the "
             f"{GET_STATE_DICT!r} one; restore it with overlapckpt.load (or overlapckpt.titan's manager)"
         )
-    check_signed(store, name, manifest, signing_key)
     read_into(store, name, host, manifest=manifest if verify else None)
     world = manifest.world_size
     if not 0 <= rank < world:
@@ -86,9 +88,50 @@ def _template(store: CheckpointStore, name: str) -> dict[str, Any]:
         metadata = store.make_reader(name).read_metadata()
     if metadata is None or not metadata.state_dict_metadata:
         raise CheckpointNotFoundError(f"{store.checkpoint_url(name)} holds no state")
+    _check_claimed_sizes(store, name, metadata)
     nested: dict[str, Any] = {}
     planner_data = metadata.planner_data or {}
     for key, item in metadata.state_dict_metadata.items():
         value = torch.empty(tuple(item.size), dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
         set_element(nested, planner_data.get(key, (key,)), value)
     return nested
+
+
+def _check_claimed_sizes(store: CheckpointStore, name: str, metadata: Any) -> None:
+    """Before anything is allocated from it: every tensor .metadata describes fits the bytes stored for it.
+
+    A crafted .metadata can claim a 10^15-element tensor; allocated first, that is an
+    out-of-memory error or a raw RuntimeError from torch.empty, not a refusal. The blobs'
+    lengths are checked against their files' sizes, and each tensor's bytes against the
+    blobs stored for it (torch.save's framing only adds to them).
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    where = store.checkpoint_url(name)
+    file_nbytes: dict[str, int] = {}
+    stored: dict[str, int] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        relative_path = str(info.relative_path)
+        if not DATA_FILE_RE.fullmatch(relative_path):
+            raise CorruptCheckpointError(f"{where}/.metadata places {index.fqn!r} in {relative_path!r}, which is not one of its data files")
+        if relative_path not in file_nbytes:
+            with translate_read_errors(f"{where}/{relative_path}"):
+                file_nbytes[relative_path] = store.file_size(name, relative_path)
+        offset, length = int(info.offset), int(info.length)
+        if offset < 0 or length < 0 or offset + length > file_nbytes[relative_path]:
+            raise CorruptCheckpointError(
+                f"{where}/.metadata claims bytes {offset}..{offset + length} of {relative_path}, which holds "
+                f"{file_nbytes[relative_path]} bytes: the file is damaged or crafted"
+            )
+        stored[index.fqn] = stored.get(index.fqn, 0) + length
+    for key, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            numel = 1
+            for d in item.size:
+                numel *= int(d)
+            nbytes = numel * torch.empty((), dtype=item.properties.dtype).element_size()
+            if nbytes > stored.get(key, 0):
+                raise CorruptCheckpointError(
+                    f"{where}/.metadata describes {key!r} as {tuple(item.size)} ({nbytes} bytes), but stores "
+                    f"{stored.get(key, 0)} bytes for it: the file is damaged or crafted; refused before allocating"
+                )

@@ -203,3 +203,36 @@ def _kill_in_replay(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 
 _REPLAY_STEPS = [0]
+
+
+class DiesBeforeLatestStore(CheckpointStore):
+    """Kills its writer process (SIGKILL) once, right after the commit's rename and before ``latest`` is written.
+
+    Once per BLOCK_ONCE_MARKER_ENV marker: the replacement writer persists normally.
+    """
+
+    def write_latest(self, name: str) -> None:
+        import signal
+
+        marker = os.environ.get(BLOCK_ONCE_MARKER_ENV)
+        if marker and not os.path.exists(marker):
+            with open(marker, "w"):
+                pass
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().write_latest(name)
+
+
+class SkewedClockStore(CheckpointStore):
+    """Writes the manifest of step 3 as if the writer's clock had stepped back an hour (NTP, a VM migration)."""
+
+    def write_manifest(self, name: str, data: bytes) -> None:
+        import json
+
+        from overlapckpt.format.manifest import dump_manifest, step_of_name
+
+        if step_of_name(checkpoint_of_directory(name)) == 3:
+            document = json.loads(data)
+            document["created_at"] -= 3600.0
+            document.pop("manifest_crc32", None)
+            data = dump_manifest(document)
+        super().write_manifest(name, data)

@@ -177,3 +177,30 @@ def test_a_writer_killed_inside_its_replay_loses_that_checkpoint_and_lists_no_wr
         assert_state_equal(*twin[info.step], fresh, fresh_opt)
     assert [i.step for i in listed] == [i.step for i in infos] == [8]
     assert ckpt.writer_restarts == 1 and ckpt._engine.dispatcher.lost_mid_replay == 1
+
+
+def test_a_writer_killed_between_the_commit_and_latest_does_not_stop_training(tmp_path, monkeypatch):
+    # Its successor persists the checkpoint again and finds it committed: this run's own, of
+    # this step, so a success (latest written, the commit answered). Before, the successor's
+    # CheckpointExistsError reached the loop from optimizer.step().
+    from fakes import DiesBeforeLatestStore
+
+    monkeypatch.setenv(BLOCK_ONCE_MARKER_ENV, str(tmp_path / "died-once"))
+    twin = twin_states(6)
+    model, opt, sched, sampler = make_run()
+    with pytest.warns(UserWarning, match=r"the writer process died .* a new one was started"):
+        with Checkpointer(model, opt, tmp_path / "ckpts", store_class=DiesBeforeLatestStore) as ckpt:
+            for it in range(1, 7):
+                train_step(model, opt, sched, sampler)
+                ckpt.step()
+                if it in (3, 5):
+                    ckpt.request()
+                    ckpt.wait(timeout_s=120)
+            assert ckpt.writer_restarts == 1
+            assert [s["step"] for s in ckpt.stats] == [3, 5]
+    assert (tmp_path / "died-once").exists()  # the precondition: it died there
+    assert [i.step for i in list_checkpoints(str(tmp_path / "ckpts"))] == [3, 5]
+    assert (tmp_path / "ckpts" / "latest").read_text().strip() == "step-000000005"
+    fresh, fresh_opt, _, _ = make_run(seed=5)
+    load(str(tmp_path / "ckpts"), fresh, fresh_opt, step=3)
+    assert_state_equal(*twin[3], fresh, fresh_opt)

@@ -145,3 +145,24 @@ def test_a_run_that_stepped_after_load_or_never_loaded_is_warned_once_with_the_c
     assert len(ahead) == 1, ahead  # once, though two checkpoints were named below version 4
     assert "checkpoint of version 1" in ahead[0] and "up to version 4 (the newest: 2, 4)" in ahead[0]
     assert "load(root, model, optimizer)" in ahead[0] and "ckpt.continued_from(<version>)" in ahead[0]
+
+
+def test_retention_follows_versions_when_the_writers_clock_steps_back(tmp_path):
+    # step-3's manifest says it was written an hour before step-1: ordered by created_at,
+    # keep=2 deleted the newer step-3.
+    from fakes import SkewedClockStore
+
+    model, opt, sched, sampler = make_run()
+    created = {}
+    with Checkpointer(model, opt, tmp_path, keep=2, store_class=SkewedClockStore) as ckpt:
+        for _ in range(5):
+            train_step(model, opt, sched, sampler)
+            ckpt.step()
+            ckpt.request()
+            (info,) = ckpt.wait(timeout_s=120)
+            with open(os.path.join(info.path, "overlapckpt.json")) as f:
+                created[info.step] = json.load(f)["created_at"]
+            # keep=2: this run's two newest versions, whatever their manifests' clocks say.
+            assert _names(tmp_path) == [f"step-{v:09d}" for v in range(max(1, info.step - 1), info.step + 1)], info.step
+    assert created[3] < created[1] - 3000  # the precondition: the clock stepped back
+    assert _names(tmp_path) == ["step-000000004", "step-000000005"]

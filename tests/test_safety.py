@@ -12,6 +12,7 @@ import io
 import json
 import os
 import pickle
+import struct
 import zlib
 from pathlib import Path
 
@@ -221,3 +222,176 @@ def test_a_swapped_metadata_is_refused_by_the_signature(tmp_path):
     (ckpt_dir / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(SignatureError, match=r"\.metadata is not the one that was signed"):
         load(str(tmp_path), *make_run(seed=5)[:2], signing_key=KEY, verify=False)
+
+
+# ---- crafted bytes import nothing and allocate nothing (issue 26, items 1-4) -----------------------
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _in_a_fresh_interpreter(code: str) -> str:
+    """Run ``code`` in a new Python (nothing imported yet but what it imports): its stdout."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(TESTS_DIR), TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+_LOAD_AND_REPORT = """
+import sys
+from helpers import make_run
+from overlapckpt import load
+from overlapckpt.reading import read_checkpoint
+from overlapckpt.errors import OverlapCkptError
+before = {modules!r}
+assert not any(m in sys.modules for m in before), [m for m in before if m in sys.modules]
+try:
+    {call}
+    print("loaded")
+except OverlapCkptError as e:
+    print("refused", type(e).__name__, str(e).replace(chr(10), " "))
+print("imported", sorted(m for m in before if m in sys.modules))
+"""
+
+
+def test_a_metadata_naming_a_lazy_torch_submodule_is_refused_before_anything_is_imported(tmp_path):
+    # torch's lazy __getattr__ imported torch._inductor (217 modules) for the allowlist's getattr.
+    ckpt = _checkpoint(tmp_path / "root")
+    (ckpt / ".metadata").write_bytes(b"\x80\x02ctorch\n_inductor\n.")
+    _recompute_checksums(ckpt)
+    # read_checkpoint builds no model or optimizer (creating those imports torch's lazy modules anyway).
+    out = _in_a_fresh_interpreter(_LOAD_AND_REPORT.format(modules=["torch._inductor"], call=f"read_checkpoint({str(tmp_path / 'root')!r})"))
+    assert "refused UnsafeCheckpointError" in out and "torch._inductor" in out.split("imported")[0], out
+    assert "imported []" in out, out
+    with pytest.raises(UnsafeCheckpointError, match="names the global torch._inductor"):
+        load(str(tmp_path / "root"), *make_run(seed=5)[:2])
+
+
+def test_an_extra_state_dtype_that_names_a_submodule_is_a_corrupt_checkpoint_and_imports_nothing(tmp_path):
+    ckpt = _checkpoint(tmp_path / "root")
+
+    def name_onnx(node):
+        if isinstance(node, dict):
+            if node.get("dtype") == "uint8" and "data" in node:
+                node["dtype"] = "onnx"
+                return True
+            return any(name_onnx(v) for v in node.values())
+        return isinstance(node, list) and any(name_onnx(v) for v in node)
+
+    _rewrite_manifest(ckpt, lambda m: name_onnx(m) or pytest.fail("no tensor in the manifest's extra state"))
+    out = _in_a_fresh_interpreter(_LOAD_AND_REPORT.format(modules=["torch.onnx"], call=f"read_checkpoint({str(tmp_path / 'root')!r})"))
+    assert "refused CorruptCheckpointError" in out and "names the dtype 'onnx', which is no torch dtype" in out, out
+    assert "imported []" in out, out
+    with pytest.raises(CorruptCheckpointError, match="names the dtype 'onnx'"):
+        load(str(tmp_path / "root"), *make_run(seed=5)[:2])
+
+
+def test_with_a_key_the_signature_is_checked_before_metadata_is_decoded(tmp_path):
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path / "root", signing_key=KEY) as ckpt:
+        for _ in range(3):
+            train_step(model, opt, sched, sampler)
+            ckpt.step()
+        ckpt.request()
+    ckpt_dir = tmp_path / "root" / STEP
+    (ckpt_dir / ".metadata").write_bytes(b"\x80\x02ctorch\n_inductor\n.")
+    call = f"read_checkpoint({str(tmp_path / 'root')!r}, signing_key={KEY!r})"  # Lightning's resume path
+    out = _in_a_fresh_interpreter(_LOAD_AND_REPORT.format(modules=["torch._inductor"], call=call))
+    assert "refused SignatureError" in out and "imported []" in out, out
+    # load() too: decoded first, the same .metadata is an UnsafeCheckpointError instead.
+    from overlapckpt import SignatureError
+
+    with pytest.raises(SignatureError, match=r"\.metadata is not the one that was signed"):
+        load(str(tmp_path / "root"), *make_run(seed=5)[:2], signing_key=KEY)
+
+
+def test_a_pickle_with_a_huge_memo_index_is_refused_before_it_allocates(tmp_path):
+    from overlapckpt.format.safe_read import load_plain_data
+
+    bomb = b"\x80\x02Nr" + struct.pack("<I", 1 << 26) + b"."  # 9 bytes; unpickled, a 512 MiB memo
+    with pytest.raises(UnsafeCheckpointError, match="puts memo entry 67108864 at byte 3 after 0 entries"):
+        load_plain_data(bomb, "TorchTitan's dataloader state")  # TorchTitan's data loader blob
+    ckpt = _checkpoint(tmp_path / "root")
+    (ckpt / ".metadata").write_bytes(bomb)
+    _recompute_checksums(ckpt)
+    with pytest.raises(UnsafeCheckpointError, match="puts memo entry 67108864"):
+        load(str(tmp_path / "root"), *make_run(seed=5)[:2])
+
+
+def _edit_metadata(ckpt: Path, edit) -> None:
+    metadata = pickle.loads((ckpt / ".metadata").read_bytes())  # our own, honest file
+    edit(metadata)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def test_a_blob_length_beyond_its_file_is_refused_before_any_buffer_is_allocated(tmp_path):
+    ckpt = _checkpoint(tmp_path / "root")
+    claimed = 1 << 30
+    key_name = "model.inp.weight"
+
+    def claim_a_gibibyte(metadata):
+        key = next(k for k in metadata.storage_data if k.fqn == key_name)
+        info = metadata.storage_data[key]
+        metadata.storage_data[key] = type(info)(relative_path=info.relative_path, offset=info.offset, length=claimed)
+
+    _edit_metadata(ckpt, claim_a_gibibyte)
+    _recompute_checksums(ckpt)
+
+    def claim_in_the_manifest(m):
+        for f in m["checksums"]["files"].values():
+            for b in f["blobs"]:
+                if b["key"] == key_name:
+                    b["length"] = claimed
+
+    _rewrite_manifest(ckpt, claim_in_the_manifest)
+    shard = ckpt / "__0_0.distcp"
+    assert shard.stat().st_size < 1 << 20  # the precondition: the file is far smaller than the claim
+    for verify in (True, False):
+        with pytest.raises(CorruptCheckpointError, match=r"claims bytes \d+\.\.\d+ of __0_0\.distcp, which holds \d+ bytes") as info:
+            load(str(tmp_path / "root"), *make_run(seed=5)[:2], verify=verify)
+        assert "refused before reading" in str(info.value) or "damaged or crafted" in str(info.value)
+
+
+def test_a_metadata_claiming_a_huge_tensor_is_refused_before_it_is_allocated(tmp_path):
+    from overlapckpt.reading import read_checkpoint
+
+    ckpt = _checkpoint(tmp_path / "root")
+
+    def claim_a_quadrillion(metadata):
+        item = metadata.state_dict_metadata["model.inp.weight"]
+        item.size = torch.Size([10**15])
+
+    _edit_metadata(ckpt, claim_a_quadrillion)
+    _recompute_checksums(ckpt)
+    with pytest.raises(CorruptCheckpointError, match=r"describes 'model.inp.weight' as \(1000000000000000,\) \(4000000000000000 bytes\)"):
+        read_checkpoint(str(tmp_path / "root"))
+
+
+def test_a_relative_path_outside_the_checkpoint_is_refused_without_verify_too(tmp_path):
+    other = _checkpoint(tmp_path / "other")
+    ckpt = _checkpoint(tmp_path / "root")
+
+    def read_the_other_root(metadata):
+        for key, info in list(metadata.storage_data.items()):
+            escape = os.path.relpath(other / str(info.relative_path), ckpt)
+            metadata.storage_data[key] = type(info)(relative_path=escape, offset=info.offset, length=info.length)
+
+    _edit_metadata(ckpt, read_the_other_root)
+    _recompute_checksums(ckpt)
+    with pytest.raises(CorruptCheckpointError, match=r"which is not one of its data files"):
+        load(str(tmp_path / "root"), *make_run(seed=5)[:2], verify=False)
+
+
+def test_the_cli_escapes_control_characters_from_a_manifest(tmp_path, capsys):
+    ckpt = _checkpoint(tmp_path / "root")
+    _rewrite_manifest(ckpt, lambda m: m.update(torch_version="2.13\x1b[2J\x1b]0;owned\x07"))
+    root = str(tmp_path / "root")
+    assert main(["inspect", root, "--step", "3"]) == 0
+    assert main(["inspect", root, "--step", "3", "--json"]) == 0
+    assert main(["ls", root]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out
+    assert "2.13\\x1b[2J\\x1b]0;owned\\x07" in out

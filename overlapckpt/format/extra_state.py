@@ -63,12 +63,21 @@ def decode(value: Any) -> Any:
     if tag == "bytes":
         return base64.b64decode(value["data"])
     if tag == "tensor":
-        dtype = getattr(torch, value["dtype"])
+        dtype = _DTYPES.get(value["dtype"]) if isinstance(value["dtype"], str) else None
+        if dtype is None:
+            raise CorruptCheckpointError(
+                f"the manifest's extra state names the dtype {value['dtype']!r}, which is no torch dtype; the file is damaged"
+            )
         raw = base64.b64decode(value["data"])
         if not raw:
             return torch.empty(value["shape"], dtype=dtype)
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(value["shape"])
     raise CorruptCheckpointError(f"unknown tag {tag!r} in the manifest's extra state; the file is damaged")
+
+
+# Every dtype by the name encode() writes: looked up here, never with getattr(torch, name),
+# whose lazy __getattr__ imports a submodule of that name ("onnx" imports torch.onnx).
+_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:

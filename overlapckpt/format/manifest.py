@@ -33,6 +33,10 @@ from ..errors import CorruptCheckpointError
 from .checksum import hex32, updater
 from .key_layout import GET_STATE_DICT, KEY_LAYOUTS
 
+# DCP's data files, by name: a .metadata or manifest that places bytes anywhere else
+# ("../../<another root>/...") is damaged or crafted, and is refused unread.
+DATA_FILE_RE = re.compile(r"__[0-9]+_[0-9]+\.distcp", re.ASCII)
+
 MANIFEST_NAME = "overlapckpt.json"
 METADATA_NAME = ".metadata"
 LATEST_NAME = "latest"

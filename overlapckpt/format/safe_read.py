@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ..errors import UnsafeCheckpointError
+from .pickle_bounds import check_pickle_bounds
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 # Every global DCP's Metadata pickles, found by unpickling real checkpoints (plain, DTensor
@@ -58,10 +59,15 @@ _ALLOWED_GLOBALS = {
 
 
 def _is_torch_constant(module: str, name: str) -> bool:
-    """``torch.float32`` and kin: dtypes and memory formats pickle as attributes of ``torch``."""
+    """``torch.float32`` and kin: dtypes and memory formats pickle as attributes of ``torch``.
+
+    Looked up in the module's own ``__dict__``: ``getattr(torch, name)`` runs torch's lazy
+    ``__getattr__``, which imports a submodule of that name (``torch._inductor``: 217
+    modules) before anything could refuse it.
+    """
     if module != "torch":
         return False
-    value = getattr(torch, name, None)
+    value = vars(torch).get(name)
     return isinstance(value, (torch.dtype, torch.memory_format, torch.layout))
 
 
@@ -83,9 +89,14 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def load_metadata(file: IO[bytes], where: str) -> Metadata:
-    """DCP's ``Metadata`` from ``file`` (``where`` names it in errors), never running code from it."""
+    """DCP's ``Metadata`` from ``file`` (``where`` names it in errors), never running code from it.
+
+    Its opcodes are scanned first (``pickle_bounds.py``): nothing it claims sizes an allocation.
+    """
+    data = file.read()
+    check_pickle_bounds(data, where)
     try:
-        metadata = MetadataUnpickler(file, where).load()
+        metadata = MetadataUnpickler(io.BytesIO(data), where).load()
     except UnsafeCheckpointError:
         raise
     except Exception as e:
@@ -176,6 +187,7 @@ class PlainDataUnpickler(pickle.Unpickler):
 
 def load_plain_data(data: bytes, where: str) -> Any:
     """``pickle.loads`` of plain data, never running code from it (``where`` names it in errors)."""
+    check_pickle_bounds(data, where)
     try:
         return PlainDataUnpickler(io.BytesIO(data), where).load()
     except UnsafeCheckpointError:

@@ -44,7 +44,7 @@ from ..cores import usable_cores
 from ..errors import CorruptCheckpointError
 from .checksum import CRC32, hex32, updater
 from .crc_combine import combine
-from .manifest import Manifest, tensor_checksum
+from .manifest import DATA_FILE_RE, Manifest, tensor_checksum
 from .tensor_record import ViewReader, decode_in_place, locate
 
 # Threads that read and check blobs in a load: training is not running then, so up to 8
@@ -135,7 +135,15 @@ def verified_reader_class(base: type) -> type:
             by_file: dict[str, list[tuple[Any, Any]]] = {}
             for index, reads in wanted.items():
                 info = self.storage_data[index]
-                by_file.setdefault(str(info.relative_path), []).append((info, reads))
+                relative_path = str(info.relative_path)
+                if not DATA_FILE_RE.fullmatch(relative_path):
+                    # Confined always, with or without verify: "../../<another root>/..." would read
+                    # another checkpoint's (or any file's) bytes as this one's.
+                    raise CorruptCheckpointError(
+                        f"the checkpoint's .metadata places {index.fqn!r} in {relative_path!r}, which is not one of its "
+                        "data files (__<rank>_<n>.distcp): the file is damaged or crafted; refused unread"
+                    )
+                by_file.setdefault(relative_path, []).append((info, reads))
             batches: list[tuple[str, list[tuple[Any, Any]]]] = []
             for relative_path, blobs in sorted(by_file.items()):
                 batch: list[tuple[Any, Any]] = []
@@ -169,7 +177,9 @@ def verified_reader_class(base: type) -> type:
             from torch.distributed.checkpoint.planner import LoadItemType
 
             with self.fs.create_stream(path, "rb") as stream:
+                file_nbytes = stream.seek(0, io.SEEK_END)
                 for info, reads in batch:
+                    _check_span(relative_path, info, file_nbytes)
                     if reads[0].type == LoadItemType.BYTE_IO:
                         _decode_bytes(_checked_blob(stream, relative_path, info, expected), reads, planner, lock)
                     else:
@@ -177,6 +187,16 @@ def verified_reader_class(base: type) -> type:
 
     VerifiedReader.__name__ = VerifiedReader.__qualname__ = f"Verified{base.__name__}"
     return VerifiedReader
+
+
+def _check_span(relative_path: str, info: Any, file_nbytes: int) -> None:
+    """Before any buffer is allocated for it: the blob .metadata claims lies inside its file."""
+    offset, length = int(info.offset), int(info.length)
+    if offset < 0 or length < 0 or offset + length > file_nbytes:
+        raise CorruptCheckpointError(
+            f"the checkpoint's .metadata claims bytes {offset}..{offset + length} of {relative_path}, which holds "
+            f"{file_nbytes} bytes: the file is damaged or crafted; refused before reading"
+        )
 
 
 _thread_buffers = threading.local()

@@ -23,13 +23,13 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError, SignatureError
 from .checksum import hex32, updater
-from .manifest import LEGACY_FORMAT_VERSION, MANIFEST_NAME, Manifest, parse_manifest
+from .manifest import DATA_FILE_RE, LEGACY_FORMAT_VERSION, MANIFEST_NAME, Manifest, parse_manifest
 from .signing import check_signature
 from .storage import CheckpointStore, translate_read_errors
 
-# The only files verify reads: DCP's data files and its commit marker. A manifest naming
-# anything else ("../../etc/passwd") is damaged or crafted, and is refused unread.
-DATA_FILE_RE = re.compile(r"__[0-9]+_[0-9]+\.distcp", re.ASCII)
+# The only files verify reads: DCP's data files (DATA_FILE_RE, manifest.py) and its commit
+# marker. A manifest naming anything else ("../../etc/passwd") is damaged or crafted, and is
+# refused unread.
 METADATA_RE = re.compile(r"(__[0-9]+)?\.metadata", re.ASCII)
 # And the framework files a checkpoint may carry (writer/exports.py), by exact name.
 EXPORT_FILE_NAMES = frozenset({"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"})

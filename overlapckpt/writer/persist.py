@@ -68,6 +68,10 @@ def persist_snapshot(
         sequence = group.agree({"name": req.name, "version": req.step, "requested": req.requested_step})
         # The manifest and the coverage check need every rank's tensors: pipeline stages hold different ones.
         global_shapes = group.union_of_shapes(global_shapes)
+    if group is None and store.is_committed(req.name):
+        # Persisted again by the successor of a writer that died after the commit (the rename)
+        # and before it answered: this run's own checkpoint of this step is a success.
+        return _committed_already(store, req, started)
     slot = buffers[req.buffer_id]
     # Exact-storage views: DCP writes them in place instead of cloning each (hostbuf.exact_view).
     tensors = [exact_view(slot, off, e.dtype, e.shape) for e, off in zip(entries, offsets)]
@@ -142,16 +146,7 @@ def persist_snapshot(
     removed: list[str] = []
     warnings: list[str] = []
     if group is None or group.is_coordinator:
-        # Committed: a failure from here on is a warning, never a failed persist.
-        try:
-            store.write_latest(req.name)
-        except Exception as e:
-            warnings.append(f"checkpoint {req.name} committed, but updating {store.root}/latest failed: {type(e).__name__}: {e}")
-        if req.keep is not None:
-            try:
-                removed = apply_retention(store, req.name, req.run_id, req.keep)
-            except Exception as e:
-                warnings.append(f"checkpoint {req.name} committed, but retention (keep={req.keep}) failed: {type(e).__name__}: {e}")
+        removed, warnings = _finish_commit(store, req)  # committed: a failure from here on is a warning
     agreed_window = group.agree_window(req.proposed_next_window) if group is not None else req.proposed_next_window
     if group is not None:
         group.forget(sequence)  # agree_window was a collective: every rank is past the wait on these keys
@@ -163,6 +158,43 @@ def persist_snapshot(
         removed=removed,
         warnings=warnings,
         agreed_next_window=agreed_window,
+    )
+
+
+def _finish_commit(store: CheckpointStore, req: p.PersistRequest) -> tuple[list[str], list[str]]:
+    """After the commit: ``latest``, then retention; a failure here is a warning, never a failed persist."""
+    removed: list[str] = []
+    warnings: list[str] = []
+    try:
+        store.write_latest(req.name)
+    except Exception as e:
+        warnings.append(f"checkpoint {req.name} committed, but updating {store.root}/latest failed: {type(e).__name__}: {e}")
+    if req.keep is not None:
+        try:
+            removed = apply_retention(store, req.name, req.run_id, req.keep)
+        except Exception as e:
+            warnings.append(f"checkpoint {req.name} committed, but retention (keep={req.keep}) failed: {type(e).__name__}: {e}")
+    return removed, warnings
+
+
+def _committed_already(store: CheckpointStore, req: p.PersistRequest, started: float) -> p.CommittedResponse:
+    """The answer for a checkpoint this run committed already (a writer died before answering); else refused."""
+    where = store.checkpoint_url(req.name)
+    try:
+        manifest = parse_manifest(store.read_bytes(req.name, MANIFEST_NAME), where)
+    except Exception:
+        raise already_committed(store, req.name) from None
+    if manifest.run_id != req.run_id or manifest.step != req.step:
+        raise already_committed(store, req.name)
+    removed, warnings = _finish_commit(store, req)
+    return p.CommittedResponse(
+        request_id=req.request_id,
+        info=CheckpointInfo.from_manifest(manifest, where),
+        committed_at=manifest.created_at,
+        persist_s=time.perf_counter() - started,
+        removed=removed,
+        warnings=warnings,
+        agreed_next_window=req.proposed_next_window,
     )
 
 
@@ -195,21 +227,23 @@ def _abandon(attempt: Attempt) -> None:
 
 
 def apply_retention(store: CheckpointStore, just_committed: str, run_id: str, keep: int) -> list[str]:
-    """Delete this run's oldest committed checkpoints beyond ``keep``, in commit order; the names deleted.
+    """Delete this run's oldest committed checkpoints beyond ``keep``, by version; the names deleted.
 
     Only this run's lineage counts: checkpoints of other runs under the same root (the
     abandoned trajectory after a rollback, an earlier job) are never deleted by it. The
     checkpoint just committed and the one ``latest`` names are never deleted.
     """
     protected = {just_committed, store.read_latest()}
-    mine: list[tuple[float, str]] = []
+    mine: list[tuple[int, str]] = []
     for name in store.committed_names():
         try:
             manifest = parse_manifest(store.read_bytes(name, MANIFEST_NAME), store.checkpoint_url(name))
         except Exception:
             continue  # a damaged or unreadable manifest: not provably this run's, so kept
         if manifest.run_id == run_id:
-            mine.append((manifest.created_at, name))
+            # By version, never by created_at: a wall clock that steps back (NTP, a VM
+            # migration) must not make a newer checkpoint the oldest.
+            mine.append((manifest.step, name))
     mine.sort()
     removed = []
     for _, name in mine[: max(0, len(mine) - keep)]:
