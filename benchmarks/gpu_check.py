@@ -27,12 +27,14 @@ import torch
 from torch import nn
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))
+sys.path[:0] = [os.path.dirname(_HERE), os.path.join(os.path.dirname(_HERE), "tests")]
 
 from overlapckpt import Checkpointer, load  # noqa: E402
 from overlapckpt.hostbuf import SharedHostBuffer  # noqa: E402
 from overlapckpt.train.emulated_device import EmulatedDevice, torch_cuda_placement  # noqa: E402
 from overlapckpt.train.transfer import StreamCopier  # noqa: E402
+
+from gpu_support import flat_state, mismatches  # noqa: E402  (the GPU tests' own comparisons)
 
 
 class Target:
@@ -60,28 +62,6 @@ def _model(target: Target, width: int, depth: int, bias: bool = True, seed: int 
         return nn.Sequential(*[nn.Linear(width, width, bias=bias) for _ in range(depth)])
 
 
-def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    out = {f"model.{k}": v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    names = {p: n for n, p in model.named_parameters()}
-    for p, st in opt.state.items():
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                out[f"optim.{names[p]}.{k}"] = v.detach().cpu().clone()
-    return out
-
-
-def _differs(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], tolerance: float = 0.0) -> list[str]:
-    bad = []
-    for k, e in expected.items():
-        g = got[k]
-        if tolerance == 0.0 or not e.is_floating_point() or k.endswith(".step"):
-            if not torch.equal(g, e):
-                bad.append(k)
-        elif ((g.float() - e.float()).abs().max() / e.float().abs().max().clamp_min(1e-30)).item() > tolerance:
-            bad.append(k)
-    return bad
-
-
 def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
     model(x).square().mean().backward()
     opt.step()
@@ -102,13 +82,13 @@ def check_step_counters(target: Target, root: str) -> dict[str, Any]:
         for _ in range(4):
             _step(model, opt, x)
         ckpt.request()
-        expected = _state(model, opt)
+        expected = flat_state(model, opt)
         _step(model, opt, x)
         (info,) = ckpt.wait(timeout_s=120)
     fresh, fresh_opt = make()
     _step(fresh, fresh_opt, x)
     load(root, fresh, fresh_opt, step=info.step)
-    bad = _differs(_state(fresh, fresh_opt), expected)
+    bad = sorted(mismatches(flat_state(fresh, fresh_opt), expected))
     return {"ok": not bad, "differ": bad, "step_counter_on_host": expected["optim.0.bias.step"].device.type == "cpu"}
 
 
