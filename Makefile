@@ -44,10 +44,10 @@ test: check
 	$(PY) -m pytest -q -n 2 tests
 
 # Many seeded random fault schedules (tests/fault_schedule.py): writer and trainer SIGKILLs at
-# random steps and inside persists and replays, slow storage, every mode. About 25 minutes.
+# random steps and inside persists and replays, slow storage, every mode; two trials at once.
 SOAK_TRIALS ?= 200
 soak: install
-	$(PY) tests/soak.py --trials $(SOAK_TRIALS)
+	$(PY) tests/soak.py --trials $(SOAK_TRIALS) --jobs 2
 
 bench: install
 	$(PY) -m pip install --quiet -e '.[test,bench]'

@@ -51,6 +51,28 @@ def _listable(store: CheckpointStore, names: Iterable[str]) -> Iterator[tuple[st
         yield name, manifest
 
 
+def _newest_of_lineage(store: CheckpointStore, names: list[str], latest: str, latest_manifest: Manifest) -> str:
+    """The newest committed checkpoint of ``latest``'s run: ``latest`` lags after a crash between a commit and its update.
+
+    A writer (or the whole job) killed after a checkpoint's commit and before ``latest``
+    names it leaves ``latest`` one checkpoint behind; resuming from it would silently go
+    back. Checkpoints of other runs (an abandoned trajectory after a rollback) are never
+    chosen over ``latest``'s run.
+    """
+    version = latest_manifest.step
+    newer = sorted((n for n in names if (step_of_name(n) or -1) > version), key=lambda n: step_of_name(n) or -1, reverse=True)
+    for name, manifest in _listable(store, newer):
+        if manifest.run_id is not None and manifest.run_id == latest_manifest.run_id:
+            warnings.warn(
+                f"overlapckpt: {store.root}/latest names {latest} (version {version}), but its run also committed {name} "
+                f"(version {manifest.step}), which a crash before latest's update left unnamed; loading {name}. "
+                f"Pass step={version} to load the one latest names",
+                stacklevel=4,
+            )
+            return name
+    return latest
+
+
 def list_checkpoints(path: str, storage_options: dict[str, Any] | None = None) -> list[CheckpointInfo]:
     """Committed checkpoints under ``path``, oldest first.
 
@@ -86,7 +108,9 @@ def resolve_checkpoint(store: CheckpointStore, step: int | None, skip_damaged: b
         preferred = ([latest] if latest in names else []) + [n for n in reversed(names) if n != latest]
         if not skip_damaged:
             return preferred[0]
-        for name, _ in _listable(store, preferred):
+        for name, manifest in _listable(store, preferred):
+            if name == latest:
+                return _newest_of_lineage(store, names, name, manifest)
             return name
         raise CheckpointNotFoundError(
             f"every committed checkpoint under {store.root!r} has a damaged manifest ({len(names)} of them); "

@@ -166,3 +166,29 @@ def test_retention_follows_versions_when_the_writers_clock_steps_back(tmp_path):
             assert _names(tmp_path) == [f"step-{v:09d}" for v in range(max(1, info.step - 1), info.step + 1)], info.step
     assert created[3] < created[1] - 3000  # the precondition: the clock stepped back
     assert _names(tmp_path) == ["step-000000004", "step-000000005"]
+
+
+def test_latest_left_behind_by_a_crash_resolves_to_the_newest_of_its_run(tmp_path):
+    # A whole-job crash after step-6's commit and before latest was updated: latest still
+    # names step-4. load() resumed step 4 silently; it takes step 6, and says why.
+    import pytest
+
+    from helpers import assert_state_equal, snapshot
+
+    model, opt, sched, sampler = make_run()
+    states = {}
+    with Checkpointer(model, opt, tmp_path) as ckpt:
+        for s in range(1, 7):
+            train_step(model, opt, sched, sampler)
+            states[s] = snapshot(model, opt)
+            ckpt.step()
+            if s % 2 == 0:
+                ckpt.request()
+                ckpt.wait(timeout_s=120)
+    (tmp_path / "latest").write_text("step-000000004\n")  # what the crash left
+    fresh, fresh_opt, _, _ = make_run(seed=5)
+    train_step(fresh, fresh_opt, *make_run(seed=5)[2:])
+    with pytest.warns(UserWarning, match=r"latest names step-000000004 \(version 4\), but its run also committed step-000000006"):
+        assert load(str(tmp_path), fresh, fresh_opt).step == 6
+    assert_state_equal(*states[6], fresh, fresh_opt)
+    assert load(str(tmp_path), fresh, fresh_opt, step=4).step == 4  # the one latest names, when asked for
