@@ -395,3 +395,27 @@ def test_the_cli_escapes_control_characters_from_a_manifest(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out
     assert "2.13\\x1b[2J\\x1b]0;owned\\x07" in out
+
+
+def test_a_signed_checkpoint_copied_under_another_name_is_refused(tmp_path, capsys, monkeypatch):
+    # Signed step-3's files copied into step-000000006: they loaded as step 6, and verify passed.
+    import shutil
+
+    from overlapckpt import list_checkpoints
+
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path, signing_key=KEY) as ckpt:
+        for _ in range(3):
+            train_step(model, opt, sched, sampler)
+            ckpt.step()
+        ckpt.request()
+    shutil.copytree(tmp_path / STEP, tmp_path / "step-000000006")
+    for key in (KEY, None):  # signed or not, the name must be the manifest's
+        with pytest.raises(CorruptCheckpointError, match=r"is named for step 6, but its manifest holds step 3"):
+            load(str(tmp_path), *make_run(seed=5)[:2], step=6, signing_key=key)
+    with pytest.warns(UserWarning, match="is named for step 6"):
+        assert [i.step for i in list_checkpoints(str(tmp_path))] == [3]
+    monkeypatch.setenv("OVERLAPCKPT_SIGNING_KEY", KEY)
+    assert main(["verify", str(tmp_path), "--step", "6"]) != 0
+    printed = capsys.readouterr()
+    assert "is named for step 6, but its manifest holds step 3" in printed.out + printed.err

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError, SignatureError
 from .checksum import hex32, updater
-from .manifest import DATA_FILE_RE, LEGACY_FORMAT_VERSION, MANIFEST_NAME, Manifest, parse_manifest
+from .manifest import DATA_FILE_RE, LEGACY_FORMAT_VERSION, MANIFEST_NAME, Manifest, parse_manifest, step_of_name
 from .signing import check_signature
 from .storage import CheckpointStore, translate_read_errors
 
@@ -70,7 +70,30 @@ def read_manifest(store: CheckpointStore, name: str) -> Manifest:
             raise CorruptCheckpointError(
                 f"{where} is committed but has no {MANIFEST_NAME}; it was not written by overlapckpt"
             ) from e
-    return parse_manifest(raw, f"{where}/{MANIFEST_NAME}")
+    manifest = parse_manifest(raw, f"{where}/{MANIFEST_NAME}")
+    check_name_matches(name, manifest, where)
+    return manifest
+
+
+def check_name_matches(name: str, manifest: Manifest, where: str) -> None:
+    """Refuse a checkpoint whose directory name is not the one its manifest was written under.
+
+    Files copied or renamed into another step's directory (``step-2``'s into
+    ``step-000000006``) would load as that step; with a key, the signed manifest's step and
+    run are what the name must agree with, so a signature binds the name too.
+    """
+    version = step_of_name(name)
+    if version is not None and version != manifest.step:
+        raise CorruptCheckpointError(
+            f"{where} is named for step {version}, but its manifest holds step {manifest.step}: its files were copied "
+            "or renamed from another checkpoint; refused"
+        )
+    parts = name.split("-")
+    if version is not None and len(parts) == 3 and manifest.run_id is not None and not manifest.run_id.startswith(parts[2]):
+        raise CorruptCheckpointError(
+            f"{where} is named for run {parts[2]}, but its manifest was written by run {manifest.run_id[:8]}: its files "
+            "were copied or renamed from another run's checkpoint; refused"
+        )
 
 
 def verify_checkpoint(
