@@ -39,9 +39,9 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-def _checkpoint(root: Path) -> Path:
+def _checkpoint(root: Path, **checkpointer_kwargs) -> Path:
     model, opt, sched, sampler = make_run()
-    with Checkpointer(model, opt, root) as ckpt:
+    with Checkpointer(model, opt, root, **checkpointer_kwargs) as ckpt:
         for _ in range(3):
             train_step(model, opt, sched, sampler)
             ckpt.step()
@@ -290,13 +290,7 @@ def test_an_extra_state_dtype_that_names_a_submodule_is_a_corrupt_checkpoint_and
 
 
 def test_with_a_key_the_signature_is_checked_before_metadata_is_decoded(tmp_path):
-    model, opt, sched, sampler = make_run()
-    with Checkpointer(model, opt, tmp_path / "root", signing_key=KEY) as ckpt:
-        for _ in range(3):
-            train_step(model, opt, sched, sampler)
-            ckpt.step()
-        ckpt.request()
-    ckpt_dir = tmp_path / "root" / STEP
+    ckpt_dir = _checkpoint(tmp_path / "root", signing_key=KEY)
     (ckpt_dir / ".metadata").write_bytes(b"\x80\x02ctorch\n_inductor\n.")
     call = f"read_checkpoint({str(tmp_path / 'root')!r}, signing_key={KEY!r})"  # Lightning's resume path
     out = _in_a_fresh_interpreter(_LOAD_AND_REPORT.format(modules=["torch._inductor"], call=call))
@@ -403,13 +397,7 @@ def test_a_signed_checkpoint_copied_under_another_name_is_refused(tmp_path, caps
 
     from overlapckpt import list_checkpoints
 
-    model, opt, sched, sampler = make_run()
-    with Checkpointer(model, opt, tmp_path, signing_key=KEY) as ckpt:
-        for _ in range(3):
-            train_step(model, opt, sched, sampler)
-            ckpt.step()
-        ckpt.request()
-    shutil.copytree(tmp_path / STEP, tmp_path / "step-000000006")
+    shutil.copytree(_checkpoint(tmp_path, signing_key=KEY), tmp_path / "step-000000006")
     for key in (KEY, None):  # signed or not, the name must be the manifest's
         with pytest.raises(CorruptCheckpointError, match=r"is named for step 6, but its manifest holds step 3"):
             load(str(tmp_path), *make_run(seed=5)[:2], step=6, signing_key=key)
