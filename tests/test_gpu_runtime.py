@@ -41,7 +41,9 @@ def _copier(rig, opt):
 
 def test_copy_runs_on_a_side_stream_without_host_sync(tmp_path, rig):
     model, opt, batch = make_run(rig, ModelSpec(width=rig.scaled(1024), depth=2, bias=True), "fused")
-    copier = _copier(rig, opt)
+    # Held on the emulated device: the copy is still queued when the next step fences it, on
+    # every run (an async worker may have finished it first, and no wait would be inserted).
+    copier = StreamCopier(rig.seam(opt))
     with Checkpointer(model, opt, tmp_path, copier=copier) as ckpt:
         train_step(model, opt, batch())
         with sync_errors(rig, copier):

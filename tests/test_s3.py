@@ -50,10 +50,13 @@ def test_s3_uncommitted_prefix_is_not_listed(s3_options):
     fs = s3fs.S3FileSystem(**s3_options)
     # What a writer killed right before its commit leaves: the real shards and a real, valid
     # manifest, and no .metadata. Only the missing commit marker keeps it off the list.
+    # (Under its own name, in another root: files copied under another step's name are now
+    # refused for that alone, since a checkpoint's name is bound to its manifest.)
+    other = "s3://ckpts/run-b-copy"
     for name in ("__0_0.distcp", "overlapckpt.json"):
-        fs.copy(f"ckpts/run-b/step-000000001/{name}", f"ckpts/run-b/step-000000009/{name}")
+        fs.copy(f"ckpts/run-b/step-000000001/{name}", f"ckpts/run-b-copy/step-000000001/{name}")
     assert [i.step for i in list_checkpoints(url, storage_options=s3_options)] == [1]
+    assert [i.step for i in list_checkpoints(other, storage_options=s3_options)] == []
     # The control: the same files with the marker are listed, so the test can fail.
-    for name in ("__0_0.distcp", "overlapckpt.json", ".metadata"):
-        fs.copy(f"ckpts/run-b/step-000000001/{name}", f"ckpts/run-b/step-000000010/{name}")
-    assert len(list_checkpoints(url, storage_options=s3_options)) == 2
+    fs.copy("ckpts/run-b/step-000000001/.metadata", "ckpts/run-b-copy/step-000000001/.metadata")
+    assert [i.step for i in list_checkpoints(other, storage_options=s3_options)] == [1]
