@@ -19,8 +19,9 @@ import torch
 from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from .format.entries import optimizer_state_by_index
 from .format.key_layout import GET_STATE_DICT
-from .format.manifest import DATA_FILE_RE, CheckpointInfo
+from .format.manifest import CheckpointInfo
 from .format.storage import CheckpointStore, translate_read_errors
+from .format.verified_read import check_data_file, check_span
 from .format.verify import read_manifest
 from .loading import _checked_manifest, _per_rank_extra_state, check_signed, checkpoint_at, read_into
 
@@ -112,18 +113,12 @@ def _check_claimed_sizes(store: CheckpointStore, name: str, metadata: Any) -> No
     stored: dict[str, int] = {}
     for index, info in (metadata.storage_data or {}).items():
         relative_path = str(info.relative_path)
-        if not DATA_FILE_RE.fullmatch(relative_path):
-            raise CorruptCheckpointError(f"{where}/.metadata places {index.fqn!r} in {relative_path!r}, which is not one of its data files")
+        check_data_file(index.fqn, relative_path)
         if relative_path not in file_nbytes:
             with translate_read_errors(f"{where}/{relative_path}"):
                 file_nbytes[relative_path] = store.file_size(name, relative_path)
-        offset, length = int(info.offset), int(info.length)
-        if offset < 0 or length < 0 or offset + length > file_nbytes[relative_path]:
-            raise CorruptCheckpointError(
-                f"{where}/.metadata claims bytes {offset}..{offset + length} of {relative_path}, which holds "
-                f"{file_nbytes[relative_path]} bytes: the file is damaged or crafted"
-            )
-        stored[index.fqn] = stored.get(index.fqn, 0) + length
+        check_span(relative_path, info, file_nbytes[relative_path])
+        stored[index.fqn] = stored.get(index.fqn, 0) + int(info.length)
     for key, item in metadata.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):
             numel = 1

@@ -136,13 +136,7 @@ def verified_reader_class(base: type) -> type:
             for index, reads in wanted.items():
                 info = self.storage_data[index]
                 relative_path = str(info.relative_path)
-                if not DATA_FILE_RE.fullmatch(relative_path):
-                    # Confined always, with or without verify: "../../<another root>/..." would read
-                    # another checkpoint's (or any file's) bytes as this one's.
-                    raise CorruptCheckpointError(
-                        f"the checkpoint's .metadata places {index.fqn!r} in {relative_path!r}, which is not one of its "
-                        "data files (__<rank>_<n>.distcp): the file is damaged or crafted; refused unread"
-                    )
+                check_data_file(index.fqn, relative_path)
                 by_file.setdefault(relative_path, []).append((info, reads))
             batches: list[tuple[str, list[tuple[Any, Any]]]] = []
             for relative_path, blobs in sorted(by_file.items()):
@@ -179,7 +173,7 @@ def verified_reader_class(base: type) -> type:
             with self.fs.create_stream(path, "rb") as stream:
                 file_nbytes = stream.seek(0, io.SEEK_END)
                 for info, reads in batch:
-                    _check_span(relative_path, info, file_nbytes)
+                    check_span(relative_path, info, file_nbytes)
                     if reads[0].type == LoadItemType.BYTE_IO:
                         _decode_bytes(_checked_blob(stream, relative_path, info, expected), reads, planner, lock)
                     else:
@@ -189,7 +183,20 @@ def verified_reader_class(base: type) -> type:
     return VerifiedReader
 
 
-def _check_span(relative_path: str, info: Any, file_nbytes: int) -> None:
+def check_data_file(fqn: str, relative_path: str) -> None:
+    """A blob's file, as .metadata names it, must be one of the checkpoint's data files.
+
+    Confined always, with or without verify: "../../<another root>/..." would read another
+    checkpoint's (or any file's) bytes as this one's.
+    """
+    if not DATA_FILE_RE.fullmatch(relative_path):
+        raise CorruptCheckpointError(
+            f"the checkpoint's .metadata places {fqn!r} in {relative_path!r}, which is not one of its "
+            "data files (__<rank>_<n>.distcp): the file is damaged or crafted; refused unread"
+        )
+
+
+def check_span(relative_path: str, info: Any, file_nbytes: int) -> None:
     """Before any buffer is allocated for it: the blob .metadata claims lies inside its file."""
     offset, length = int(info.offset), int(info.length)
     if offset < 0 or length < 0 or offset + length > file_nbytes:
