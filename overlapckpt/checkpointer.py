@@ -207,6 +207,7 @@ class Checkpointer:
         self._lineage = Lineage(agreed_run_id(self._distributed), padded_names=pads_directory_names(key_layout), root=self.path)
         self._lease: RootLease | None = None
         self._lineage.note_existing(store.committed_names(), own=set())
+        self._lineage_starts_at = 0  # the first of self.stats in the current lineage (see continued_from)
         self.model = model
         self.optimizer = optimizer
         self.stateful = stateful
@@ -246,7 +247,7 @@ class Checkpointer:
                 # The ranks agree on the step through their writers (writer/preempt_watch.py), read
                 # from this page at each boundary: no collective in a hook.
                 page = self._control_page = OwnedControlPage()
-                watch = WatchPreemptionRequest(nbytes=PAGE_BYTES, agreement_timeout_s=grace_s / 2)
+                watch = WatchPreemptionRequest(nbytes=PAGE_BYTES, agreement_timeout_s=grace_s / 2, signals=tuple(save_on_signal))
                 writer.send_with_fd(watch, page.fd)
                 link.on_replaced(lambda new_writer: new_writer.send_with_fd(watch, page.fd))
             self._preemption = PreemptionGuard(
@@ -473,9 +474,12 @@ class Checkpointer:
             return
         self._engine.continue_from(info.step)
         committed = self._store.committed_names()
-        own = {os.path.basename(s.path.rstrip("/")) for s in self._engine.stats if s.path}
-        self._lineage.restored(os.path.basename(info.path.rstrip("/")), info.step, [n for n in committed if n not in own])
-        self._lineage.note_existing(committed, own)
+        # This run's own checkpoints of its current lineage (a restore before starts a new one).
+        own = {os.path.basename(s.path.rstrip("/")) for s in self._engine.stats[self._lineage_starts_at :] if s.path}
+        run_before = self._lineage.run_id
+        self._lineage.restored(os.path.basename(info.path.rstrip("/")), info.step, committed, own & set(committed))
+        if self._lineage.run_id != run_before:
+            self._lineage_starts_at = len(self._engine.stats)
 
     def _check_open(self) -> None:
         if self._closed:

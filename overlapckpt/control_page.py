@@ -13,7 +13,9 @@ The slots, and who writes them:
   boundary until ``AGREED`` is set;
 - ``AGREED`` (writer): the step at which every rank checkpoints and exits; 0 while
   unknown, ``NO_AGREEMENT`` if the ranks could not agree in time;
-- ``AGREED_SIGNAL`` (writer): the signal every rank exits with.
+- ``AGREED_SIGNAL`` (writer): the signal every rank exits with;
+- ``FORGED`` (writer): how many values in the store's preemption keys it refused as
+  not written by this run's writers (``writer/sealed_store.py``), for the log and tests.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import ctypes
 
 from .hostbuf import SharedHostBuffer
 
-STEP, SIGNAL, HOLD, AGREED, AGREED_SIGNAL = range(5)
+STEP, SIGNAL, HOLD, AGREED, AGREED_SIGNAL, FORGED = range(6)
 SLOTS = 8
 NOT_YET = 0
 NO_AGREEMENT = -1

@@ -56,6 +56,10 @@ class RankDisagreementError(OverlapCkptError):
     """The ranks of a distributed run did not request the same checkpoint; nothing was committed."""
 
 
+class ForgedStoreValueError(OverlapCkptError):
+    """A value in the job's key-value store that this run's writers must agree through was written by another client."""
+
+
 class CheckpointExistsError(OverlapCkptError, FileExistsError):
     """A committed checkpoint of the same version already exists; it is never overwritten."""
 

@@ -122,14 +122,38 @@ def resolve_checkpoint(store: CheckpointStore, step: int | None, skip_damaged: b
         raise CheckpointNotFoundError(
             f"no committed checkpoint of step {step} under {store.root!r}; committed steps are {steps}"
         )
-    # Two runs' checkpoints of one version (the second has a lineage-aware name): the one
-    # latest names, else the plain name, which the first run wrote.
+    if len(matching) == 1:
+        return matching[0]
+    # Two runs' checkpoints of one version (the second has a lineage-aware name, after a
+    # rollback): the one of latest's run, else the plain name, which the first run wrote.
     with translate_read_errors(store.root):
         latest = store.read_latest()
+    chosen, why = _of_latest_run(store, matching, latest, names), "of the run latest names"
+    if chosen is None:
+        plain = [n for n in (checkpoint_name(step), checkpoint_name(step, padded=False)) if n in matching]
+        chosen, why = (plain[0] if plain else matching[-1]), "the first run's"
+    warnings.warn(
+        f"overlapckpt: {store.root} holds {len(matching)} checkpoints of step {step} ({', '.join(matching)}), from runs "
+        f"that diverged after a rollback; loading {chosen} ({why}). Pass one checkpoint directory as the path to load another",
+        stacklevel=3,
+    )
+    return chosen
+
+
+def _of_latest_run(store: CheckpointStore, matching: list[str], latest: str | None, names: list[str]) -> str | None:
+    """The one of ``matching`` that ``latest``'s run wrote, if ``latest`` names a readable checkpoint."""
+    if latest is None or latest not in names:
+        return None
     if latest in matching:
         return latest
-    plain = [n for n in (checkpoint_name(step), checkpoint_name(step, padded=False)) if n in matching]
-    return plain[0] if plain else matching[-1]
+    try:
+        run = read_manifest(store, latest).run_id
+        for name, manifest in _listable(store, matching):
+            if run is not None and manifest.run_id == run:
+                return name
+    except CorruptCheckpointError:
+        return None
+    return None
 
 
 def read_into(

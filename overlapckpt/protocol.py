@@ -25,6 +25,9 @@ class WriterGroupSpec:
     agreement_timeout_s: float  # how far apart in time ranks may reach the same checkpoint
     mesh_shape: tuple[int, ...]
     key_prefix: str = ""  # drawn at random on rank 0 for this run: the writers' keys live under it
+    # Seals every value the writers write to the store (writer/sealed_store.py): drawn on rank 0,
+    # shared over the training group, sent to the writer over its local socket pair only.
+    store_key: bytes = b""
     restarted: bool = False  # a replacement for a dead writer: it opens the writers' next generation
     lost_names: tuple[str, ...] = ()  # a replacement's: checkpoints its rank had sent to the dead writer
     # Whether a dead writer is ever replaced (max_writer_restarts > 0, the same on every rank):
@@ -84,6 +87,7 @@ class WatchPreemptionRequest:
 
     nbytes: int
     agreement_timeout_s: float  # the longest the writers wait for every rank's step
+    signals: tuple[int, ...] = ()  # save_on_signal: a signal posted in the store must be one of these
 
 
 @dataclass

@@ -8,6 +8,11 @@ prints ``READY <rank> <pid>`` once both ranks are past step 3, keeps the whole s
 of its recent steps, and, from its own SIGTERM handler (which overlapckpt's guard
 chains to after the commit), writes OUT_DIR/rank<R>.json (what was committed, and the
 state at that version for the test to compare) before exiting with the signal.
+
+Before READY, rank 0 acts as another client of the job's store would: it writes forged
+values under the writers' keys (a preemption signal of ``"not-a-number"``, ``"9"`` and
+an unsealed ``"15"``; a claim marker; the counter earlier releases polled with ``add``)
+and waits until its writer's watch has refused each signal. None may stop the job.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import json
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -26,6 +32,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from overlapckpt import Checkpointer, list_checkpoints  # noqa: E402
+from overlapckpt.control_page import FORGED  # noqa: E402
+from overlapckpt.writer.group import run_keys_prefix  # noqa: E402
 
 from helpers import StatefulSampler, TinyNet  # noqa: E402
 
@@ -39,6 +47,26 @@ def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.
         for k, v in opt.state[p].items():
             out[f"optimizer.state.{name}.{k}"] = v.detach().clone()
     return out
+
+
+def forge_store_values(ckpt: Checkpointer) -> None:
+    """Write what another client of the job's store could, and wait until the watch refused each signal."""
+    spec = ckpt._distributed.writer_spec
+    page = ckpt._control_page
+    client = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timedelta(seconds=30))
+    agree = dist.PrefixStore(run_keys_prefix(spec) + "agree/", client)
+    agree.set("posted/0", "xyz")
+    agree.set("count/0", "xyz")
+    preempt = dist.PrefixStore(run_keys_prefix(spec) + "preempt/", client)
+    for count, value in enumerate(["not-a-number", "9", "15"], start=1):
+        preempt.set("signal", value)
+        deadline = time.monotonic() + 60
+        while page.read(FORGED) < count:  # the watch polls every 10 ms
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank 0's preemption watch did not refuse the forged signal {value!r} within 60 s")
+            time.sleep(0.01)
+    preempt.delete_key("signal")
+    print(f"FORGED_REFUSED {page.read(FORGED)}", flush=True)
 
 
 def main() -> None:
@@ -81,6 +109,8 @@ def main() -> None:
         states.pop(step - KEEP_STATES, None)
         ckpt.step()
         if step == 3:
+            if rank == 0:
+                forge_store_values(ckpt)
             print(f"READY {rank} {os.getpid()}", flush=True)
     ckpt.close()
 

@@ -1,5 +1,6 @@
-"""The writers' claims over a real torch.distributed store: malformed claims are named refusals,
-an idle poll is one request whatever the world size, and decided checkpoints leave no keys."""
+"""The writers' claims over a real torch.distributed store: malformed and forged claims are named
+refusals, a forged marker alone refuses nothing, an idle poll is one request whatever the world
+size, and decided checkpoints leave no keys."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import torch.distributed as dist
 
 from overlapckpt import RankDisagreementError
 from overlapckpt.writer.claims import ClaimBoard
+from overlapckpt.writer.sealed_store import SealedStore, new_store_key
+
+KEY = new_store_key()
 
 
 class CountingStore:
@@ -27,21 +31,57 @@ class CountingStore:
         return counted
 
 
+def sealed(store, namespace: str = "") -> SealedStore:
+    return SealedStore(store, KEY, namespace)
+
+
 CLAIM = {"name": "step-000000003", "version": 3, "requested": 3}
+OTHER_CLAIM = '{"name": "step-000000003", "requested": 3, "version": 3}'
 
 
-@pytest.mark.parametrize("posted", [b"\xff not json", b"[1, 2]", b'{"name": "x", "version": "3", "requested": 3}'], ids=["bytes", "list", "types"])
+@pytest.mark.parametrize("posted", ["[1, 2]", '{"name": "x", "version": "3", "requested": 3}'], ids=["list", "types"])
 def test_a_malformed_claim_is_a_named_refusal(posted):
     store = CountingStore()
-    board = ClaimBoard(store, rank=0, world_size=2, agreement_timeout_s=5)
-    store.inner.set("claim/0/1", posted)  # what another host injected as rank 1's claim
+    board = ClaimBoard(sealed(store), rank=0, world_size=2, agreement_timeout_s=5)
+    sealed(store.inner).set("claim/0/1", posted)  # sealed, but not a claim overlapckpt writes
     with pytest.raises(RankDisagreementError, match=r"rank 1's claim is malformed .*not written by overlapckpt"):
         board.agree(CLAIM)
 
 
+@pytest.mark.parametrize("posted", [b"\xff not json", OTHER_CLAIM.encode(), b"0" * 64 + OTHER_CLAIM.encode()], ids=["bytes", "unsealed", "wrong-mac"])
+def test_a_claim_another_client_wrote_is_a_named_refusal(posted):
+    store = CountingStore()
+    board = ClaimBoard(sealed(store), rank=0, world_size=2, agreement_timeout_s=5)
+    store.inner.set("claim/0/1", posted)  # what another client of the store injected as rank 1's claim
+    with pytest.raises(RankDisagreementError, match=r"rank 1's claim is forged .*not sealed by this run's writers.*not written by overlapckpt"):
+        board.agree(CLAIM)
+
+
+def test_a_claim_sealed_under_another_key_name_does_not_open():
+    store = dist.HashStore()
+    writer = sealed(store)
+    writer.set("claim/0/0", OTHER_CLAIM)
+    store.set("claim/0/1", store.get("claim/0/0"))  # a genuine sealed value, copied to another rank's key
+    assert writer.get("claim/0/0") == OTHER_CLAIM
+    assert writer.get("claim/0/1") is None
+
+
+def test_a_forged_marker_alone_makes_no_idle_writer_refuse(caplog):
+    """A marker with no rank's sealed claim behind it (another client wrote it) is ignored: before,
+    an idle writer refused the checkpoint no rank had asked for, and its trainer raised."""
+    store = dist.HashStore()
+    idle = ClaimBoard(sealed(store), rank=1, world_size=2, agreement_timeout_s=0.0)
+    store.set("posted/0", "0")  # forged marker
+    store.set("claim/0/0", OTHER_CLAIM)  # and a forged claim behind it
+    with caplog.at_level("WARNING", logger="overlapckpt"):
+        assert idle.missing_claim() is None
+    assert idle.sequence == 0 and not store.check(["claim/0/1"])  # no refusal posted, nothing decided
+    assert any("no rank's claim behind it" in r.getMessage() and "rank 0's claim is forged" in r.getMessage() for r in caplog.records)
+
+
 def test_an_idle_writer_polls_one_key_whatever_the_world_size():
     store = CountingStore()
-    board = ClaimBoard(store, rank=5, world_size=1024, agreement_timeout_s=5)
+    board = ClaimBoard(sealed(store), rank=5, world_size=1024, agreement_timeout_s=5)
     before = store.requests
     for _ in range(10):
         assert board.missing_claim() is None
@@ -50,10 +90,10 @@ def test_an_idle_writer_polls_one_key_whatever_the_world_size():
 
 def test_an_idle_writer_refuses_a_checkpoint_it_never_requested():
     store = CountingStore()
-    other = ClaimBoard(store, rank=0, world_size=2, agreement_timeout_s=0.0)
-    idle = ClaimBoard(store, rank=1, world_size=2, agreement_timeout_s=0.0)
-    store.inner.set("claim/0/0", '{"name": "step-000000003", "requested": 3, "version": 3}')
-    store.inner.add("count/0", 1)
+    other = ClaimBoard(sealed(store), rank=0, world_size=2, agreement_timeout_s=0.0)
+    idle = ClaimBoard(sealed(store), rank=1, world_size=2, agreement_timeout_s=0.0)
+    sealed(store.inner).set("claim/0/0", OTHER_CLAIM)
+    sealed(store.inner).set("posted/0", "0")
     refusal = idle.missing_claim()  # agreement_timeout_s=0: at once
     assert isinstance(refusal, RankDisagreementError) and "but this rank (1) requested none" in str(refusal)
     with pytest.raises(RankDisagreementError, match="rank 1 requested none"):
@@ -62,13 +102,13 @@ def test_an_idle_writer_refuses_a_checkpoint_it_never_requested():
 
 def test_decided_checkpoints_leave_no_keys():
     store = dist.HashStore()
-    boards = [ClaimBoard(store, rank=r, world_size=2, agreement_timeout_s=5) for r in range(2)]
-    store.set("claim/0/1", '{"name": "step-000000003", "requested": 3, "version": 3}')
-    store.add("count/0", 1)
+    boards = [ClaimBoard(sealed(store), rank=r, world_size=2, agreement_timeout_s=5) for r in range(2)]
+    sealed(store).set("claim/0/1", OTHER_CLAIM)
+    sealed(store).set("posted/0", "1")
     assert boards[0].agree(CLAIM) == 0
     boards[0].forget(0)
     boards[1].forget(0)
-    assert not store.check(["claim/0/0"]) and not store.check(["claim/0/1"]) and not store.check(["count/0"])
+    assert not store.check(["claim/0/0"]) and not store.check(["claim/0/1"]) and not store.check(["posted/0"])
 
 
 def test_a_claim_forged_outside_the_runs_prefix_has_no_effect():
@@ -76,13 +116,13 @@ def test_a_claim_forged_outside_the_runs_prefix_has_no_effect():
     under any other prefix (the fixed one of earlier releases, a guess) is never read."""
     base = dist.HashStore()
     run = dist.PrefixStore("overlapckpt-writers/9f1c2e7d4b6a8c0e1f2a3b4c5d6e7f80/agree/", base)
-    boards = [ClaimBoard(run, rank=r, world_size=2, agreement_timeout_s=5) for r in range(2)]
-    forged = '{"requested": null}'  # a valid refusal
+    boards = [ClaimBoard(sealed(run), rank=r, world_size=2, agreement_timeout_s=5) for r in range(2)]
+    forged = '{"requested": null}'  # a valid refusal, even sealed with the run's key
     for elsewhere in (dist.PrefixStore("overlapckpt-writers/agree/", base), dist.PrefixStore("overlapckpt-writers/0/agree/", base), base):
-        elsewhere.set("claim/0/1", forged)
-        elsewhere.add("count/0", 1)
+        sealed(elsewhere).set("claim/0/1", forged)
+        sealed(elsewhere).set("posted/0", "1")
     assert boards[1].missing_claim() is None  # the idle writer sees no claim of this run
-    run.set("claim/0/1", '{"name": "step-000000003", "requested": 3, "version": 3}')
+    sealed(run).set("claim/0/1", OTHER_CLAIM)
     assert boards[0].agree(CLAIM) == 0  # the run's own claims agree; the forged ones are not seen
 
 
@@ -96,11 +136,12 @@ def test_a_broken_collective_waits_for_a_replacement_only_if_one_may_come(replac
     host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     spec = WriterGroupSpec(
         store_host="127.0.0.1", store_port=host.port, rank=0, world_size=1, timeout_s=30.0, agreement_timeout_s=5.0,
-        mesh_shape=(1,), key_prefix="t", replaced_when_dead=replaced_when_dead,
+        mesh_shape=(1,), key_prefix="t", replaced_when_dead=replaced_when_dead, store_key=KEY,
     )
     group = WriterGroup(spec)  # a one-writer group: joining needs no peer
     try:
-        dist.PrefixStore(run_keys_prefix(spec), host).add(GENERATION_KEY, 1)  # a replacement opened generation 1
+        prefix = run_keys_prefix(spec)
+        sealed(dist.PrefixStore(prefix, host), prefix).increment(GENERATION_KEY, 1)  # a replacement opened generation 1
         assert group.regroups_after(RuntimeError("gloo: Connection closed by peer")) is replaced_when_dead
         assert group.regroups_after(OSError(5, "Input/output error")) is False  # storage: never a regroup
     finally:

@@ -9,12 +9,13 @@ import subprocess
 import time
 
 import pytest
+import torch
 
 from overlapckpt import Checkpointer, CheckpointWriteError, WriterDiedError, list_checkpoints, load
 from overlapckpt.train.transfer import CpuCopier
 
 from fakes import BLOCK_FIFO_ENV, FAIL_AT_ENV, ONLY_NAME_ENV, BlockingStore, FailingStore
-from helpers import assert_state_equal, make_run, read_fifo_line, snapshot, train_step
+from helpers import TinyNet, assert_state_equal, make_run, read_fifo_line, snapshot, train_step
 
 LIVENESS_BOUND_S = 10.0
 
@@ -151,6 +152,24 @@ def small_tmpfs(tmp_path):
 def _used_bytes(path) -> int:
     st = os.statvfs(path)
     return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def test_disk_full_inside_a_tensors_serialization_names_the_full_storage(small_tmpfs):
+    """The file system fills up inside torch.save's zip writer, which calls our stream from C++ and
+    loses the OSError: it used to surface as "RuntimeError ... unexpected pos 704 vs 598"."""
+    torch.manual_seed(0)
+    model = TinyNet(width=300, features=64, outputs=64)  # about 190 KiB of shard: more than the 128 KiB
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    with Checkpointer(model, opt, small_tmpfs / "ckpts") as ckpt:
+        ckpt.request()
+        with pytest.raises(CheckpointWriteError, match=r"OSError: \[Errno 28\] No space left on device; the storage is full") as excinfo:
+            ckpt.wait(timeout_s=120)
+        assert "unexpected pos" not in str(excinfo.value).splitlines()[0]
+        assert getattr(excinfo.value.__cause__, "errno", None) == 28
+    assert not [p for p in (small_tmpfs / "ckpts").iterdir() if p.name.startswith("step-")]
+    assert list_checkpoints(str(small_tmpfs / "ckpts")) == []
 
 
 def test_disk_full_on_a_real_file_system_frees_the_attempt_and_recovers(small_tmpfs):

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
+
+import pytest
 
 from overlapckpt import Checkpointer, list_checkpoints, load
 from overlapckpt.cli import main
 
 from fakes import FailingRetentionStore
-from helpers import make_run, train_step
+from helpers import StatefulSampler, assert_state_equal, make_run, snapshot, train_step
 
 
 def _names(root) -> list[str]:
@@ -192,3 +195,44 @@ def test_latest_left_behind_by_a_crash_resolves_to_the_newest_of_its_run(tmp_pat
         assert load(str(tmp_path), fresh, fresh_opt).step == 6
     assert_state_equal(*states[6], fresh, fresh_opt)
     assert load(str(tmp_path), fresh, fresh_opt, step=4).step == 4  # the one latest names, when asked for
+
+
+def test_a_rollback_inside_one_checkpointer_starts_a_new_lineage(tmp_path):
+    """every=1, keep=3, six steps, restore(step=4), three steps on other data. Before: no warning about 5 and 6,
+    the new trajectory's versions 5 and 6 were never checkpointed (counted as held), load(step=5) returned the
+    abandoned trajectory, and retention deleted step-4, the restore point."""
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path, every=1, keep=3, stateful={"sched": sched}) as ckpt:
+        for _ in range(6):
+            train_step(model, opt, sched, sampler)
+            ckpt.step()
+            ckpt.wait(timeout_s=120)  # each step's checkpoint commits before the next is due: none merged
+        assert _names(tmp_path) == ["step-000000004", "step-000000005", "step-000000006"]
+        first_run = ckpt._lineage.run_id
+        with pytest.warns(UserWarning, match=r"restored step-000000004 \(version 4\) after this run committed step-000000005, step-000000006"):
+            assert ckpt.restore(step=4).step == 4
+        second_run = ckpt._lineage.run_id
+        assert second_run != first_run
+        other_data = StatefulSampler(seed=777)
+        states, committed = {}, []
+        for _ in range(3):
+            train_step(model, opt, sched, other_data)
+            ckpt.step()
+            states[ckpt.step_count] = snapshot(model, opt)
+            committed += ckpt.wait(timeout_s=120)
+    mine = second_run[:8]
+    assert [i.step for i in committed] == [5, 6, 7]  # the new trajectory's versions are all checkpointed
+    # keep=3 counts the new lineage only: the restore point and the abandoned trajectory survive.
+    assert _names(tmp_path) == [
+        "step-000000004", "step-000000005", f"step-000000005-{mine}", "step-000000006", f"step-000000006-{mine}", "step-000000007",
+    ]
+    assert (tmp_path / "latest").read_text() == "step-000000007"
+    for step in (5, 6, 7):
+        fresh_model, fresh_opt, _, _ = make_run(seed=9)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            info = load(str(tmp_path), fresh_model, fresh_opt, step=step)
+        assert info.run_id == second_run, step  # the run latest names, not the abandoned trajectory
+        assert_state_equal(*states[step], fresh_model, fresh_opt)
+        if step < 7:
+            assert any(f"holds 2 checkpoints of step {step}" in str(w.message) and "of the run latest names" in str(w.message) for w in caught)

@@ -30,33 +30,36 @@ WORKER = os.path.join(os.path.dirname(__file__), "preempt_worker.py")
 LAUNCH_TIMEOUT_S = 180
 
 
-def _launch(out: str, window: int) -> tuple[subprocess.Popen, dict[int, int]]:
+def _launch(out: str, window: int) -> tuple[subprocess.Popen, dict[int, int], str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     agent = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER, out, str(window)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
     )
     pids: dict[int, int] = {}
+    lines: list[str] = []
     try:
         while len(pids) < 2:
             line = read_child_line(agent, timeout_s=LAUNCH_TIMEOUT_S)
+            lines.append(line)
             if "READY " in line:
                 rank, pid = line.split("READY ", 1)[1].split()[:2]
                 pids[int(rank)] = int(pid)
     except BaseException:
         os.killpg(agent.pid, signal.SIGKILL)
         raise
-    return agent, pids
+    return agent, pids, "".join(lines)
 
 
-def _finish(agent: subprocess.Popen) -> str:
+def _finish(agent: subprocess.Popen, started: str) -> str:
+    """The job's whole output, from ``started`` (what ``_launch`` read) to its end."""
     try:
         rest, _ = agent.communicate(timeout=LAUNCH_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(agent.pid, signal.SIGKILL)
         rest, _ = agent.communicate()
         pytest.fail(f"the job did not end after SIGTERM:\n{rest.decode(errors='replace')[-4000:]}")
-    return rest.decode(errors="replace")
+    return started + rest.decode(errors="replace")
 
 
 def _check_one_exact_checkpoint(out: str, output: str) -> None:
@@ -87,18 +90,21 @@ def _check_one_exact_checkpoint(out: str, output: str) -> None:
             for k, v in opt.state[p].items():
                 assert torch.equal(v, expected[f"optimizer.state.{name}.{k}"]), (r["rank"], name, k)
     assert "forcefully exiting via" not in output, output[-3000:]  # no worker outlived the grace: no SIGKILL
+    # Rank 0 forged three preemption signals in the store before READY: each was refused, none stopped the job.
+    assert "FORGED_REFUSED 3" in output, output[-3000:]
+    assert output.count("preemption watch ignored signal in the job's store") >= 3, output[-3000:]
     assert output.count("exitcode: -15") + output.count("Signal 15") >= 1 or "SIGTERM" in output, output[-3000:]
 
 
 def test_sigterm_to_the_torchrun_agent_commits_one_checkpoint_on_every_rank(tmp_path):
-    agent, _ = _launch(str(tmp_path), window=1)
+    agent, _, started = _launch(str(tmp_path), window=1)
     agent.send_signal(signal.SIGTERM)  # torchrun forwards it to every worker
-    output = _finish(agent)
+    output = _finish(agent, started)
     _check_one_exact_checkpoint(str(tmp_path), output)
 
 
 def test_sigterm_to_one_rank_only_commits_one_checkpoint_on_every_rank(tmp_path):
-    agent, pids = _launch(str(tmp_path), window=3)
+    agent, pids, started = _launch(str(tmp_path), window=3)
     os.kill(pids[1], signal.SIGTERM)  # only the slower rank is signalled: its writer tells rank 0's
-    output = _finish(agent)
+    output = _finish(agent, started)
     _check_one_exact_checkpoint(str(tmp_path), output)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 
 import pytest
 import torch
@@ -169,3 +170,76 @@ def test_key_layout_is_checked(tmp_path):
     model = nn.Linear(2, 2)
     with pytest.raises(ConfigError, match=r"key_layout='titan' is invalid; use 'get_state_dict' .* or 'torchtitan'"):
         Checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), str(tmp_path), key_layout="titan")
+
+
+def _trained_folder(tmp_path, monkeypatch, signed: bool) -> str:
+    """One process trains TorchTitan's components for 12 steps under overlapckpt's manager (step-4, -8, -12)."""
+    from titan_worker import Run, ours
+
+    monkeypatch.setenv("TITAN_BASE", str(tmp_path))
+    if signed:
+        monkeypatch.setenv("OVERLAPCKPT_SIGNING_KEY", "k" * 32)
+    run = Run(0, 1, fsdp=False)
+    run.train(run.manager(ours("ckpts")))
+    return str(tmp_path / "ckpts")
+
+
+def _tamper(directory: str) -> None:
+    """Delete the manifest and change a shard's bytes (a weight's last byte)."""
+    os.remove(os.path.join(directory, "overlapckpt.json"))
+    (shard,) = [f for f in os.listdir(directory) if f.endswith(".distcp")]
+    with open(os.path.join(directory, shard), "r+b") as f:
+        data = bytearray(f.read())
+        data[len(data) // 2] ^= 0xFF
+        f.seek(0)
+        f.write(data)
+
+
+def _resume(config_kwargs: dict, **load_kwargs):
+    from titan_worker import Run, ours
+
+    run = Run(0, 1, fsdp=False)
+    before = {k: v.clone() for k, v in run.model_parts[0].state_dict().items()}
+    manager = run.manager(ours("ckpts", **config_kwargs))
+    try:
+        manager.load(**load_kwargs)
+    finally:
+        unchanged = all(torch.equal(v, run.model_parts[0].state_dict()[k]) for k, v in before.items())
+        manager.close()
+    return unchanged
+
+
+def test_a_checkpoint_without_its_manifest_is_refused_in_a_signed_folder_or_one_of_ours(tmp_path, monkeypatch):
+    """Deleting a signed checkpoint's manifest and tampering a shard made the manager read it as TorchTitan's stock
+    layout, unchecked, and load the tampered weights."""
+    from overlapckpt import CorruptCheckpointError, SignatureError
+
+    folder = _trained_folder(tmp_path, monkeypatch, signed=True)
+    _tamper(os.path.join(folder, "step-12"))
+    with pytest.raises(SignatureError, match=r"step-12 has no overlapckpt.json, and a signing key is set: an unsigned checkpoint is refused"):
+        _resume({"read_stock_checkpoints": True})  # even when reading stock checkpoints is chosen
+    assert _resume({}, step=8) is False  # a signed checkpoint of the folder still resumes (and changes the weights)
+    os.rename(folder, folder + "-old")  # a fresh folder: the initial checkpoint is what loads
+    with pytest.raises(SignatureError, match=r"initial_load_path=.*step-12' has no overlapckpt.json, and a signing key is set"):
+        _resume({"initial_load_path": os.path.join(folder + "-old", "step-12")})
+    step_4 = os.path.join(folder + "-old", "step-4")
+    shutil.copy(os.path.join(step_4, "overlapckpt.json"), tmp_path / "manifest-4")
+    _tamper(step_4)
+    shutil.copy(tmp_path / "manifest-4", os.path.join(step_4, "overlapckpt.json"))  # signed manifest kept, shard changed
+    with pytest.raises(CorruptCheckpointError, match=r"checksum"):  # an initial checkpoint of ours is verified too
+        _resume({"initial_load_path": step_4, "initial_load_model_only": False})
+    os.rename(folder + "-old", folder)
+
+    monkeypatch.delenv("OVERLAPCKPT_SIGNING_KEY")
+    with pytest.raises(CorruptCheckpointError, match=r"step-12 has no overlapckpt.json, while this folder holds overlapckpt checkpoints \(step-4, step-8\)"):
+        _resume({"read_stock_checkpoints": True})
+
+
+def test_reading_a_stock_checkpoint_is_an_explicit_choice(tmp_path, monkeypatch):
+    folder = _trained_folder(tmp_path, monkeypatch, signed=False)
+    for name in ("step-4", "step-8"):
+        shutil.rmtree(os.path.join(folder, name))
+    os.remove(os.path.join(folder, "step-12", "overlapckpt.json"))  # what TorchTitan's own manager writes: no manifest
+    with pytest.raises(ConfigError, match=r"step-12 has no overlapckpt.json: TorchTitan's own CheckpointManager wrote it.*checkpoint.read_stock_checkpoints=True"):
+        _resume({})
+    assert _resume({"read_stock_checkpoints": True}) is False  # chosen: it loads

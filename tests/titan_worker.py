@@ -334,7 +334,7 @@ def scenario_fsdp(rank: int, world: int) -> dict[str, Any]:
 
     # overlapckpt's manager resumes from what TorchTitan's wrote (no manifest: read through the allowlists).
     back = Run(rank, world, **kw)
-    manager = back.manager(ours("stock"))
+    manager = back.manager(ours("stock", read_stock_checkpoints=True))  # an explicit choice
     manager.load(step=12)
     back.states[-1] = back.local_state()
     manager.close()

@@ -15,8 +15,10 @@ Where it sits in the trainer's loop (torchtitan 0.3, ``Trainer.train_step``/``tr
   captured at each boundary, and the RNG states with them (the stock manager saves none).
 * ``load(step)`` at the start of ``train()``: restores the newest checkpoint (or
   ``load_step``'s), verified, with the steps a load takes to create optimizer state
-  not counted; a checkpoint that TorchTitan's own manager wrote is read too (through
-  the same allowlists, unverified: it has no manifest).
+  not counted. A directory without overlapckpt's manifest (one TorchTitan's own manager
+  wrote) is read only when ``read_stock_checkpoints=True`` (through the same allowlists,
+  unverified: it has no checksums), and never in a signed folder or one that holds
+  overlapckpt checkpoints, where a missing manifest means a deleted one.
 * ``maybe_wait_for_staging()``, right before ``optimizers.step()``: ``before_update()``,
   the fence of the copies started after the previous step.
 * ``save(step, last_step)``, at the end of every step: a request when the step is due
@@ -44,8 +46,9 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import ConfigError, CorruptCheckpointError, SignatureError
 from ..format.key_layout import TORCHTITAN
+from ..format.manifest import MANIFEST_NAME
 from . import require
 
 _titan_base = require("titan")
@@ -87,6 +90,11 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
 
         storage_options: dict[str, Any] = field(default_factory=dict)
         """fsspec options for a remote folder (endpoint_url, key, secret, ...)."""
+
+        read_stock_checkpoints: bool = False
+        """Resume from a checkpoint TorchTitan's own CheckpointManager wrote (no manifest: unverified), in a folder
+        that holds no overlapckpt checkpoints and with no signing key. A checkpoint named by initial_load_path is
+        an explicit choice already."""
 
         def __post_init__(self) -> None:
             BaseCheckpointManager.Config.__post_init__(self)
@@ -212,8 +220,11 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
         excluded = set(self.config.exclude_from_loading)
         stateful = {k: v for k, v in self._stateful.items() if k not in excluded}
         optimizer = None if OPTIMIZER in excluded else self._optimizers
+        ours = _is_ours(self.ckpt._store, name)
+        if not ours:
+            self._check_stock_allowed(name, directory)
         with self.ckpt.steps_not_counted():  # a load may step the optimizers once to create their state
-            if _is_ours(self.ckpt._store, name):
+            if ours:
                 info = load(
                     directory, self._model, optimizer, stateful, storage_options=dict(self.config.storage_options),
                     process_group=self.ckpt.process_group,
@@ -226,6 +237,30 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
         self.ckpt.continued_from(version)
         log.info("restored %s, written by TorchTitan's own manager (no manifest: not verified)", directory)
         return True
+
+    def _check_stock_allowed(self, name: str, directory: str) -> None:
+        """Refuse a directory without a manifest unless reading TorchTitan's own checkpoints was chosen, and it is safe.
+
+        Deleting a signed checkpoint's manifest used to make this manager read it as a stock
+        checkpoint, with no checks: tampered shards loaded.
+        """
+        if self.ckpt._signing_key is not None:
+            raise SignatureError(
+                f"{directory} has no {MANIFEST_NAME}, and a signing key is set: an unsigned checkpoint is refused in a "
+                "signed folder (its manifest may have been deleted). Resume from a signed checkpoint (checkpoint.load_step)"
+            )
+        ours = [n for n in self.ckpt._store.committed_names() if _is_ours(self.ckpt._store, n)]
+        if ours:
+            raise CorruptCheckpointError(
+                f"{directory} has no {MANIFEST_NAME}, while this folder holds overlapckpt checkpoints ({', '.join(ours[-3:])}): "
+                "its manifest was deleted, or it was copied in. It is refused; resume from one of those "
+                "(checkpoint.load_step), or name a TorchTitan checkpoint explicitly with checkpoint.initial_load_path"
+            )
+        if not self.config.read_stock_checkpoints:
+            raise ConfigError(
+                f"{directory} has no {MANIFEST_NAME}: TorchTitan's own CheckpointManager wrote it, so it has no checksums. "
+                "Set checkpoint.read_stock_checkpoints=True to resume from it unverified"
+            )
 
     def _checkpoint_to_load(self, step: int) -> str | None:
         """The directory to resume from: ``step``'s, or the newest committed one; None when the folder has none."""
@@ -252,12 +287,24 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
         store = CheckpointStore(parent or "/", dict(self.config.storage_options))
         if not store.is_committed(name):
             raise ConfigError(f"checkpoint.initial_load_path={path!r} is not a DCP checkpoint directory (it has no .metadata)")
-        model_only = self.config.initial_load_model_only
-        with self.ckpt.steps_not_counted():
-            read_stock_checkpoint(
-                store, name, self._model, None if model_only else self._optimizers, {} if model_only else self._stateful,
-                self.ckpt.process_group,
+        ours = _is_ours(store, name)
+        if not ours and self.ckpt._signing_key is not None:
+            raise SignatureError(
+                f"checkpoint.initial_load_path={path!r} has no {MANIFEST_NAME}, and a signing key is set: an unsigned "
+                "checkpoint is refused; unset OVERLAPCKPT_SIGNING_KEY to load a TorchTitan checkpoint unverified"
             )
+        model_only = self.config.initial_load_model_only
+        optimizers, stateful = (None, {}) if model_only else (self._optimizers, self._stateful)
+        with self.ckpt.steps_not_counted():
+            if ours:  # one of overlapckpt's: verified (checksums, and the signature with a key)
+                from ..loading import load
+
+                load(
+                    path, self._model, optimizers, stateful, storage_options=dict(self.config.storage_options),
+                    per_rank_state="restore" if stateful else "skip", process_group=self.ckpt.process_group,
+                )
+            else:
+                read_stock_checkpoint(store, name, self._model, optimizers, stateful, self.ckpt.process_group)
         log.info("loaded the initial checkpoint %s (%s)", path, "model only" if model_only else "whole state")
         return True
 
@@ -373,8 +420,6 @@ def read_stock_checkpoint(store: Any, name: str, model: nn.Module, optimizers: A
 
 
 def _is_ours(store: Any, name: str) -> bool:
-    from ..format.manifest import MANIFEST_NAME
-
     return bool(store.fs.exists(store._join(name, MANIFEST_NAME)))
 
 

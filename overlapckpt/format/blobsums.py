@@ -90,19 +90,31 @@ class ChecksummingStream:
             except (AttributeError, OSError, ValueError):  # an object store's stream, a test's fake
                 self._fd = None
         self._written_back_to = 0
+        # The first OSError storage raised (ENOSPC, EIO): torch.save's zip writer calls write()
+        # from C++, which loses the exception and later fails on its own ("unexpected pos 704
+        # vs 598"); create_stream raises this one instead.
+        self.storage_error: OSError | None = None
+
+    def _remember(self, error: OSError) -> None:
+        if self.storage_error is None:
+            self.storage_error = error
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
-        written = self._raw.write(view)
+        try:
+            written = self._raw.write(view)
+        except OSError as e:
+            self._remember(e)
+            raise
         if written is None:  # a raw stream that does not report: it wrote everything or raised
             written = view.nbytes
         # The bytes handed to storage, read in place: no copy of the tensor.
         self._running = self._update(view[:written], self._running)
         self._position += written
         if self._fd is not None and self._position - self._written_back_to >= WRITEBACK_EVERY_BYTES:
-            self._raw.flush()  # the bytes must be in the page cache for their writeback to start
+            self.flush()  # the bytes must be in the page cache for their writeback to start
             assert start_writeback is not None
             start_writeback(self._fd, self._written_back_to, self._position - self._written_back_to)
             self._written_back_to = self._position
@@ -120,7 +132,11 @@ class ChecksummingStream:
         return self._position
 
     def flush(self) -> None:
-        self._raw.flush()
+        try:
+            self._raw.flush()
+        except OSError as e:
+            self._remember(e)
+            raise
 
     def fileno(self) -> int:
         return int(self._raw.fileno())
@@ -175,12 +191,19 @@ class ChecksummingFileSystem:
                 f"this torch's DCP writer writes {name} in place, not through a temporary file and a "
                 "rename; overlapckpt needs the rename to write its manifest first: use torch >= 2.6"
             )
-        with self._inner.create_stream(path, mode) as raw:
-            stream = ChecksummingStream(raw, self._algorithm)
-            yield stream
-            stream.tell()  # closes the last span
-        with self._lock:
-            self.files[name] = stream.segments
+        stream: ChecksummingStream | None = None
+        try:
+            with self._inner.create_stream(path, mode) as raw:
+                stream = ChecksummingStream(raw, self._algorithm)
+                yield stream
+                stream.tell()  # closes the last span
+                with self._lock:
+                    self.files[name] = stream.segments
+        except Exception as e:
+            if stream is not None and stream.storage_error is not None and stream.storage_error is not e:
+                # The storage's own error, not what the serializer made of it (see storage_error).
+                raise stream.storage_error from e
+            raise
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         new_name = _basename(new_path)

@@ -75,6 +75,9 @@ class PersistDispatcher:
         self.slots = slots
         self.keep = keep
         self.stats: list[SnapshotStats] = []  # committed checkpoints, in commit order
+        # Versions this run's current lineage committed: a new snapshot of one would duplicate it.
+        # A restore starts a new lineage and clears them (its versions are to be taken again).
+        self.held_versions: set[int] = set()
         self._sent: dict[int, _Sent] = {}
         self._unreturned: list[CheckpointInfo] = []
         self.error: OverlapCkptError | None = None
@@ -244,6 +247,8 @@ class PersistDispatcher:
             if response.agreed_next_window is not None:
                 self.agreed_window = response.agreed_next_window
             self.stats.append(stats)
+            if stats.step is not None:
+                self.held_versions.add(stats.step)
             self._unreturned.append(response.info)
             self._report_commit(stats, response)
         elif isinstance(response, p.ErrorResponse):

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..writer.group import WriterGroupSpec
+from ..writer.sealed_store import new_store_key
 from .layout import CheckpointScope
 
 
@@ -103,8 +104,9 @@ def set_up_distributed(
                 host, 0, world_size=None, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=collective_timeout_s)
             )
             port = int(store.port)
-    # An unguessable prefix for the writers' keys, shared over the training group only.
-    host, port, key_prefix = broadcast_from_rank_0((host, port, secrets.token_hex(16)), group)
+    # A prefix for the writers' keys, and the key that seals their values (the prefix is
+    # no secret to the store's other clients, the key is): shared over the training group only.
+    host, port, key_prefix, store_key = broadcast_from_rank_0((host, port, secrets.token_hex(16), new_store_key()), group)
     spec = WriterGroupSpec(
         store_host=str(host),
         store_port=int(port),
@@ -114,6 +116,7 @@ def set_up_distributed(
         agreement_timeout_s=agreement_timeout_s,
         mesh_shape=mesh_shape_of(model, world),
         key_prefix=str(key_prefix),
+        store_key=bytes(store_key),
         replaced_when_dead=settings["max_writer_restarts"] > 0,
     )
     scope = CheckpointScope(rank=rank, world_size=world, plain_holders=plain_holders(model, group))

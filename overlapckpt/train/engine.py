@@ -293,8 +293,9 @@ class SnapshotEngine(SnapshotStarts, SnapshotCompletion, BlockingCalls, Snapshot
         return self.link.restarts.count
 
     def continue_from(self, step: int) -> None:
-        """After a restore: the next update makes version ``step + 1``."""
+        """After a restore: the next update makes version ``step + 1``, in a new lineage (no version is held yet)."""
         self.step_count = step
+        self.dispatcher.held_versions.clear()
 
     def shut_down(self, writer_timeout_s: float) -> None:
         """Remove the hooks, stop the writer, release host buffers (after the copies into them)."""

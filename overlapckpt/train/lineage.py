@@ -6,10 +6,20 @@ trajectory (a rollback after a loss spike) are never deleted by the run that rol
 back, and ``latest`` names this run's newest. A version that another run's committed
 checkpoint already holds gets a lineage-aware name (``step-000000004-<run>``), decided
 here at construction or restore, never raised from ``optimizer.step()``.
+
+A restore inside a run that has already committed checkpoints (a rollback after a loss
+spike: ``every=1``, six steps, ``restore(step=4)``) starts a new lineage: a new run id,
+derived from the old one and the restore point, so every rank derives the same one
+without a collective. The run's own checkpoints newer than the restore point then
+belong to an abandoned trajectory: they are named in a warning, kept (``keep=`` counts
+the new lineage only, so the restore point survives too), and the versions they hold
+are taken, so the new trajectory's checkpoints of those versions get lineage-aware
+names instead of being skipped as already held.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 import warnings
@@ -61,10 +71,26 @@ class Lineage:
             return checkpoint_name(version, self.run_id, padded=self.padded_names)
         return checkpoint_name(version, padded=self.padded_names)
 
-    def restored(self, name: str, version: int, committed_names: list[str]) -> list[str]:
-        """This run continues from ``name``: returns the newer checkpoints it leaves alone, and warns of them."""
+    def restored(self, name: str, version: int, committed_names: list[str], own: set[str]) -> list[str]:
+        """This run continues from ``name``: returns the newer checkpoints it leaves alone, and warns of them.
+
+        ``own`` are the checkpoints this run committed before the restore: if some are newer
+        than ``name``, the run continues as a new lineage (see the module's docstring).
+        """
         self.restored_from = name
-        newer = [n for n in committed_names if (step_of_name(n) or 0) > version]
+        abandoned = sorted((n for n in own if (step_of_name(n) or 0) > version), key=lambda n: step_of_name(n) or 0)
+        if abandoned:
+            old = self.run_id
+            self.run_id = hashlib.sha256(f"{old}/{name}/{version}".encode()).hexdigest()[:RUN_ID_HEX]
+            warnings.warn(
+                f"overlapckpt: restored {name} (version {version}) after this run committed {', '.join(abandoned)}: "
+                f"they hold the trajectory this restore abandons. They are kept, keep= no longer counts them, and "
+                f"this run continues as run {self.run_id[:8]} (was {old[:8]}): its checkpoints of those versions get "
+                f"names with that id, and load(step=...) prefers the run latest names",
+                stacklevel=3,
+            )
+        self.note_existing(committed_names, own=set() if abandoned else own)
+        newer = [n for n in committed_names if n not in own and (step_of_name(n) or 0) > version]
         if newer:
             log.warning(
                 "restored %s (version %d) while newer checkpoints exist: %s. This run keeps them: keep= deletes only "

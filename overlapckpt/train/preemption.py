@@ -86,6 +86,7 @@ class PreemptionGuard:
         self._current_step = current_step
         self._deadline: float | None = None
         self.pending: int | None = None
+        self.signals = tuple(signals)
         self._handling = False
         self._previous: dict[int, Any] = {}
         for sig in signals:
@@ -120,7 +121,9 @@ class PreemptionGuard:
         agreed = page.read(AGREED)
         if agreed == NOT_YET and page.read(HOLD):
             agreed = self._hold(page)
-        signum = page.read(AGREED_SIGNAL) or self.pending or signal.SIGTERM
+        signum = page.read(AGREED_SIGNAL)
+        if signum not in self.signals:  # the writers post only these; anything else is no signal of ours
+            signum = self.pending or self.signals[0]
         if agreed == NOT_YET:
             if time.monotonic() < self._deadline:
                 return  # this rank's signal, not yet seen by the writers: train on

@@ -125,11 +125,11 @@ class SnapshotStarts:
         self._start_snapshot(slot, self.requests.take(self.step_count), layout, plan, plan_id, choice)
 
     def _holds_version(self, version: int) -> bool:
-        """A snapshot in flight, sent or committed already holds ``version``: a new one would duplicate it."""
+        """A snapshot in flight, sent or committed (in this lineage) already holds ``version``: a new one would duplicate it."""
         return (
             any(s.version == version for s in self._snapshots)
             or version in self.dispatcher.sent_versions()
-            or any(s.step == version for s in self.dispatcher.stats)
+            or version in self.dispatcher.held_versions
         )
 
     def _busy_reason(self) -> str:

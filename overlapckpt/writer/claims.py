@@ -1,15 +1,18 @@
 """The writers' claims: how every rank's writer agrees on each checkpoint through a key-value store.
 
 Per checkpoint (a sequence number, the same count on every rank), each writer posts
-its claim (name, version, requested step) under ``claim/<seq>/<rank>`` and adds 1 to
-``count/<seq>``; it then waits for every rank's claim, up to the agreement timeout.
-An idle writer reads only ``count/<seq>`` (one request per poll, whatever the world
-size), and reads the claims themselves only once some rank has posted one: O(N)
-store requests per checkpoint, not per poll. Each rank deletes its own claim key
-once the checkpoint is decided (rank 0 the counter too), so keys do not pile up.
+its claim (name, version, requested step) under ``claim/<seq>/<rank>`` and marks
+``posted/<seq>``; it then waits for every rank's claim, up to the agreement timeout.
+An idle writer checks only ``posted/<seq>`` (one request per poll, whatever the world
+size), and reads the claims themselves only once that marker has stood for the
+agreement timeout: O(N) store requests per checkpoint, not per poll. Each rank deletes
+its own claim key once the checkpoint is decided (rank 0 the marker too), so keys do
+not pile up.
 
-A claim that is not a JSON object of the expected fields (a corrupt or injected
-value) is a named refusal, ``RankDisagreementError``, never a writer crash.
+Every value is sealed (``sealed_store.py``): a claim this run's writers did not write,
+or one that is not a JSON object of the expected fields, is a named refusal,
+``RankDisagreementError``, never a writer crash; a forged marker alone (no rank's
+sealed claim behind it) makes no idle writer refuse anything.
 
 The trust model is torch.distributed's: whoever can reach the store can write keys.
 The keys live under a prefix drawn at random on rank 0 and shared over the training
@@ -19,6 +22,7 @@ group, and the store is the job's own where it can be reused (``train/distribute
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -26,8 +30,10 @@ from typing import Any, Protocol
 
 from ..errors import RankDisagreementError, WritersRegroupedError
 
+log = logging.getLogger("overlapckpt")
+
 _CLAIM_KEY = "claim/{sequence}/{rank}"
-_COUNT_KEY = "count/{sequence}"
+_POSTED_KEY = "posted/{sequence}"
 _CLAIM_FIELDS = {"name": str, "version": int, "requested": int}
 _MAX_SHOWN_BYTES = 120
 # While waiting for the other ranks' claims, look this often whether a writer was replaced.
@@ -35,13 +41,13 @@ _MOVED_POLL_S = 0.25
 
 
 class KeyValueStore(Protocol):
-    """The part of ``torch.distributed.Store`` the claims use."""
+    """The part of ``SealedStore`` the claims use."""
 
     def set(self, key: str, value: str) -> None: ...
 
-    def get(self, key: str) -> bytes: ...
+    def get(self, key: str) -> str | None: ...
 
-    def add(self, key: str, value: int) -> int: ...
+    def get_raw(self, key: str) -> bytes: ...
 
     def check(self, keys: list[str]) -> bool: ...
 
@@ -50,12 +56,12 @@ class KeyValueStore(Protocol):
     def delete_key(self, key: str) -> bool: ...
 
 
-def parse_claim(raw: bytes) -> dict[str, Any]:
+def parse_claim(text: str) -> dict[str, Any]:
     """A claim as posted, or ``{"malformed": <what was there>}`` for anything else."""
     try:
-        claim = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return {"malformed": raw[:_MAX_SHOWN_BYTES].decode("utf-8", "replace")}
+        claim = json.loads(text)
+    except ValueError:
+        return {"malformed": text[:_MAX_SHOWN_BYTES]}
     if claim == {"requested": None}:
         return claim  # a refusal: that rank requested no checkpoint in time
     if not isinstance(claim, dict) or set(claim) != set(_CLAIM_FIELDS) or any(
@@ -70,6 +76,11 @@ def describe(claims: dict[int, dict[str, Any]]) -> str:
     for rank, c in sorted(claims.items()):
         if "malformed" in c:
             parts.append(f"rank {rank}'s claim is malformed ({c['malformed']!r}: not written by overlapckpt)")
+        elif "forged" in c:
+            parts.append(
+                f"rank {rank}'s claim is forged ({c['forged']!r}: not sealed by this run's writers, so written by another "
+                "client of the store, not written by overlapckpt)"
+            )
         elif c.get("requested") is None:
             parts.append(f"rank {rank} requested none")
         else:
@@ -96,14 +107,18 @@ class ClaimBoard:
 
     def _post(self, sequence: int, claim: dict[str, Any]) -> None:
         self.store.set(self._key(sequence, self.rank), json.dumps(claim, sort_keys=True))
-        self.store.add(_COUNT_KEY.format(sequence=sequence), 1)
+        self.store.set(_POSTED_KEY.format(sequence=sequence), str(self.rank))  # after the claim it announces
 
     def _claims(self, sequence: int) -> dict[int, dict[str, Any]]:
         out = {}
         for r in range(self.world_size):
             key = self._key(sequence, r)
             if self.store.check([key]):
-                out[r] = parse_claim(self.store.get(key))
+                text = self.store.get(key)
+                if text is None:
+                    out[r] = {"forged": self.store.get_raw(key)[:_MAX_SHOWN_BYTES].decode("utf-8", "replace")}
+                else:
+                    out[r] = parse_claim(text)
         return out
 
     def agree(self, claim: dict[str, Any]) -> int:
@@ -126,7 +141,7 @@ class ClaimBoard:
                 "Every rank must request the same checkpoints (request() after the same step, or the same every=)"
             ) from e
         claims = self._claims(sequence)
-        mine = parse_claim(json.dumps(claim, sort_keys=True).encode())
+        mine = parse_claim(json.dumps(claim, sort_keys=True))
         if any(c != mine for c in claims.values()):
             raise RankDisagreementError(
                 f"checkpoint #{sequence}: the ranks disagree: {describe(claims)}; nothing was committed. Every rank "
@@ -158,11 +173,11 @@ class ClaimBoard:
         """The checkpoint is decided on every rank: remove this rank's keys for it."""
         self.store.delete_key(self._key(sequence, self.rank))
         if self.rank == 0:
-            self.store.delete_key(_COUNT_KEY.format(sequence=sequence))
+            self.store.delete_key(_POSTED_KEY.format(sequence=sequence))
 
     def missing_claim(self) -> RankDisagreementError | None:
         """For an idle writer: a checkpoint another rank claimed that this rank has not, past the timeout."""
-        if self.store.add(_COUNT_KEY.format(sequence=self.sequence), 0) == 0:  # one request while nothing is posted
+        if not self.store.check([_POSTED_KEY.format(sequence=self.sequence)]):  # one request while nothing is posted
             self._unmatched_since = None
             return None
         now = time.monotonic()
@@ -172,6 +187,16 @@ class ClaimBoard:
             return None
         sequence = self.sequence
         claims = self._claims(sequence)
+        if not any("version" in c for c in claims.values()):
+            # The marker stands, but no rank's sealed claim is behind it: another client of the
+            # store wrote it (or only forged claims). Refusing would fail a checkpoint no rank asked for.
+            log.warning(
+                "overlapckpt: the writers' marker of checkpoint #%d stands in the store with no rank's claim behind it "
+                "(%s); ignored: another client of the job's store wrote it",
+                sequence, describe(claims) or "no claims",
+            )
+            self._unmatched_since = None  # looked at again one timeout later, never per poll
+            return None
         self._post(sequence, {"requested": None})  # the others fail at once
         self.sequence += 1
         self._unmatched_since = None

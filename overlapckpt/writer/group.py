@@ -29,6 +29,7 @@ Per checkpoint, in this order:
 
 from __future__ import annotations
 
+import logging
 import time
 from datetime import timedelta
 from typing import Any
@@ -40,6 +41,9 @@ from ..format.manifest import RankSection
 from ..format.shards import forget_cached_plans
 from ..protocol import WriterGroupSpec
 from .claims import ClaimBoard
+from .sealed_store import SealedStore
+
+log = logging.getLogger("overlapckpt")
 
 # The store counter of the writers' generations: a replacement writer adds 1, every live
 # writer follows it into the new generation's group (``regroup``).
@@ -78,54 +82,82 @@ class WriterGroup:
         self.rank = spec.rank
         self.world_size = spec.world_size
         self._timeout = timedelta(seconds=spec.timeout_s)
-        # A client of the job's own store where it could be reused (no listener of ours),
-        # under a prefix drawn at random for this run (train/distributed.py).
-        self._base = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=self._timeout)
         self._prefix = run_keys_prefix(spec)
-        self._run_keys = dist.PrefixStore(self._prefix, self._base)
+        self._warned_forged_generation = False
+        self._connect()
         for name in spec.lost_names:
             self.mark_lost(name)  # before the generation moves: a live writer then knows to drop it
-        self.generation = int(self._run_keys.add(GENERATION_KEY, 1 if spec.restarted else 0))
+        self.generation = self._run_keys.increment(GENERATION_KEY, 1 if spec.restarted else 0)
         self._join()
 
-    def _join(self) -> None:
+    def _connect(self) -> None:
+        # A client of the job's own store where it could be reused (no listener of ours),
+        # under a prefix drawn at random for this run (train/distributed.py); every value
+        # sealed with the run's key (sealed_store.py).
+        self._base = dist.TCPStore(self.spec.store_host, self.spec.store_port, is_master=False, timeout=self._timeout)
+        self._run_keys = SealedStore(dist.PrefixStore(self._prefix, self._base), self.spec.store_key, self._prefix)
+
+    def _where(self) -> str:
         # Generation 0 keeps the run's first keys; each later one has keys of its own.
-        where = self._prefix if self.generation == 0 else f"{self._prefix}gen{self.generation}/"
-        self.claims = ClaimBoard(
-            dist.PrefixStore(where + "agree/", self._base),
+        return self._prefix if self.generation == 0 else f"{self._prefix}gen{self.generation}/"
+
+    def _claim_board(self, sequence: int = 0) -> ClaimBoard:
+        where = self._where() + "agree/"
+        board = ClaimBoard(
+            SealedStore(dist.PrefixStore(where, self._base), self.spec.store_key, where),
             self.rank,
             self.world_size,
             self.spec.agreement_timeout_s,
             moved=self.generation_moved,
         )
+        board.sequence = sequence
+        return board
+
+    def _join(self) -> None:
+        self.claims = self._claim_board()
         dist.init_process_group(
             "gloo",
-            store=dist.PrefixStore(where + "pg/", self._base),
+            store=dist.PrefixStore(self._where() + "pg/", self._base),
             rank=self.rank,
             world_size=self.world_size,
             timeout=self._timeout,
         )
         self.group = dist.group.WORLD
 
+    def reconnect(self) -> None:
+        """A new client connection to the store, after a store error (the group's own connections are gloo's)."""
+        self._connect()
+        self.claims = self._claim_board(self.claims.sequence)
+
     def generation_moved(self) -> bool:
-        """Whether a replacement writer opened a newer generation than this writer's (one store request)."""
-        return int(self._run_keys.add(GENERATION_KEY, 0)) > self.generation
+        """Whether a replacement writer opened a newer generation than this writer's (one or two store requests)."""
+        current = self._run_keys.read_counter(GENERATION_KEY)
+        if current is None:
+            if not self._warned_forged_generation:
+                self._warned_forged_generation = True
+                log.warning(
+                    "overlapckpt: the writers' generation counter in the job's store holds a value this run's writers did "
+                    "not write; ignored (a writer that dies now cannot be replaced). Another client of the store wrote it"
+                )
+            return False
+        return current > self.generation
 
     def regroup(self) -> None:
         """Leave this generation's group and join the newest one (blocks until every writer has joined)."""
         if dist.is_initialized():
             dist.destroy_process_group()
         forget_cached_plans()  # the new group's ranks plan afresh, the replacement has no cache
-        self.generation = int(self._run_keys.add(GENERATION_KEY, 0))
+        self.generation = self._run_keys.increment(GENERATION_KEY, 0)
         self._join()
 
     def mark_lost(self, name: str) -> None:
         """Checkpoint ``name`` is lost with the old group: every writer refuses it from now on (``was_lost``)."""
-        self._run_keys.set(f"{LOST_PREFIX}{name}", "1")
+        self._run_keys.set(f"{LOST_PREFIX}{name}", name)
 
     def was_lost(self, name: str) -> bool:
         """Whether some writer lost checkpoint ``name`` to a replacement (a replacement may get it afterwards)."""
-        return bool(self._run_keys.check([f"{LOST_PREFIX}{name}"]))
+        key = f"{LOST_PREFIX}{name}"
+        return self._run_keys.check([key]) and self._run_keys.get(key) == name
 
     def regroups_after(self, error: BaseException) -> bool:
         """After a failed persist: whether it failed because a writer was replaced (the caller then regroups).

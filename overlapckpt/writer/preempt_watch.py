@@ -22,7 +22,13 @@ page (``control_page.py``) at its iteration boundaries, so no hook runs a collec
    died, a writer that cannot reach the store), ``AGREED`` becomes ``NO_AGREEMENT``:
    every trainer then exits with the signal at once, saying why.
 
-Posting and reading go to the job's store through a client of this thread's own.
+Posting and reading go to the job's store through a client of this thread's own, and
+every value is sealed with the run's key (``sealed_store.py``). A value another client
+of the store wrote (``"not-a-number"``, ``"9"``, a signal outside ``save_on_signal``, a
+step) is refused, logged and counted in ``FORGED``, and the watch goes on: before the
+seal, such values made every rank exit with the signal, or fail trying to install
+SIGKILL. A store error before any signal is retried on a new connection; only a
+signalled rank that cannot reach the store gives up, as step 4 says.
 """
 
 from __future__ import annotations
@@ -34,9 +40,10 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ..control_page import AGREED, AGREED_SIGNAL, HOLD, NO_AGREEMENT, SIGNAL, STEP, ControlPage
+from ..control_page import AGREED, AGREED_SIGNAL, FORGED, HOLD, NO_AGREEMENT, SIGNAL, STEP, ControlPage
 from ..protocol import WriterGroupSpec
 from .group import run_keys_prefix
+from .sealed_store import SealedStore
 
 logger = logging.getLogger("overlapckpt")
 
@@ -45,31 +52,49 @@ logger = logging.getLogger("overlapckpt")
 POLL_S = 0.01
 # The agreed step is this many boundaries past the largest step posted (see step 3).
 AGREEMENT_MARGIN_STEPS = 2
+# After a store error while no signal has come: wait this long, then connect again.
+RECONNECT_S = 1.0
 
 
 class PreemptionWatch:
     """The thread that posts this rank's signal, notices any rank's, and agrees on the step."""
 
-    def __init__(self, page: ControlPage, spec: WriterGroupSpec, timeout_s: float) -> None:
+    def __init__(self, page: ControlPage, spec: WriterGroupSpec, timeout_s: float, signals: tuple[int, ...]) -> None:
         self.page = page
+        self.spec = spec
         self.rank = spec.rank
         self.world_size = spec.world_size
         self.timeout_s = timeout_s
-        base = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
-        self.store = dist.PrefixStore(run_keys_prefix(spec) + "preempt/", base)
+        self.signals = frozenset(int(s) for s in signals)
+        self._refused: set[tuple[str, bytes]] = set()
+        self.store = self._connect()
         self.thread = threading.Thread(target=self._run, name="overlapckpt-preempt-watch", daemon=True)
         self.thread.start()
+
+    def _connect(self) -> SealedStore:
+        base = dist.TCPStore(self.spec.store_host, self.spec.store_port, is_master=False, timeout=timedelta(seconds=self.spec.timeout_s))
+        prefix = run_keys_prefix(self.spec) + "preempt/"
+        return SealedStore(dist.PrefixStore(prefix, base), self.spec.store_key, prefix)
 
     def _run(self) -> None:
         posted = False
         try:
             while True:
-                signum = self.page.read(SIGNAL)
-                if signum and not posted:
-                    self.store.set("signal", str(signum))  # several ranks may post: any one is the preemption
-                    posted = True
-                if self.store.check(["signal"]):
-                    self._agree()
+                local = self.page.read(SIGNAL)
+                try:
+                    if local and not posted:
+                        self.store.set("signal", str(local))  # several ranks may post: any one is the preemption
+                        posted = True
+                    signum = local or self._posted_signal()
+                except Exception as e:  # noqa: BLE001 - a store error: not a preemption
+                    if local:
+                        raise  # signalled and the store cannot be reached: give up below, as step 4 says
+                    logger.warning("overlapckpt: the preemption watch of rank %d lost the store (%s: %s); reconnecting", self.rank, type(e).__name__, e)
+                    time.sleep(RECONNECT_S)  # nothing to wait on: the store is unreachable
+                    self.store = self._connect()
+                    continue
+                if signum:
+                    self._agree(signum)
                     return
                 time.sleep(POLL_S)
         except Exception as e:  # noqa: BLE001 - a thread's failure must reach the trainer, not vanish
@@ -77,25 +102,75 @@ class PreemptionWatch:
             self.page.write(HOLD, 1)
             self.page.write(AGREED, NO_AGREEMENT)
 
-    def _agree(self) -> None:
-        signum = int(self.store.get("signal"))
+    def _posted_signal(self) -> int:
+        """The signal some rank posted, or 0: none, or a value this run's writers did not write."""
+        if not self.store.check(["signal"]):
+            return 0
+        value = self.store.get("signal")
+        signum = int(value) if value is not None and value.isdigit() else 0
+        if signum in self.signals:
+            return signum
+        self._refuse("signal", f"{'a value not sealed by this run' if value is None else repr(value)}, not one of save_on_signal {sorted(self.signals)}")
+        return 0
+
+    def _refuse(self, key: str, why: str) -> None:
+        """Count and log a forged value once (the watch sees it again at every poll)."""
+        raw = self.store.get_raw(key)
+        if (key, raw) in self._refused:
+            return
+        self._refused.add((key, raw))
+        self.page.write(FORGED, self.page.read(FORGED) + 1)
+        logger.warning(
+            "overlapckpt: rank %d's preemption watch ignored %s in the job's store: %s; another client of the store wrote it",
+            self.rank, key, why,
+        )
+
+    def _agree(self, signum: int) -> None:
         self.page.write(AGREED_SIGNAL, signum)
         self.page.write(HOLD, 1)  # before reading STEP: the trainer stops within one boundary of what is read
         step = self.page.read(STEP)
         self.store.set(f"step/{self.rank}", str(step))
-        keys = [f"step/{r}" for r in range(self.world_size)]
-        try:
-            self.store.wait(keys, timedelta(seconds=self.timeout_s))
-        except Exception as e:  # noqa: BLE001 - the store's timeout error type varies across torch releases
-            missing = [k for k in keys if not self.store.check([k])]
-            logger.error(
-                "overlapckpt: rank %d could not agree on a preemption step within %.1f s (no step from %s: %s); "
-                "exiting with the signal without a checkpoint",
-                self.rank, self.timeout_s, ", ".join(missing) or "?", e,
-            )
-            self.page.write(AGREED, NO_AGREEMENT)
+        steps = self._every_rank_step()
+        if steps is None:
             return
-        steps = [int(self.store.get(k)) for k in keys]
         agreed = max(steps) + AGREEMENT_MARGIN_STEPS
         logger.info("overlapckpt: preemption: rank %d at step %d, steps %s, agreed on %d", self.rank, step, steps, agreed)
         self.page.write(AGREED, agreed)
+
+    def _every_rank_step(self) -> list[int] | None:
+        """Every rank's posted step, sealed; None (and ``NO_AGREEMENT``) if some rank's is missing at the timeout."""
+        keys = [f"step/{r}" for r in range(self.world_size)]
+        deadline = time.monotonic() + self.timeout_s
+        steps: dict[str, int] = {}
+        waited = False
+        while True:
+            for key in keys:
+                if key in steps or not self.store.check([key]):
+                    continue
+                value = self.store.get(key)
+                if value is not None and value.isdigit():
+                    steps[key] = int(value)
+                else:
+                    self._refuse(key, "a step not sealed by this run's writers")
+            pending = [k for k in keys if k not in steps]
+            remaining = deadline - time.monotonic()
+            if not pending or remaining <= 0:
+                break
+            if waited:
+                time.sleep(POLL_S)  # every pending key existed, yet some hold forged values: look again soon
+            try:
+                # Server-side: returns once every pending key exists (one request, whatever the world size).
+                self.store.wait(pending, timedelta(seconds=min(remaining, 1.0)))
+                waited = True
+            except Exception:  # noqa: BLE001 - the store's timeout error type varies across torch releases
+                waited = False
+        if len(steps) == len(keys):
+            return [steps[k] for k in keys]
+        missing = [k for k in keys if k not in steps]
+        logger.error(
+            "overlapckpt: rank %d could not agree on a preemption step within %.1f s (no step from %s); "
+            "exiting with the signal without a checkpoint",
+            self.rank, self.timeout_s, ", ".join(missing) or "?",
+        )
+        self.page.write(AGREED, NO_AGREEMENT)
+        return None

@@ -9,6 +9,7 @@ process keeps serving, so one failed write does not lose the next checkpoint.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import socket
@@ -22,7 +23,7 @@ import torch
 from .. import protocol as p
 from ..control_page import ControlPage
 from ..cores import usable_cores
-from ..errors import WritersRegroupedError
+from ..errors import ForgedStoreValueError, WritersRegroupedError
 from ..format.storage import CheckpointStore, dcp_root_cause
 from ..hostbuf import fd_path, map_shared_file
 from ..qualname import import_qualified
@@ -32,6 +33,11 @@ from .preempt_watch import PreemptionWatch
 
 # How often an idle writer of a distributed run looks for checkpoints other ranks claimed.
 _IDLE_CHECK_S = 0.5
+# What a store request raises when the store cannot be reached (DistNetworkError, DistStoreError,
+# and before torch 2.3 a bare RuntimeError), or a sealed counter was forged.
+_STORE_ERRORS = (RuntimeError, OSError, ForgedStoreValueError)
+
+logger = logging.getLogger("overlapckpt")
 
 
 class _WriterState:
@@ -153,17 +159,35 @@ def serve(conn: Connection, fd_sock: socket.socket) -> None:
             state.group.close()
 
 
+def idle_poll(conn: Connection, group: WriterGroup) -> None:
+    """An idle writer of a distributed run: follow a replaced writer into its group, refuse unmatched claims.
+
+    A store error here is no checkpoint's failure: it is logged and the next poll connects
+    again. Uncaught, it ended the writer, and with it both ranks (exit 1), when another
+    client of the store poisoned a counter the writers read.
+    """
+    try:
+        if group.generation_moved():
+            group.regroup()  # another rank's writer was replaced: follow it into the new group
+            return
+        # Has another rank claimed a checkpoint this one has not?
+        mismatch = group.missing_claim()
+    except _STORE_ERRORS as e:
+        logger.warning("overlapckpt: the writer of rank %d lost the job's store while idle (%s: %s); reconnecting", group.rank, type(e).__name__, e)
+        try:
+            group.reconnect()
+        except _STORE_ERRORS as again:
+            logger.warning("overlapckpt: reconnecting to the job's store failed (%s); trying again at the next poll", again)
+        return
+    if mismatch is not None:
+        _send(conn, _error_response(None, mismatch))
+
+
 def _serve_requests(conn: Connection, fd_sock: socket.socket, state: _WriterState) -> None:
     while True:
         try:
             if state.group is not None and not conn.poll(_IDLE_CHECK_S):
-                if state.group.generation_moved():
-                    state.group.regroup()  # another rank's writer was replaced: follow it into the new group
-                    continue
-                # Idle in a distributed run: has another rank claimed a checkpoint this one has not?
-                mismatch = state.group.missing_claim()
-                if mismatch is not None:
-                    _send(conn, _error_response(None, mismatch))
+                idle_poll(conn, state.group)
                 continue
             req = _recv(conn)
         except (EOFError, ConnectionResetError):  # the training process is gone: nothing left to serve
@@ -180,7 +204,7 @@ def _serve_requests(conn: Connection, fd_sock: socket.socket, state: _WriterStat
                 if state.group is None:
                     raise TypeError("WatchPreemptionRequest is for the writers of a distributed run")
                 page = ControlPage(state.control_page.data_ptr())
-                state.preemption = PreemptionWatch(page, state.group.spec, req.agreement_timeout_s)
+                state.preemption = PreemptionWatch(page, state.group.spec, req.agreement_timeout_s, req.signals)
             elif isinstance(req, p.ReleaseBufferRequest):
                 state.buffers.pop(req.buffer_id, None)
             elif isinstance(req, p.SetPlanRequest):

@@ -1,0 +1,127 @@
+"""The writers' values in the job's key-value store, sealed with a key only this run's ranks hold.
+
+torch.distributed's TCPStore trusts every client: whoever reaches it can list the keys
+(``list_keys``), so the writers' random prefix is no secret, and can write any value.
+Before this seal, a client that wrote ``count/N = "xyz"`` made the store server drop
+the next writer's connection on ``add`` (both ranks exited 1), and one that wrote
+``preempt/signal = "9"`` made every rank try to exit with SIGKILL.
+
+Every value the writers write is therefore ``HMAC-SHA256(key, name + value)`` in hex,
+then the value. The key is drawn on training rank 0 at construction and shared over
+the training process group only (``train/distributed.py``); it reaches each writer over
+its local socket pair. The MAC covers the key's full name, so a sealed value copied to
+another key does not open either. A value that does not open is *forged*: the callers
+treat it as absent (a signal, a step, a marker) or as a named refusal (a claim), never
+as a crash.
+
+Counters use ``compare_set`` on sealed values instead of ``add``: ``add`` on a value a
+client replaced with text breaks the connection for good. Each counter value carries
+a random nonce, so that two writers that increment from the same value never both
+believe they won.
+
+What the seal cannot stop: a client may delete keys, or overwrite a sealed value with a
+forged one, which makes that checkpoint fail (a named refusal) or a preemption go
+unnoticed through the store (the signalled rank still agrees with its own signal).
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+from datetime import timedelta
+from hashlib import sha256
+from typing import Any
+
+from ..errors import ForgedStoreValueError
+
+_MAC_HEX = 64  # SHA-256 in hex
+# Reads of a counter that another writer changed between our read and our compare_set:
+# a handful at most (one replacement writer at a time); the bound only stops a loop.
+_MAX_INCREMENT_TRIES = 1000
+
+
+def new_store_key() -> bytes:
+    """A fresh sealing key, drawn on training rank 0 for one run."""
+    return secrets.token_bytes(32)
+
+
+class SealedStore:
+    """A torch.distributed store whose values this run's writers seal, under ``namespace`` (the prefix the store adds)."""
+
+    def __init__(self, store: Any, key: bytes, namespace: str) -> None:
+        if len(key) < 16:
+            raise ValueError(f"a store sealing key of {len(key)} bytes is too short; draw one with new_store_key()")
+        self.store = store
+        self._key = key
+        self.namespace = namespace
+
+    def _mac(self, name: str, value: str) -> str:
+        message = f"{self.namespace}{name}".encode() + b"\0" + value.encode("utf-8")
+        return hmac.new(self._key, message, sha256).hexdigest()
+
+    def seal(self, name: str, value: str) -> str:
+        """What ``set`` stores under ``name`` for ``value``."""
+        return self._mac(name, value) + value
+
+    def open(self, name: str, raw: bytes) -> str | None:
+        """The value ``raw`` (as read from ``name``) was sealed with, or None if it is forged."""
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        mac, value = text[:_MAC_HEX], text[_MAC_HEX:]
+        if len(mac) != _MAC_HEX or not hmac.compare_digest(mac, self._mac(name, value)):
+            return None
+        return value
+
+    def set(self, name: str, value: str) -> None:
+        self.store.set(name, self.seal(name, value))
+
+    def get(self, name: str) -> str | None:
+        """The value under ``name`` (which must exist: ``get`` of a missing key waits), or None if forged."""
+        return self.open(name, self.store.get(name))
+
+    def get_raw(self, name: str) -> bytes:
+        return bytes(self.store.get(name))
+
+    def check(self, names: list[str]) -> bool:
+        return bool(self.store.check(names))
+
+    def wait(self, names: list[str], timeout: timedelta) -> None:
+        self.store.wait(names, timeout)
+
+    def delete_key(self, name: str) -> bool:
+        return bool(self.store.delete_key(name))
+
+    def read_counter(self, name: str) -> int | None:
+        """The counter under ``name`` (0 if never set), or None if its value is forged."""
+        if not self.check([name]):
+            return 0
+        value = self.get(name)
+        return None if value is None else _counter_value(value)
+
+    def increment(self, name: str, by: int) -> int:
+        """Add ``by`` to the counter under ``name`` atomically; its new value. ForgedStoreValueError if it is forged."""
+        raw = bytes(self.store.compare_set(name, "", self.seal(name, f"0:{secrets.token_hex(8)}")))
+        for _ in range(_MAX_INCREMENT_TRIES):
+            value = self.open(name, raw)
+            current = None if value is None else _counter_value(value)
+            if current is None:
+                raise ForgedStoreValueError(
+                    f"the writers' counter {self.namespace}{name} in the job's store holds a value this run's writers did "
+                    "not write (another client of the store wrote it); the writers cannot agree on their group through it. "
+                    "Run the job on a network where only its own processes reach the store"
+                )
+            if by == 0:
+                return current
+            desired = self.seal(name, f"{current + by}:{secrets.token_hex(8)}")
+            got = bytes(self.store.compare_set(name, raw, desired))
+            if got == desired.encode():
+                return current + by
+            raw = got  # another writer moved it first: add to its value
+        raise ForgedStoreValueError(f"the writers' counter {self.namespace}{name} kept changing under {_MAX_INCREMENT_TRIES} increments")
+
+
+def _counter_value(value: str) -> int | None:
+    count, _, _nonce = value.partition(":")
+    return int(count) if count.isdigit() else None

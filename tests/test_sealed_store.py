@@ -1,0 +1,116 @@
+"""The writers' store values, sealed: another client of the job's TCPStore cannot steer or stop the writers.
+
+Each attack is made on a real TCPStore, as a client of it would make it: values written
+raw under the writers' keys, a counter replaced with text, a connection the server drops.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from multiprocessing import Pipe
+
+import pytest
+import torch.distributed as dist
+
+from overlapckpt.errors import ForgedStoreValueError
+from overlapckpt.protocol import WriterGroupSpec
+from overlapckpt.writer.group import GENERATION_KEY, WriterGroup, run_keys_prefix
+from overlapckpt.writer.process import idle_poll
+from overlapckpt.writer.sealed_store import SealedStore, new_store_key
+
+KEY = new_store_key()
+
+
+@pytest.fixture
+def master():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield store
+
+
+@pytest.fixture
+def group(master):
+    spec = WriterGroupSpec(
+        store_host="127.0.0.1", store_port=master.port, rank=0, world_size=1, timeout_s=30.0, agreement_timeout_s=5.0,
+        mesh_shape=(1,), key_prefix="sealedtest", store_key=KEY,
+    )
+    writer_group = WriterGroup(spec)  # a one-writer group: joining needs no peer
+    yield writer_group
+    writer_group.close()
+
+
+def test_values_open_only_under_their_own_key_name_and_run_key():
+    store = dist.HashStore()
+    ours, theirs = SealedStore(store, KEY, "p/"), SealedStore(store, new_store_key(), "p/")
+    ours.set("a", "15")
+    assert ours.get("a") == "15"
+    assert theirs.get("a") is None  # another run's key (or a guess)
+    assert SealedStore(store, KEY, "q/").get("a") is None  # the same key under another prefix
+    store.set("b", store.get("a"))
+    assert ours.get("b") is None  # a sealed value moved to another name
+    store.set("c", "15")
+    assert ours.get("c") is None  # unsealed
+
+
+def test_concurrent_increments_each_count_once():
+    store = SealedStore(dist.HashStore(), KEY, "")
+    results: list[int] = []
+
+    def bump() -> None:
+        for _ in range(200):
+            results.append(store.increment("n", 1))
+
+    threads = [threading.Thread(target=bump) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(results) == list(range(1, 801))  # every increment won exactly once
+    assert store.read_counter("n") == 800
+
+
+def test_a_forged_counter_is_refused_by_name_and_the_connection_survives(master):
+    prefix = "overlapckpt-writers/x/"
+    client = dist.TCPStore("127.0.0.1", master.port, is_master=False)
+    sealed = SealedStore(dist.PrefixStore(prefix, client), KEY, prefix)
+    sealed.increment(GENERATION_KEY, 0)
+    dist.PrefixStore(prefix, master).set(GENERATION_KEY, "xyz")  # another client replaced it
+    assert sealed.read_counter(GENERATION_KEY) is None
+    with pytest.raises(ForgedStoreValueError, match=r"overlapckpt-writers/x/generation in the job's store holds a value this run's writers did not write"):
+        sealed.increment(GENERATION_KEY, 1)
+    # compare_set and get never hit the server's integer parse: the connection still works (add did not).
+    assert sealed.check([GENERATION_KEY])
+
+
+def test_an_idle_writer_ignores_a_forged_generation_and_claim_marker(group, master, caplog):
+    run_keys = dist.PrefixStore(run_keys_prefix(group.spec), master)
+    agree_keys = dist.PrefixStore(run_keys_prefix(group.spec) + "agree/", master)
+    run_keys.set(GENERATION_KEY, "xyz")
+    agree_keys.set("posted/0", "xyz")
+    agree_keys.set("count/0", "xyz")  # the counter earlier releases polled with add()
+    reader, writer = Pipe(duplex=False)
+    with caplog.at_level(logging.WARNING, logger="overlapckpt"):
+        for _ in range(3):
+            idle_poll(writer, group)
+    assert not reader.poll(0)  # no refusal or error sent to the trainer
+    assert group.generation == 0 and group.claims.sequence == 0
+    assert [r.getMessage() for r in caplog.records if "generation counter" in r.getMessage()] != []
+
+
+def test_an_idle_writer_whose_store_connection_broke_reconnects(group, master, caplog):
+    # Break the group's own connection for real: add() on a value that is not a number makes
+    # the store server drop that client (what a poisoned counter did to the writers before).
+    master.set("poison", "xyz")
+    with pytest.raises(dist.DistNetworkError):
+        group._base.add("poison", 1)
+    group.claims.sequence = 4
+    reader, writer = Pipe(duplex=False)
+    with caplog.at_level(logging.WARNING, logger="overlapckpt"):
+        idle_poll(writer, group)  # the store error is logged, and the group connects again
+    assert any("lost the job's store while idle" in r.getMessage() for r in caplog.records)
+    idle_poll(writer, group)  # the new connection works
+    assert not reader.poll(0)
+    assert group.claims.sequence == 4  # the checkpoints decided so far are kept
+    prefix = run_keys_prefix(group.spec)
+    SealedStore(dist.PrefixStore(prefix, master), KEY, prefix).increment(GENERATION_KEY, 1)
+    assert group.generation_moved()  # and it still sees a real replacement
