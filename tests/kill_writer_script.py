@@ -22,6 +22,7 @@ from overlapckpt import Checkpointer
 from overlapckpt.errors import WriterDiedError
 
 from gpu_support import H200_SM_CLOCK_HZ, DelayedCopier, Rig
+from helpers import exited_within
 
 
 def main() -> None:
@@ -50,7 +51,8 @@ def main() -> None:
     print("state_bytes", sum(p.numel() * 12 for p in model.parameters()), flush=True)
     os.kill(ckpt.writer_pid, signal.SIGKILL)
     # Wait until it is dead, without reaping it (the engine's liveness check does that).
-    os.waitid(os.P_PID, ckpt.writer_pid, os.WEXITED | os.WNOWAIT)
+    if not exited_within(ckpt.writer_pid, timeout_s=60):
+        raise RuntimeError("the SIGKILLed writer did not exit within 60 s")
     print("in_flight_after_kill", not rig.side_stream_idle(copier), flush=True)
     died_in_loop = False
     for _ in range(20):

@@ -1,4 +1,5 @@
-"""The writer process: no cwd on its sys.path, tied to the training process (not a thread), its own session."""
+"""The writer process: no cwd on its sys.path, tied to the training process (not a thread), its own session;
+forked by the training process's fork server, which follows the same rules, or started on its own."""
 
 from __future__ import annotations
 
@@ -7,12 +8,25 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 from overlapckpt import Checkpointer
+from overlapckpt.format.storage import CheckpointStore
 
 from helpers import exited_within, make_run, train_step
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "writer_cwd_script.py")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class MarkingStore(CheckpointStore):
+    """Writes a marker file per committed checkpoint into the directory an environment variable names (read in the writer)."""
+
+    def write_latest(self, name: str) -> None:
+        super().write_latest(name)
+        marker_dir = os.environ["OVERLAPCKPT_TEST_MARKER_DIR"]
+        os.makedirs(marker_dir, exist_ok=True)
+        open(os.path.join(marker_dir, name), "w").close()
 
 
 def test_a_module_planted_in_the_cwd_does_not_run_in_the_writer(tmp_path):
@@ -55,25 +69,70 @@ def test_a_checkpointer_built_in_a_thread_that_exits_keeps_its_writer(tmp_path):
         assert ckpt.writer_restarts == 0 and ckpt.writer_pid == pid  # the same writer: the thread's exit did not kill it
 
 
-def test_the_writer_runs_in_its_own_session_and_exits_with_a_killed_trainer(tmp_path):
+def _parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _cmdline(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().decode().split("\0")
+
+
+@pytest.mark.parametrize("fork_server", ["1", "0"], ids=["forked", "own-interpreter"])
+def test_the_writer_runs_in_its_own_session_and_exits_with_a_killed_trainer(tmp_path, fork_server):
     code = (
         "import signal, sys; sys.path[:0] = [sys.argv[1], sys.argv[2]];"
         "from helpers import make_run; from overlapckpt import Checkpointer;"
         "m, o, _, _ = make_run(); c = Checkpointer(m, o, sys.argv[3]);"
-        "print(c.writer_pid, flush=True); signal.pause()"
+        "d = Checkpointer(m, o, sys.argv[3] + '-2', lease=False);"
+        "print(c.writer_pid, d.writer_pid, flush=True); signal.pause()"
     )
     trainer = subprocess.Popen(
-        [sys.executable, "-c", code, REPO, os.path.dirname(__file__), str(tmp_path)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", code, REPO, os.path.dirname(__file__), str(tmp_path)], stdout=subprocess.PIPE, text=True,
+        env=dict(os.environ, OVERLAPCKPT_WRITER_FORK_SERVER=fork_server),
     )
     try:
-        writer_pid = int(trainer.stdout.readline())
-        assert os.getsid(writer_pid) == writer_pid != os.getsid(trainer.pid)  # a session of its own
+        writer_pids = [int(pid) for pid in trainer.stdout.readline().split()]
+        parents = {_parent_of(pid) for pid in writer_pids}
+        for pid in writer_pids:
+            assert os.getsid(pid) == pid != os.getsid(trainer.pid)  # a session of its own
+        if fork_server == "1":
+            (server,) = parents  # both writers forked by one server, not by the trainer
+            assert server != trainer.pid and _parent_of(server) == trainer.pid
+            assert os.getsid(server) == server  # a session of its own too
+            assert _cmdline(server)[1:3] == ["-I", "-c"]  # isolated: no cwd, no PYTHONPATH on its sys.path
+        else:
+            assert parents == {trainer.pid}
         trainer.kill()
         trainer.wait(timeout=30)
-        assert exited_within(writer_pid, 30), f"the writer (pid {writer_pid}) outlived its killed trainer by 30 s"
+        for pid in [*writer_pids, *parents - {trainer.pid}]:
+            assert exited_within(pid, 30), f"process {pid} ({_cmdline(pid)}) outlived its killed trainer by 30 s"
     finally:
         if trainer.poll() is None:
             trainer.kill()
+
+
+def test_a_forked_writer_takes_the_environment_of_its_start_and_reports_its_death(tmp_path, monkeypatch):
+    """The fork server started before this writer: the environment of now must reach the writer
+    (a store class reads it), and its exit status must still name the signal that killed it."""
+    import signal
+
+    from overlapckpt import WriterDiedError
+
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path / "first"):
+        pass  # the fork server exists from here on
+    monkeypatch.setenv("OVERLAPCKPT_TEST_MARKER_DIR", str(tmp_path / "marker"))
+    with Checkpointer(model, opt, tmp_path / "second", store_class=MarkingStore, max_writer_restarts=0) as ckpt:
+        train_step(model, opt, sched, sampler)
+        ckpt.request()
+        (info,) = ckpt.wait(timeout_s=120)
+        assert (tmp_path / "marker" / info.path.rsplit("/", 1)[1]).exists()  # the writer saw the variable set after the server started
+        os.kill(ckpt.writer_pid, signal.SIGKILL)
+        assert exited_within(ckpt.writer_pid, 30)
+        with pytest.raises(WriterDiedError, match=r"was killed by SIGKILL while no checkpoint was in flight"):
+            ckpt.request()
 
 
 def test_the_writer_starts_from_a_source_checkout_that_is_not_installed(tmp_path):

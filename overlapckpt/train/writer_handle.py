@@ -2,7 +2,8 @@
 
 The writer is a plain subprocess, not a ``multiprocessing`` spawn: spawn re-imports
 the user's ``__main__``, which reruns a training script that lacks an ``if __name__ ==
-"__main__"`` guard. It starts as ``python -I -c BOOTSTRAP``: isolated mode puts
+"__main__"`` guard. It starts as ``python -I -c BOOTSTRAP`` (forked from this process's fork server, itself
+started that way, where it can: ``writer_launcher.py``): isolated mode puts
 neither the working directory nor ``PYTHONPATH`` on ``sys.path`` (``python -m`` would
 put the cwd first, and a planted ``overlapckpt/`` there would run), and the bootstrap
 adds only the directory this package was imported from.
@@ -35,26 +36,10 @@ from typing import Any
 
 from .. import protocol as p
 from ..errors import CheckpointWriteError, OverlapCkptError, WriterDiedError
+from .writer_launcher import start_writer_process
 
 # How long one blocking wait may go without news before it checks the process again.
 _LIVENESS_POLL_S = 0.5
-
-# Run by ``python -I -c``: argv is [-c, package parent dir, socket fd, lifeline fd].
-_BOOTSTRAP = (
-    "import sys; sys.path.insert(0, sys.argv[1]); "
-    "from overlapckpt.writer.process import main; main(sys.argv[1:])"
-)
-
-
-def _package_parent_dir() -> str:
-    """The directory that holds the ``overlapckpt`` package this module was imported from.
-
-    This file is ``overlapckpt/train/writer_handle.py``: three levels up. From a plain
-    source checkout (``PYTHONPATH=.``, nothing installed) it is the only place the
-    writer can import the package from.
-    """
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def _describe_exit(code: int | None) -> str:
     if code is None:
@@ -82,23 +67,15 @@ class WriterProcess:
     ) -> None:
         self.startup_timeout_s = startup_timeout_s
         parent_sock, child_sock = socket.socketpair()
-        env = dict(os.environ)
-        # The writer works on host memory only; hiding the GPUs keeps it from creating a CUDA context.
-        env["CUDA_VISIBLE_DEVICES"] = ""
-        env["PYTHONPATH"] = os.pathsep.join([_package_parent_dir(), *filter(None, [env.get("PYTHONPATH")])])
-        child_fd = child_sock.fileno()
         lifeline_read, self._lifeline = os.pipe()  # the write end stays here, unwritten, for our lifetime
-        self._proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", _BOOTSTRAP, _package_parent_dir(), str(child_fd), str(lifeline_read)],
-            pass_fds=[child_fd, lifeline_read],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        # Close our copy of the child's end: when the child dies, its end closes and
-        # our reads see EOF immediately.
-        child_sock.close()
-        os.close(lifeline_read)
+        try:
+            # Forked by this process's fork server where it can (writer_launcher.py), else a new interpreter.
+            self._proc = start_writer_process([child_sock.fileno(), lifeline_read])
+        finally:
+            # Close our copy of the child's end: when the child dies, its end closes and
+            # our reads see EOF immediately.
+            child_sock.close()
+            os.close(lifeline_read)
         # A second handle on the same socket, for the host buffers' descriptors (SCM_RIGHTS).
         self._fd_sock = socket.socket(fileno=os.dup(parent_sock.fileno()))
         self._conn = Connection(parent_sock.detach())

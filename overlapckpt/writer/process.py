@@ -270,7 +270,7 @@ def _skip_zip_crc() -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``argv``: [package dir, request socket fd, lifeline fd] (see ``writer_handle._BOOTSTRAP``)."""
+    """``argv``: [package dir, request socket fd, lifeline fd] (see ``train/writer_launcher.py``: the bootstrap, or the fork server)."""
     fd = int(argv[1])
     _exit_with_the_trainer(int(argv[2]))
     try:
