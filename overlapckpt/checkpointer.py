@@ -16,9 +16,9 @@ from torch import nn
 
 from .control_page import PAGE_BYTES, OwnedControlPage
 from .errors import ConfigError
-from .format.key_layout import GET_STATE_DICT, pads_directory_names
+from .format.key_layout import GET_STATE_DICT
 from .format.lease import RootLease
-from .format.manifest import CheckpointInfo
+from .format.manifest import CheckpointInfo, name_style_for
 from .format.signing import resolve_key
 from .format.storage import CheckpointStore
 from .loading import load
@@ -204,7 +204,7 @@ class Checkpointer:
         store = store_class(self.path, self.storage_options)
         store.prepare_root()
         self._store = store
-        self._lineage = Lineage(agreed_run_id(self._distributed), padded_names=pads_directory_names(key_layout), root=self.path)
+        self._lineage = Lineage(agreed_run_id(self._distributed), names=name_style_for(key_layout, tuple(export_formats)), root=self.path)
         self._lease: RootLease | None = None
         self._lineage.note_existing(store.committed_names(), own=set())
         self._lineage_starts_at = 0  # the first of self.stats in the current lineage (see continued_from)

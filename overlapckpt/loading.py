@@ -23,7 +23,7 @@ from .errors import (
 from .format.entries import check_shapes, flatten_tensors
 from .format.extra_state import decode
 from .format.key_layout import TORCHTITAN, flat_param_groups, saved_group
-from .format.manifest import METADATA_NAME, CheckpointInfo, Manifest, checkpoint_name, step_of_name
+from .format.manifest import METADATA_NAME, NAME_STYLES, CheckpointInfo, Manifest, checkpoint_name, step_of_name
 from .format.safe_read import SafeLoadPlanner
 from .format.signing import check_signature, resolve_key
 from .format.storage import CheckpointStore, dcp_root_cause, is_storage_error, read_error, translate_read_errors
@@ -130,7 +130,7 @@ def resolve_checkpoint(store: CheckpointStore, step: int | None, skip_damaged: b
         latest = store.read_latest()
     chosen, why = _of_latest_run(store, matching, latest, names), "of the run latest names"
     if chosen is None:
-        plain = [n for n in (checkpoint_name(step), checkpoint_name(step, padded=False)) if n in matching]
+        plain = [n for n in (checkpoint_name(step, style=style) for style in NAME_STYLES) if n in matching]
         chosen, why = (plain[0] if plain else matching[-1]), "the first run's"
     warnings.warn(
         f"overlapckpt: {store.root} holds {len(matching)} checkpoints of step {step} ({', '.join(matching)}), from runs "

@@ -13,10 +13,11 @@ import pytest
 from fault_schedule import describe, run_trial
 
 # 2: window 1, the trainer killed twice, the writer at a persist's second write.
-# 50: W=4 replay, the writer killed between steps, inside a persist and inside a replay.
+# 50: W=4 replay every 3 (windows cut to 3 steps), the writer killed between steps and inside a persist.
 # 53: stage W=3, slow storage, the trainer and the writer killed.
-# 41: W=4 replay, slow storage, the trainer, the writer and a persist killed.
-SEEDS = [2, 50, 53, 41]
+# 45: W=3 replay, the writer killed inside a persist and inside a replay.
+# (Chosen from a scan of seeds 1-80 on the scheduled windows, which land on the steps asked for.)
+SEEDS = [2, 50, 53, 45]
 
 
 @pytest.mark.parametrize("seed", SEEDS)

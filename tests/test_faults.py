@@ -204,3 +204,54 @@ def test_a_writer_killed_between_the_commit_and_latest_does_not_stop_training(tm
     fresh, fresh_opt, _, _ = make_run(seed=5)
     load(str(tmp_path / "ckpts"), fresh, fresh_opt, step=3)
     assert_state_equal(*twin[3], fresh, fresh_opt)
+
+
+def test_a_writer_death_seen_right_before_an_update_starts_no_snapshot_there(tmp_path, monkeypatch):
+    """A deferred replay request, and a writer death first seen at the update point (right before the update)
+    that frees its slot (the checkpoint it was replaying is lost): the request started there, after that hook
+    had logged the step's gradients, so its replay missed that step and a wrong checkpoint was listed (found by
+    fault seed 50). It starts at the post-hook that follows instead."""
+    from fakes import TRAINER_PID_ENV
+    from fakes import AdamW as BlockingReplayAdamW
+
+    fifo = tmp_path / "block.fifo"
+    os.mkfifo(fifo)
+    monkeypatch.setenv(BLOCK_FIFO_ENV, str(fifo))
+    monkeypatch.setenv(BLOCK_ONCE_MARKER_ENV, str(tmp_path / "blocked-once"))
+    monkeypatch.setenv(TRAINER_PID_ENV, str(os.getpid()))
+
+    def run():
+        model, _, sched, sampler = make_run()
+        opt = BlockingReplayAdamW(model.parameters(), lr=1e-2)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.05 * s)), sampler
+
+    twin_model, twin_opt, twin_sched, twin_sampler = run()
+    twin = {}
+    for it in range(1, 11):
+        train_step(twin_model, twin_opt, twin_sched, twin_sampler)
+        twin[it] = (copy.deepcopy(twin_model.state_dict()), copy.deepcopy(twin_opt.state_dict()))
+    model, opt, sched, sampler = run()
+    ckpt = Checkpointer(model, opt, tmp_path / "ckpts", window=3, consistency="replay", copier=CpuCopier())
+    with pytest.warns(UserWarning, match=r"the writer process died .* a new one was started"):
+        try:
+            for it in range(1, 11):
+                train_step(model, opt, sched, sampler)
+                if it == 3:
+                    ckpt.request()  # version 5: its writer hangs inside the replay
+                if it == 6:
+                    ckpt.request()  # deferred: the slot holds version 5
+                ckpt.step()
+                if it == 5:
+                    read_fifo_line(str(fifo), timeout_s=120)
+                if it == 6:
+                    assert ckpt._engine.requests.pending
+                    _kill_writer(ckpt)  # nothing reads the pipe until step 7's update point
+            infos = ckpt.wait(timeout_s=120)
+        finally:
+            ckpt.close(timeout_s=60)
+    assert ckpt.writer_restarts == 1 and ckpt._engine.dispatcher.lost_mid_replay == 1
+    # Started after step 7 (before the fix: after step 6, inside step 7's update point, so version 8, wrong).
+    assert [i.step for i in infos] == [9]
+    fresh, fresh_opt, _, _ = make_run(seed=5)
+    load(infos[0].path, fresh, fresh_opt)
+    assert_state_equal(*twin[9], fresh, fresh_opt)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -48,10 +49,10 @@ class Record(transformers.TrainerCallback):
         self.states[state.global_step] = (model_sd, opt_sd)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        self.logs.append(dict(logs or {}))
+        self.logs.append(dict(logs or {}, at_global_step=state.global_step))
 
 
-def _trainer(out, callbacks) -> transformers.Trainer:
+def _trainer(out, callbacks, eval_dataset=None, **save_args) -> transformers.Trainer:
     transformers.set_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16)
     model = transformers.GPT2LMHeadModel(config)
@@ -62,14 +63,25 @@ def _trainer(out, callbacks) -> transformers.Trainer:
         learning_rate=1e-3,
         warmup_steps=2,
         logging_steps=2,
-        save_strategy="no",
         report_to="none",
         use_cpu=True,
         seed=0,
         disable_tqdm=True,
         dataloader_num_workers=0,
+        **({"save_strategy": "no"} | save_args),
     )
-    return transformers.Trainer(model=model, args=args, train_dataset=TokenData(), callbacks=callbacks)
+    return transformers.Trainer(model=model, args=args, train_dataset=TokenData(), eval_dataset=eval_dataset, callbacks=callbacks)
+
+
+class StopAt(transformers.TrainerCallback):
+    """Stop training at the end of step ``at``, as a preempted job stops."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            control.should_training_stop = True
 
 
 class WaitForCommits(transformers.TrainerCallback):
@@ -105,13 +117,13 @@ def _assert_equal(model_sd: dict, opt_sd: dict, expected) -> None:
 @pytest.mark.parametrize("window", [1, 3])
 def test_every_commit_and_its_hf_files_equal_the_twin(tmp_path, twin, window):
     integration = Record()  # placed first, as the Trainer places report_to integrations
-    cb = OverlapCallback(tmp_path / "ckpts", every_n_steps=2, window=window, max_inflight=4)
-    _trainer(tmp_path, [integration, cb, WaitForCommits(cb, at=5)]).train()
+    cb = OverlapCallback(tmp_path / "ckpts", save_steps=2, window=window, max_inflight=4)
+    _trainer(tmp_path, [integration, cb, WaitForCommits(cb, at=4)]).train()
     losses = [entry["loss"] for entry in integration.logs if "loss" in entry]
     assert losses == [entry["loss"] for entry in twin.logs if "loss" in entry]  # training unchanged
 
     infos = list_checkpoints(str(tmp_path / "ckpts"))
-    assert [i.step for i in infos] == {1: [2, 4, 6, 8], 3: [4, 8]}[window]
+    assert [i.step for i in infos] == [2, 4, 6, 8]  # window 3 too: every=2 cuts its windows to 2 steps, on the steps asked for
     for info in infos:
         contents = read_checkpoint(info.path)
         _assert_equal(contents.model, optimizer_state_by_index(contents.optimizer), twin.states[info.step])
@@ -124,20 +136,24 @@ def test_every_commit_and_its_hf_files_equal_the_twin(tmp_path, twin, window):
             assert json.load(f)["global_step"] == info.step
         report = verify_checkpoint(CheckpointStore(str(tmp_path / "ckpts")), info.path.rsplit("/", 1)[1])
         assert report.ok and report.files >= 6, report  # the shard and the five framework files
-    # The figures reached the callback that stands where the integrations do, at the log of
-    # step 6, the first after the wait at step 5 (W=1: the commit of 4; W=3: of 4, copied over steps 2-4).
+    # The figures reached the callback that stands where the integrations do, at a log after their commit
+    # (at the latest the log of step 4, right after the wait): the few a user reads, each once.
     with_figures = [e for e in integration.logs if "overlapckpt/step" in e]
-    assert len(with_figures) == 1 and with_figures[0]["overlapckpt/step"] == 4.0, integration.logs
-    assert with_figures[0]["overlapckpt/time_to_commit_s"] > 0
+    assert all(e["overlapckpt/step"] in (2.0, 4.0, 6.0, 8.0) for e in with_figures), integration.logs
+    assert [e["overlapckpt/step"] for e in with_figures if e["at_global_step"] == 4] == [4.0], integration.logs
+    assert all(e["overlapckpt/time_to_commit_s"] > 0 for e in with_figures)
+    assert {k for e in with_figures for k in e if k.startswith("overlapckpt/")} == {
+        "overlapckpt/step", "overlapckpt/hook_host_s", "overlapckpt/copy_s", "overlapckpt/time_to_commit_s", "overlapckpt/state_bytes",
+    }
 
 
 def test_resume_from_checkpoint_reproduces_the_losses_and_the_final_model(tmp_path, twin):
     root = tmp_path / "ckpts"
-    _trainer(tmp_path, [OverlapCallback(root, every_n_steps=2, max_inflight=4)]).train()
+    _trainer(tmp_path, [OverlapCallback(root, save_steps=2, max_inflight=4)]).train()
     step4 = next(i for i in list_checkpoints(str(root)) if i.step == 4)
 
     rec = Record()
-    trainer = _trainer(tmp_path / "again", [OverlapCallback(tmp_path / "next", every_n_steps=2, max_inflight=4), rec])
+    trainer = _trainer(tmp_path / "again", [OverlapCallback(tmp_path / "next", save_steps=2, max_inflight=4), rec])
     trainer.train(resume_from_checkpoint=step4.path)
     assert sorted(rec.states) == [5, 6, 7, 8]
     final_model, _ = twin.states[MAX_STEPS]
@@ -159,3 +175,52 @@ def test_refusals(tmp_path):
 
         model = torch.nn.Linear(2, 2)
         Checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), "s3://bucket/x", export_formats=("hf_trainer",))
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_adding_the_callback_is_the_only_change_and_resume_from_checkpoint_true_finds_the_newest(tmp_path, twin):
+    """The callback follows TrainingArguments (output_dir, save_steps, save_total_limit), names checkpoint-N, and
+    takes over the Trainer's own saves. Before: resume_from_checkpoint=True found "No valid checkpoint"."""
+    save_args = {"save_strategy": "steps", "save_steps": 2, "save_total_limit": 2}
+    trainer_log = transformers.utils.logging.get_logger("transformers.trainer")
+    lines = Lines()
+    trainer_log.addHandler(lines)
+    level = trainer_log.level
+    trainer_log.setLevel(logging.INFO)
+    try:
+        _trainer(tmp_path, [OverlapCallback(max_inflight=4), StopAt(6)], **save_args).train()
+    finally:
+        trainer_log.removeHandler(lines)
+        trainer_log.setLevel(level)
+    out = tmp_path / "hf"
+    # Ours only (each committed, with .metadata), keep=save_total_limit; no Trainer checkpoint of its own.
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-4", "checkpoint-6"]
+    assert all((out / name / ".metadata").exists() for name in ("checkpoint-4", "checkpoint-6"))
+    assert [i.step for i in list_checkpoints(str(out))] == [4, 6]
+    commits = [line for line in lines.lines if line.startswith("overlapckpt: checkpoint of step")]
+    assert [line.split()[4] for line in commits] == ["2", "4", "6"], lines.lines  # one line per commit, at the Trainer's INFO
+
+    rec = Record()
+    trainer = _trainer(tmp_path, [OverlapCallback(max_inflight=4), rec], **save_args)
+    trainer.train(resume_from_checkpoint=True)  # get_last_checkpoint(output_dir): checkpoint-6
+    assert sorted(rec.states) == [7, 8]
+    _assert_equal(rec.states[8][0], rec.states[8][1], twin.states[8])
+    # save_total_limit counts what this run wrote: the checkpoint it resumed from, and the older run's, are kept.
+    assert [i.step for i in list_checkpoints(str(out))] == [4, 6, 8]
+
+
+def test_save_strategy_best_is_refused_by_name(tmp_path):
+    trainer = _trainer(
+        tmp_path, [OverlapCallback()], eval_dataset=TokenData(8), save_strategy="best", metric_for_best_model="loss",
+        eval_strategy="steps", eval_steps=2,
+    )
+    with pytest.raises(ConfigError, match=r"save_strategy='best'\) is not supported by OverlapCallback"):
+        trainer.train()

@@ -236,3 +236,18 @@ def test_a_rollback_inside_one_checkpointer_starts_a_new_lineage(tmp_path):
         assert_state_equal(*states[step], fresh_model, fresh_opt)
         if step < 7:
             assert any(f"holds 2 checkpoints of step {step}" in str(w.message) and "of the run latest names" in str(w.message) for w in caught)
+
+
+def test_a_final_save_right_after_a_restore_writes_no_duplicate(tmp_path):
+    """A framework's final save after a resume that trained nothing (Lightning's on_train_end, the Trainer's
+    on_train_end) requests the restored version: before, it wrote a duplicate step-000000002-<run>."""
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path) as ckpt:
+        _train(ckpt, model, opt, sched, sampler, 2, (2,))
+    model, opt, sched, sampler = make_run(seed=3)
+    with Checkpointer(model, opt, tmp_path) as ckpt:
+        assert ckpt.restore().step == 2
+        ckpt.request()  # nothing trained since: the restored checkpoint holds this version
+        assert ckpt.wait(timeout_s=120) == []
+        _train(ckpt, model, opt, sched, sampler, 1, (3,))  # a real step after it is checkpointed as usual
+    assert _names(tmp_path) == ["step-000000002", "step-000000003"]

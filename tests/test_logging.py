@@ -28,7 +28,8 @@ def test_commit_info_merged_request_warning_and_on_commit(tmp_path, caplog):
     merged = [m for name, level, m in messages if name == "overlapckpt.requests" and level == logging.WARNING]
     assert len(merged) == 1, messages
     assert merged[0].startswith(
-        "checkpoint requested after step 4 started at step 6: the checkpoint requested after step 3 was still being copied (window 3)"
+        "checkpoint requested after step 4 started at step 6 and holds version 8: the checkpoint requested after step 3 was "
+        "still being copied (window 3)"
     )
     assert merged[0].endswith("; the requests after step(s) [5] were merged into it")
     assert [f["step"] for f in figures] == [5, 6]

@@ -301,3 +301,33 @@ def test_replay_accepts_a_tensor_lr_that_training_ran_with_foreach_and_capturabl
             p.grad = grad.clone()
             opt.step()
     assert torch.equal(replayed, reference) and not torch.equal(replayed, start)
+
+
+@pytest.mark.parametrize(
+    ("window", "consistency", "every", "opened_at"),
+    [(4, "replay", 5, [2, 7, 12]), (3, "stage", 5, [5, 10, 15]), ("auto", "replay", 5, None), (4, "replay", 3, [1, 4, 7, 10, 13])],
+    ids=["replay-4-every-5", "stage-3-every-5", "auto-replay-every-5", "replay-4-every-3"],
+)
+def test_scheduled_checkpoints_hold_the_steps_asked_for(tmp_path, window, consistency, every, opened_at):
+    """every=N is a schedule known in advance: a replay window opens W-1 steps early (at most every-1), so the
+    version is the step asked for. Before: every=100 at W=4 gave step-103, and W=3 checkpoints fell mid-epoch."""
+    steps = 15
+    twin = _twin("adamw", steps, None)
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path, window=window, consistency=consistency, every=every, stateful={"sched": sched}) as ckpt:
+        for it in range(1, steps + 1):
+            train_step(model, opt, sched, sampler)
+            ckpt.step()
+            if it % every == 0:
+                ckpt.wait(timeout_s=120)  # each commits before the next window opens: no deferral decides the test
+    versions = list(range(every, steps + 1, every))
+    manifests = [json.loads((tmp_path / f"step-{v:09d}" / "overlapckpt.json").read_text()) for v in versions]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == [f"step-{v:09d}" for v in versions]
+    for version, manifest in zip(versions, manifests):
+        assert manifest["ledger"]["scheduled_version"] == version and manifest["ledger"]["target_version"] == version
+    if opened_at is not None:
+        assert [m["ledger"]["started_step"] for m in manifests] == opened_at
+    for version in versions:
+        fresh, fresh_opt, _, _ = make_run(seed=42)
+        load(str(tmp_path), fresh, fresh_opt, step=version)
+        assert_state_equal(*twin[version], fresh, fresh_opt)

@@ -295,14 +295,14 @@ def resumed(rank: int, world: int, run_kwargs: dict[str, Any], config: Any, step
 
 
 def replay_checks(rank: int, world: int, kw: dict[str, Any], full: Run, base: str) -> dict[str, Any]:
-    """A run at window 3 (replay): its directories, and a resume from step-10 against the exact run's state there."""
+    """A run at window 3 (replay): its directories, and a resume from step-8 against the exact run's state there."""
     replayed = Run(rank, world, **kw)
     replayed.train(replayed.manager(ours("replay", window=3)))
     dirs = sorted(os.listdir(os.path.join(base, "replay")))  # before the resume adds its own
-    again = resumed(rank, world, kw, ours("replay", window=3), 10)
+    again = resumed(rank, world, kw, ours("replay", window=3), 8)
     return {
         "replay_dirs": dirs,
-        "replay_state_differs": differing(full.states[10], again.states[-1]),
+        "replay_state_differs": differing(full.states[8], again.states[-1]),
         "replay_losses": again.losses,
     }
 
@@ -350,14 +350,14 @@ def scenario_parts(rank: int, world: int) -> dict[str, Any]:
 
     kw = {"fsdp": False, "parts": 2, "impl": "for-loop"}
     full = Run(rank, world, **kw)
-    full.train(full.manager(ours("parts", window=3)), record_at=(10,))
+    full.train(full.manager(ours("parts", window=3)), record_at=(8,))
     out: dict[str, Any] = {"losses": full.losses, "dirs": sorted(os.listdir(os.path.join(os.environ["TITAN_BASE"], "parts")))}
-    again = resumed(rank, world, kw, ours("parts", window=3), 10)
-    out["ours_state_differs"] = differing(full.states[10], again.states[-1])
+    again = resumed(rank, world, kw, ours("parts", window=3), 8)
+    out["ours_state_differs"] = differing(full.states[8], again.states[-1])
     out["ours_losses"] = again.losses
-    parts_dir = os.path.join(os.environ["TITAN_BASE"], "parts", "step-10")
+    parts_dir = os.path.join(os.environ["TITAN_BASE"], "parts", "step-8")
     theirs = resumed(rank, world, kw, stock("stock", initial_load_path=parts_dir, initial_load_model_only=False), -1)
-    out["stock_state_differs"] = [k for k in differing(full.states[10], theirs.states[-1]) if k != "rng"]
+    out["stock_state_differs"] = [k for k in differing(full.states[8], theirs.states[-1]) if k != "rng"]
     out["stock_losses"] = theirs.losses
 
     mixed = Run(rank, world, fsdp=False, mixed=True, impl="for-loop")

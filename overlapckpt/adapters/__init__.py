@@ -67,6 +67,20 @@ def finish(ckpt: Any, save_on_train_end: bool) -> None:
     ckpt.close()
 
 
+# The figures a user reads per commit, for the framework's loggers: which version, how long the loop
+# waited for our hooks, and how long until it was durable. The rest stay in ckpt.stats and the manifest.
+LOGGED_FIGURES = ("step", "hook_host_s", "copy_s", "time_to_commit_s", "state_bytes")
+
+
 def metric_figures(figures: dict[str, Any]) -> dict[str, float]:
-    """One commit's figures as a framework's loggers take them: numbers only, under ``overlapckpt/``."""
-    return {f"overlapckpt/{k}": float(v) for k, v in figures.items() if isinstance(v, (int, float))}
+    """One commit's figures as a framework's loggers take them: the few a user reads, numbers only, under ``overlapckpt/``."""
+    return {f"overlapckpt/{k}": float(figures[k]) for k in LOGGED_FIGURES if isinstance(figures.get(k), (int, float))}
+
+
+def commit_line(figures: dict[str, Any]) -> str:
+    """One line per commit, for the framework's own log at the verbosity of its own checkpoint messages."""
+    return (
+        f"overlapckpt: checkpoint of step {figures.get('step')} durable at {figures.get('path')} "
+        f"({(figures.get('state_bytes') or 0) / 2**20:.1f} MiB; the loop waited {1000 * (figures.get('hook_host_s') or 0):.1f} ms "
+        f"for its hooks; {figures.get('time_to_commit_s') or 0:.2f} s from the request)"
+    )

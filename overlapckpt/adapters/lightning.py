@@ -29,7 +29,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..loading import restore_rng
 from ..reading import CheckpointContents, optimizer_state_by_index, read_checkpoint
-from . import AdapterSettings, finish, metric_figures, require
+from . import AdapterSettings, commit_line, finish, metric_figures, require
 
 _pl = require("lightning")
 Checkpoint = _pl.callbacks.Checkpoint
@@ -243,6 +243,7 @@ class OverlapCheckpoint(Checkpoint):  # type: ignore[misc, valid-type]
         return checkpoint
 
     def _on_commit(self, figures: dict[str, Any]) -> None:
+        _pl.utilities.rank_zero.rank_zero_info(commit_line(figures))  # as Lightning reports its own saves
         self._figures.append(figures)  # handed to the loggers at the next batch end, in the loop's own order
 
     def _log_figures(self, trainer: Any) -> None:

@@ -21,9 +21,10 @@ Where it sits in the trainer's loop (torchtitan 0.3, ``Trainer.train_step``/``tr
   overlapckpt checkpoints, where a missing manifest means a deleted one.
 * ``maybe_wait_for_staging()``, right before ``optimizers.step()``: ``before_update()``,
   the fence of the copies started after the previous step.
-* ``save(step, last_step)``, at the end of every step: a request when the step is due
-  (``interval``, the first step if enabled, the last step), then ``step()``, the
-  boundary; the last step also waits until the checkpoint is durable.
+* ``save(step, last_step)``, at the end of every step: ``step()``, the boundary, and a
+  request on the first step (if enabled) and the last one; the ``interval`` is the
+  Checkpointer's own schedule (``every``), so that a replay window opens early enough for
+  ``step-N`` to hold step N. The last step also waits until the checkpoint is durable.
 * ``maybe_wait_for_saving()``: ``wait()``. ``close()``: finishes what is in flight.
 
 The checkpoints are in TorchTitan's layout (``format/key_layout.py``): ``step-N``
@@ -49,10 +50,11 @@ from torch import nn
 from ..errors import ConfigError, CorruptCheckpointError, SignatureError
 from ..format.key_layout import TORCHTITAN
 from ..format.manifest import MANIFEST_NAME
-from . import require
+from . import commit_line, require
 
 _titan_base = require("titan")
 BaseCheckpointManager = _titan_base.BaseCheckpointManager
+_titan_log = importlib.import_module("torchtitan.tools.logging").logger
 
 log = logging.getLogger("overlapckpt.titan")
 
@@ -146,6 +148,7 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
             optimizers,  # an OptimizersContainer: hooked on its step, state read from inside (train/optimizer_group.py)
             self.folder,
             window=config.window,
+            every=None if config.load_only else config.interval,  # step-N holds step N, replay windows included
             keep=config.keep_latest_k or None,
             stateful=self._stateful,
             storage_options=dict(config.storage_options),
@@ -155,6 +158,7 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
             save_on_signal=tuple(getattr(signal, str(s)) for s in config.save_on_signal),
             signal_grace_s=config.signal_grace_s,
             key_layout=TORCHTITAN,
+            on_commit=lambda figures: _titan_log.info(commit_line(figures)),  # TorchTitan's own log, as its saves
         )
         log.info("overlapckpt checkpoints to %s, window %s", self.folder, config.window)
         if config.last_save_model_only:
@@ -181,12 +185,11 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
                     "checkpoint directories are named by optimizer steps (step-%d)",
                     curr_step, self.ckpt.step_count, self.ckpt.step_count,
                 )
-            if self.save_future is not None:
-                # As the stock manager: the previous checkpoint is durable before the next starts, so
-                # each due step gets its step-N (overlapckpt alone would merge the request into a later one).
-                self._wait_for_saving()
-            self.ckpt.request()
-            self.save_future = Future()  # a marker: maybe_wait_for_saving dispatches to _wait_for_saving only if set
+            if curr_step % self.interval != 0:
+                # The first step or the last one: not on the interval's schedule, which the Checkpointer
+                # runs itself (every=interval: a replay window opens early, so that step-N holds step N).
+                self.ckpt.request()
+                self.save_future = Future()  # a marker: maybe_wait_for_saving dispatches to _wait_for_saving only if set
         self.ckpt.step()  # every step: the boundary of the stateful objects and RNG states
         if last_step:
             self._wait_for_saving()  # durable before the trainer exits, as the stock manager's synchronous save

@@ -42,7 +42,7 @@ from .storage import CheckpointStore
 
 ATTEMPT_MARK = ".attempt-"
 CLAIM_NAME = ".overlapckpt-attempt"
-_ATTEMPT_RE = re.compile(r"(step-[0-9]{9,}(?:-[0-9a-f]{8})?)\.attempt-([0-9a-f]{8})-([0-9a-f]{8})", re.ASCII)
+_ATTEMPT_RE = re.compile(r"((?:step|checkpoint)-[0-9]+(?:-[0-9a-f]{8})?)\.attempt-([0-9a-f]{8})-([0-9a-f]{8})", re.ASCII)
 log = logging.getLogger("overlapckpt.attempts")
 
 

@@ -37,11 +37,6 @@ def model_path(key_layout: str, fqn: str) -> tuple[str, ...]:
     return (fqn,) if key_layout == TORCHTITAN else ("model", fqn)
 
 
-def pads_directory_names(key_layout: str) -> bool:
-    """Whether checkpoint directories are ``step-000000100`` (True) or ``step-100``, as TorchTitan finds them."""
-    return key_layout != TORCHTITAN
-
-
 def flat_param_groups(param_groups: list[dict[str, Any]]) -> dict[str, Any]:
     """``param_groups`` (parameters by name) as TorchTitan's flat items: ``param_groups.<fqn>.<key>``."""
     flat: dict[str, Any] = {}

@@ -31,7 +31,7 @@ import torch
 
 from ..errors import CorruptCheckpointError
 from .checksum import hex32, updater
-from .key_layout import GET_STATE_DICT, KEY_LAYOUTS
+from .key_layout import GET_STATE_DICT, KEY_LAYOUTS, TORCHTITAN
 
 # DCP's data files, by name: a .metadata or manifest that places bytes anywhere else
 # ("../../<another root>/...") is damaged or crafted, and is refused unread.
@@ -53,19 +53,35 @@ CHECKPOINT_PREFIX = "step-"
 
 
 # ASCII only: str.isdigit() accepts "²", which int() then refuses. The optional suffix is
-# a run's id, for a version that another run's committed checkpoint already holds. The
-# digits are 9 at least, or unpadded in the torchtitan key layout (format/key_layout.py).
-_NAME_RE = re.compile(r"step-([0-9]+)(?:-([0-9a-f]{8}))?", re.ASCII)
+# a run's id, for a version that another run's committed checkpoint already holds.
+_NAME_RE = re.compile(r"(?:step|checkpoint)-([0-9]+)(?:-([0-9a-f]{8}))?", re.ASCII)
 RUN_ID_HEX = 16  # a run id is 16 hex digits; names carry its first 8
 
 
-def checkpoint_name(step: int, run_id: str | None = None, padded: bool = True) -> str:
-    """The directory name of the checkpoint holding version ``step`` (``run_id``: the lineage-aware name).
+@dataclass(frozen=True)
+class NameStyle:
+    """How checkpoint directories are named: a prefix and the step, zero-padded to ``digits`` (0: unpadded)."""
 
-    ``padded=False``: ``step-100``, the name TorchTitan's manager looks for (the torchtitan key layout).
-    """
-    digits = f"{step:09d}" if padded else str(step)
-    return f"{CHECKPOINT_PREFIX}{digits}" + ("" if run_id is None else f"-{run_id[:8]}")
+    prefix: str
+    digits: int
+
+
+STEP_NAMES = NameStyle(CHECKPOINT_PREFIX, 9)  # step-000000100: the default, sorted by name too
+TITAN_NAMES = NameStyle(CHECKPOINT_PREFIX, 0)  # step-100: what TorchTitan's manager looks for
+TRAINER_NAMES = NameStyle("checkpoint-", 0)  # checkpoint-100: what the Hugging Face Trainer's resume looks for
+NAME_STYLES = (STEP_NAMES, TITAN_NAMES, TRAINER_NAMES)
+
+
+def name_style_for(key_layout: str, export_formats: tuple[str, ...] = ()) -> NameStyle:
+    """The directory names a run writes: its framework's, where it resumes by them (the Trainer, TorchTitan)."""
+    if "hf_trainer" in export_formats:
+        return TRAINER_NAMES
+    return TITAN_NAMES if key_layout == TORCHTITAN else STEP_NAMES
+
+
+def checkpoint_name(step: int, run_id: str | None = None, style: NameStyle = STEP_NAMES) -> str:
+    """The directory name of the checkpoint holding version ``step`` (``run_id``: the lineage-aware name)."""
+    return f"{style.prefix}{step:0{style.digits}d}" + ("" if run_id is None else f"-{run_id[:8]}")
 
 
 def step_of_name(name: str) -> int | None:

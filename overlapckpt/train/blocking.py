@@ -41,11 +41,11 @@ class BlockingCalls:
 
     if TYPE_CHECKING:  # provided by SnapshotEngine
 
-        def _start_pending(self) -> None: ...
+        def _start_pending(self, closing: bool = False) -> None: ...
 
         def _progress(self) -> None: ...
 
-        def _raise_pending(self) -> None: ...
+        def _raise_pending(self, may_start: bool = True) -> None: ...
 
         def _close_boundary(self, snap: Snapshot, provisional: bool) -> None: ...
 
@@ -65,7 +65,7 @@ class BlockingCalls:
         while True:
             if start_pending:
                 # A deferred request starts as soon as a slot is free, at the current step.
-                self._start_pending()
+                self._start_pending(closing=True)
             for snap in list(self._snapshots):
                 self.copies.close_window(snap, self.step_count, self._hook_serial)
                 if snap.state == SnapshotState.AT_BOUNDARY:
@@ -74,7 +74,7 @@ class BlockingCalls:
                     self.copier.wait(t)
             self._progress()
             self._raise_pending()
-            if not self._snapshots and not self.dispatcher.in_flight and not (start_pending and self.requests.pending):
+            if not self._snapshots and not self.dispatcher.in_flight and not (start_pending and self.requests.due_by(self.step_count)):
                 break
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:

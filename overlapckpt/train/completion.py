@@ -71,17 +71,26 @@ class SnapshotCompletion:
                     self.staging.forget_landed_drains()
                 self.windows.observe_copies(stats.copied_nbytes, stats.copy_s)
 
-    def _raise_pending(self) -> None:
+    def _raise_pending(self, may_start: bool = True) -> None:
+        """Raise the writer's error, or replace a dead writer; ``may_start=False`` in the update point.
+
+        Right before the update, nothing may start: this hook has logged the step's gradients
+        and fenced its copies already, so a replay snapshot started here would miss this
+        step's gradients (a wrong checkpoint listed, found by fault seed 50), and any
+        snapshot's first copies would race the update. The post-hook starts it instead.
+        """
         error, self.dispatcher.error = self.dispatcher.error, None
         if error is None:
             return
         if isinstance(error, WriterDiedError):
             if self._replace_dead_writer(error):
                 # A request the death interrupted starts now, at this same step (or, when the
-                # death was seen in a request's wait for a slot, as that wait returns: starts.py).
-                self._start_pending()
+                # death was seen in a request's wait for a slot, as that wait returns: starts.py;
+                # or in the update point, at the post-hook that follows).
+                if may_start:
+                    self._start_pending()
                 self._progress()
-                self._raise_pending()
+                self._raise_pending(may_start)
                 return
             # In-flight snapshots are gone with the writer; their slots are unusable.
             self.dead = error

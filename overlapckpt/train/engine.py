@@ -46,7 +46,7 @@ from .layout import CheckpointScope
 from .lineage import Lineage
 from .plan_cache import PlanCache
 from .replay_guard import ReplayMutationGuard
-from .requests import RequestQueue
+from .requests import CheckpointSchedule, RequestQueue
 from .restarts import SnapshotRestarts
 from .slots import SlotPool
 from .snapshot import Snapshot, SnapshotMode, SnapshotState, SnapshotStats
@@ -90,7 +90,7 @@ class SnapshotEngine(SnapshotStarts, SnapshotCompletion, BlockingCalls, Snapshot
     ) -> None:
         self.optimizer = optimizer
         self.consistency = SnapshotMode(consistency)
-        self.every = every
+        self.schedule = CheckpointSchedule(every)
         self.stateful = stateful
         self.link = link
         self.copier = copier
@@ -187,7 +187,7 @@ class SnapshotEngine(SnapshotStarts, SnapshotCompletion, BlockingCalls, Snapshot
         self._progress()
         if self.gap_timer is not None:
             self.gap_timer.mark(OPT_START)
-        self._raise_pending()
+        self._raise_pending(may_start=False)
 
     def _on_step_end(self, update_point_ran: bool) -> None:
         if self.dead is not None:
@@ -210,8 +210,8 @@ class SnapshotEngine(SnapshotStarts, SnapshotCompletion, BlockingCalls, Snapshot
             self.copies.fence_earlier_copies(snap, self._hook_serial)  # the gradient copies logged before this update
             if not snap.all_enqueued:
                 self.copies.advance(snap, self.step_count, self._hook_serial)
-        if self.every is not None and self.step_count % self.every == 0:
-            self.requests.add(self.step_count)
+        for version in self.schedule.opening(self.step_count, self._lead_steps()):
+            self.requests.add(self.step_count, scheduled_version=version)
         if self._prepared_fingerprint is None:
             self._prepare()  # the first step created the optimizer state: its size is known now
         self._start_pending()
@@ -293,9 +293,12 @@ class SnapshotEngine(SnapshotStarts, SnapshotCompletion, BlockingCalls, Snapshot
         return self.link.restarts.count
 
     def continue_from(self, step: int) -> None:
-        """After a restore: the next update makes version ``step + 1``, in a new lineage (no version is held yet)."""
+        """After a restore: the next update makes version ``step + 1``; of the versions, only ``step`` is held (restored)."""
         self.step_count = step
-        self.dispatcher.held_versions.clear()
+        self.schedule.continue_from(step)
+        # A request before the next update would duplicate the checkpoint just restored
+        # (a framework's final save after a resume that trained nothing).
+        self.dispatcher.held_versions = {step}
 
     def shut_down(self, writer_timeout_s: float) -> None:
         """Remove the hooks, stop the writer, release host buffers (after the copies into them)."""

@@ -40,6 +40,7 @@ class CheckpointLedger:
     window_choice: dict[str, Any] | None = None
     # The step of a snapshot this one replaces: its gradients were written in place before their copy landed.
     restarted_from: int | None = None
+    scheduled_version: int | None = None  # every=N: the version it was scheduled to hold (None: request())
 
     def _since_request(self) -> float:
         return time.perf_counter() - self.requested_at
@@ -74,4 +75,5 @@ class CheckpointLedger:
             "boundary": self.boundary,
             "window_choice": self.window_choice,
             "restarted_from": self.restarted_from,
+            "scheduled_version": self.scheduled_version,
         }

@@ -25,7 +25,7 @@ import secrets
 import warnings
 from dataclasses import dataclass, field
 
-from ..format.manifest import RUN_ID_HEX, checkpoint_name, step_of_name
+from ..format.manifest import RUN_ID_HEX, STEP_NAMES, NameStyle, checkpoint_name, step_of_name
 from .warnings_text import ROOT_AHEAD_WARNING
 
 log = logging.getLogger("overlapckpt.lineage")
@@ -43,7 +43,7 @@ class Lineage:
     taken_versions: set[int] = field(default_factory=set)
     # This run holds the root's lease (format/lease.py): no other job writes the root.
     root_leased: bool = False
-    padded_names: bool = True  # step-000000100; False: step-100 (the torchtitan key layout)
+    names: NameStyle = STEP_NAMES  # step-000000100; step-100 (TorchTitan); checkpoint-100 (the Trainer)
     root: str = ""  # for the warning below
     _warned_root_ahead: bool = False
 
@@ -68,8 +68,8 @@ class Lineage:
                 stacklevel=2,
             )
         if version in self.taken_versions:
-            return checkpoint_name(version, self.run_id, padded=self.padded_names)
-        return checkpoint_name(version, padded=self.padded_names)
+            return checkpoint_name(version, self.run_id, style=self.names)
+        return checkpoint_name(version, style=self.names)
 
     def restored(self, name: str, version: int, committed_names: list[str], own: set[str]) -> list[str]:
         """This run continues from ``name``: returns the newer checkpoints it leaves alone, and warns of them.

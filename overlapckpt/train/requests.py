@@ -1,11 +1,21 @@
 """Checkpoint requests, from the step they follow to the snapshot that answers them.
 
-A request (``every=N``, ``request()``, a restart) is *pending* until a snapshot starts
-for it. It starts at once when a host slot is free; otherwise it is *deferred* to
-the first hook that finds one, and starts at that later step. Requests pending
-together are *merged*: one snapshot, at the step it starts, answers them all. Both
-cases are logged as a warning with the reason, since the checkpoint then holds a
-later version than was asked for.
+Two kinds of request:
+
+* **scheduled** (``every=N``): the version is known in advance, N, 2N, ... A replay
+  window of W steps holds the version its last group reaches, s+W-1, so the request
+  for version v opens W-1 steps early, at v-W+1 (``CheckpointSchedule``); window 1 and
+  stage mode hold the version they start at, so theirs opens at v. It starts as soon
+  as a host slot is free, with a window cut short if it starts late, so that its
+  version is still v; only a slot that frees after v makes it late.
+* **unscheduled** (``request()``, a restart): the state as of the step it follows; it
+  starts at once, and a replay window makes its version later.
+
+A request is *pending* until a snapshot starts for it. When no host slot is free it is
+*deferred* to the first hook that finds one. Requests pending together are *merged*:
+one snapshot answers every unscheduled one and every scheduled one whose version it
+reaches. Deferrals and merges are logged as a warning with the reason, since the
+checkpoint then holds a later version than was asked for.
 """
 
 from __future__ import annotations
@@ -23,15 +33,48 @@ class StartingRequest:
     requested_step: int  # the earliest pending request's step
     deferred: bool  # it waited for a free slot
     restarted_from: int | None  # the started step of a snapshot this one replaces
+    scheduled_version: int | None = None  # every=N: the version it must hold (None: request())
+
+
+@dataclass(frozen=True)
+class PendingRequest:
+    step: int  # the step it came after (a scheduled one: the step its window opened at)
+    scheduled_version: int | None  # every=N: the version asked for; None for request()
+
+
+class CheckpointSchedule:
+    """``every=N``: the versions N, 2N, ... and the step at which each one's window opens."""
+
+    def __init__(self, every: int | None) -> None:
+        self.every = every
+        self._opened_up_to = 0  # versions up to this one have been opened
+
+    def continue_from(self, step: int) -> None:
+        """After a restore: versions up to ``step`` are in the past."""
+        self._opened_up_to = step
+
+    def opening(self, step: int, lead_steps: int) -> list[int]:
+        """The scheduled versions whose window opens after ``step`` (a window starts ``lead_steps`` before its version)."""
+        if self.every is None:
+            return []
+        out = []
+        version = (self._opened_up_to // self.every + 1) * self.every
+        while version - lead_steps <= step:
+            if version >= step:  # a version already in the past (lead_steps shrank) is not asked for late
+                out.append(version)
+            self._opened_up_to = version
+            version += self.every
+        return out
 
 
 class RequestQueue:
     """Pending requests, deferral accounting and the started step of the last snapshot."""
 
     def __init__(self) -> None:
-        self._pending: list[int] = []  # the steps the pending requests came after, in order
+        self._pending: list[PendingRequest] = []
         self._waiting_for_slot = False
         self._last_started_step: int | None = None
+        self._last_started_version: int | None = None
         self._restarted_from: int | None = None
         self._busy_reason = ""
         self.deferrals = 0  # requests that had to wait for a free slot
@@ -40,28 +83,44 @@ class RequestQueue:
     def pending(self) -> bool:
         return bool(self._pending)
 
-    def add(self, step: int) -> None:
-        self._pending.append(step)
+    def due_by(self, step: int) -> bool:
+        """Whether a pending request is due at ``step``: unscheduled, or scheduled for ``step`` or earlier."""
+        return any(r.scheduled_version is None or r.scheduled_version <= step for r in self._pending)
+
+    def add(self, step: int, scheduled_version: int | None = None) -> None:
+        self._pending.append(PendingRequest(step, scheduled_version))
 
     def clear(self) -> None:
         self._pending = []
 
+    def scheduled_version(self) -> int | None:
+        """The version the next snapshot must hold: the earliest scheduled one, if no unscheduled request is pending."""
+        if any(r.scheduled_version is None for r in self._pending):
+            return None
+        return min(r.scheduled_version for r in self._pending if r.scheduled_version is not None)
+
+    def _answered_up_to(self, version: int) -> list[PendingRequest]:
+        """Remove and return what a snapshot of ``version`` answers; later scheduled versions stay pending."""
+        answered = [r for r in self._pending if r.scheduled_version is None or r.scheduled_version <= version]
+        self._pending = [r for r in self._pending if r not in answered]
+        return answered
+
     def answered_at(self, step: int) -> bool:
-        """A snapshot started at this very step is under way: it answers what is pending too."""
-        if self._last_started_step != step:
+        """A snapshot started at this very step is under way: it answers what is pending too (all but later schedules)."""
+        if self._last_started_step != step or self._last_started_version is None:
             return False
-        self._pending = []
-        return True
+        self._answered_up_to(self._last_started_version)
+        return not self._pending
 
     def answered_by_version(self, step: int) -> None:
-        """A snapshot already holds the state of ``step``: it answers everything pending."""
-        pending, self._pending = self._pending, []
+        """A snapshot already holds the state of ``step``: it answers everything pending up to it."""
+        answered = self._answered_up_to(step)
         self._waiting_for_slot = False
-        if pending != [step]:
+        if [r.step for r in answered] != [step]:
             log.warning(
                 "checkpoint requests after step(s) %s are answered by the checkpoint of version %d, which already "
                 "holds the state at step %d: %s",
-                pending,
+                [r.step for r in answered],
                 step,
                 step,
                 self._busy_reason or "it was under way when they were made",
@@ -75,27 +134,35 @@ class RequestQueue:
             self._waiting_for_slot = True
             self._busy_reason = reason
 
-    def take(self, step: int) -> StartingRequest:
-        """Start a snapshot at ``step`` for everything pending; log a deferral or a merge."""
-        pending, self._pending = self._pending, []
+    def take(self, step: int, version: int) -> StartingRequest:
+        """Start a snapshot at ``step`` that will hold ``version``, for what it answers; log a deferral or a merge."""
+        answered = self._answered_up_to(version)
         deferred, self._waiting_for_slot = self._waiting_for_slot, False
-        started = StartingRequest(requested_step=pending[0], deferred=deferred, restarted_from=self._restarted_from)
+        first = answered[0]
+        scheduled = [r.scheduled_version for r in answered if r.scheduled_version is not None]
+        started = StartingRequest(
+            requested_step=first.step, deferred=deferred, restarted_from=self._restarted_from,
+            scheduled_version=min(scheduled) if scheduled else None,
+        )
         self._restarted_from = None
-        self._last_started_step = step
-        later = pending[1:]
-        if deferred or later:
+        self._last_started_step, self._last_started_version = step, version
+        later = [r.step for r in answered[1:]]
+        missed = bool(scheduled) and min(scheduled) != version
+        if (deferred and (missed or not scheduled)) or later:
             merged = f"; the requests after step(s) {later} were merged into it" if later else ""
+            what = f"scheduled for version {min(scheduled)}" if scheduled else f"requested after step {first.step}"
             log.warning(
-                "checkpoint requested after step %d started at step %d: %s%s",
-                pending[0],
+                "checkpoint %s started at step %d and holds version %d: %s%s",
+                what,
                 step,
+                version,
                 self._busy_reason or "no host slot was free",
                 merged,
             )
         return started
 
-    def put_back(self, requested_step: int, started_step: int) -> None:
+    def put_back(self, requested_step: int, started_step: int, scheduled_version: int | None) -> None:
         """A snapshot that cannot reach its version is replaced by one started at the next chance."""
         self._restarted_from = started_step
-        self._pending.insert(0, requested_step)
+        self._pending.insert(0, PendingRequest(requested_step, scheduled_version))
         self._last_started_step = None

@@ -86,7 +86,7 @@ class SnapshotRestarts:
         self._snapshots.remove(snap)
         # Its copies may still be queued: the pool unmaps the slot only once they landed.
         self.slots.drop(snap.slot, snap.tickets)
-        self.requests.put_back(snap.requested_step, snap.started_step)
+        self.requests.put_back(snap.requested_step, snap.started_step, snap.ledger.scheduled_version)
 
     def _warn_about_late_hooks(self) -> None:
         """Post-step hooks that run after ours may write tensors our copies are reading."""

@@ -139,6 +139,7 @@ class Snapshot:
             groups=[GroupRecord(index=g.index, nbytes=g.nbytes) for g in plan.groups],
             window_choice=None if choice is None else choice.to_json(),
             restarted_from=request.restarted_from,
+            scheduled_version=request.scheduled_version,
         )
         return cls(
             request_id=request_id,

@@ -8,6 +8,7 @@ slot instead (``_wait_until_startable``).
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -17,13 +18,15 @@ from ..errors import ConfigError, WriterDiedError
 from .gradlog import GradientLogger
 from .snapshot import Snapshot, SnapshotMode
 
+log = logging.getLogger("overlapckpt.requests")
+
 if TYPE_CHECKING:
     from .autowindow import WindowChoice
     from .dispatch import PersistDispatcher
     from .layout import StateLayout
     from .plan import CopyPlan
     from .plan_cache import PlanCache
-    from .requests import RequestQueue, StartingRequest
+    from .requests import CheckpointSchedule, RequestQueue, StartingRequest
     from .slots import HostSlot, SlotPool
     from .snapshot_copies import SnapshotCopies
     from .staging import StagingArea
@@ -43,6 +46,7 @@ class SnapshotStarts:
     gradients: GradientLogger
     plans: PlanCache
     requests: RequestQueue
+    schedule: CheckpointSchedule
     slots: SlotPool
     staging: StagingArea
     windows: WindowPolicy
@@ -76,7 +80,8 @@ class SnapshotStarts:
         self.slots.preallocate(plan.slot_nbytes, grad_nbytes)
         self._prepared_fingerprint = layout.fingerprint
 
-    def _start_pending(self) -> None:
+    def _start_pending(self, closing: bool = False) -> None:
+        """Start what is pending if a slot is free (``closing``: wait() or close(), which start nothing not yet due)."""
         if self._starting_pending:
             # Reentered from the distributed wait for a slot below: a dead writer was replaced
             # while it drained. The outer call starts the request once that wait returns, at
@@ -86,7 +91,7 @@ class SnapshotStarts:
             return
         self._starting_pending = True
         try:
-            self._start_pending_now()
+            self._start_pending_now(closing)
         except WriterDiedError as e:
             # The writer died while being told of a buffer or plan: replaced (or raised) by
             # _raise_pending; the request stays pending and starts at the next chance.
@@ -94,7 +99,7 @@ class SnapshotStarts:
         finally:
             self._starting_pending = False
 
-    def _start_pending_now(self) -> None:
+    def _start_pending_now(self, closing: bool) -> None:
         if not self.requests.pending:
             return
         if self.step_count == 0 and not self.optimizer.state:
@@ -105,12 +110,21 @@ class SnapshotStarts:
             )
         if self.requests.answered_at(self.step_count):
             return
+        scheduled = self.requests.scheduled_version()
+        if scheduled is not None and (scheduled > self.step_count if closing else not self._schedule_reached(scheduled)):
+            return  # its window starts at a later step, so that its version is the one asked for
         if self.distributed:
             self._wait_until_startable()
+        elif scheduled is not None and self.step_count >= scheduled:
+            # The last step that can still hold the version asked for: wait for a slot here
+            # (a stall, in the snapshot's waited_for_slot_s) rather than land off the schedule.
+            self._wait_until_startable(slot_only=True)
         slot = None
         if self.slots.may_have_free_slot():  # before any layout work: a fingerprint walks every tensor
             layout = self.plans.layout()
             window, choice = self.windows.choose(layout, self.plans, self.staging)
+            if scheduled is not None:
+                window = self._window_landing_on(scheduled, window)
             plan, plan_id = self.plans.registered(layout, window)
             grad_nbytes = GradientLogger.buffer_nbytes(plan, layout) if self.windows.mode_for(window) == SnapshotMode.REPLAY else 0
             slot = self.slots.free_slot(plan.slot_nbytes, grad_nbytes)
@@ -122,7 +136,38 @@ class SnapshotStarts:
             # (a window closed early there): that snapshot answers it; a second would duplicate it.
             self.requests.answered_by_version(self.step_count)
             return
-        self._start_snapshot(slot, self.requests.take(self.step_count), layout, plan, plan_id, choice)
+        version = self.step_count + window - 1 if self.windows.mode_for(window) == SnapshotMode.REPLAY else self.step_count
+        self._start_snapshot(slot, self.requests.take(self.step_count, version), layout, plan, plan_id, choice)
+
+    def _lead_steps(self) -> int:
+        """How many steps before its version a scheduled snapshot's window opens: W-1 for replay, else 0.
+
+        At most ``every - 1``: with ``every`` at or below the window, each window would
+        open before the previous one closed; they are cut to ``every`` steps instead.
+        """
+        if self.consistency != SnapshotMode.REPLAY or self.windows.replay_blocked:
+            return 0
+        every = self.schedule.every
+        return min(self.windows.widest_window - 1, (every or 1) - 1)
+
+    def _window_now(self) -> int:
+        """The window a snapshot starting now would use."""
+        if self.windows.tuner is None:
+            return 1 if self.windows.replay_blocked else int(self.windows.window_setting)
+        return self.windows.choose(self.plans.layout(), self.plans, self.staging)[0]
+
+    def _schedule_reached(self, version: int) -> bool:
+        """Whether a snapshot starting now can hold ``version`` (a replay window ends on it), or ``version`` is due."""
+        if self.step_count >= version:
+            return True
+        window = self._window_now()
+        return self.windows.mode_for(window) == SnapshotMode.REPLAY and self.step_count + window - 1 >= version
+
+    def _window_landing_on(self, version: int, window: int) -> int:
+        """``window``, cut short when a replay snapshot starts late, so that it still ends on ``version``."""
+        if self.windows.mode_for(window) != SnapshotMode.REPLAY or self.step_count > version:
+            return window
+        return max(1, min(window, version - self.step_count + 1))
 
     def _holds_version(self, version: int) -> bool:
         """A snapshot in flight, sent or committed (in this lineage) already holds ``version``: a new one would duplicate it."""
@@ -138,21 +183,31 @@ class SnapshotStarts:
             return f"the checkpoint requested after step {s.requested_step} was still being copied (window {s.window})"
         return self.dispatcher.busy_reason()
 
-    def _wait_until_startable(self) -> None:
-        """Distributed: block this hook until a slot is free (and, for "auto", the agreed window is known).
+    def _wait_until_startable(self, slot_only: bool = False) -> None:
+        """Block this hook until a slot is free (distributed, and for "auto", until the agreed window is known).
 
-        Ranks receive their writers' answers at different steps, so starting a request
-        "as soon as a slot frees" would start it at different versions on different
-        ranks. Every rank instead closes what is open at this same step and waits: a
-        stall, but the same snapshot everywhere. Size ``every`` (or ``max_inflight``) so
-        the previous checkpoint has committed by then, and it never waits.
+        Distributed: ranks receive their writers' answers at different steps, so starting
+        a request "as soon as a slot frees" would start it at different versions on
+        different ranks. Every rank instead closes what is open at this same step and
+        waits: a stall, but the same snapshot everywhere. A scheduled checkpoint (``every``)
+        waits too, at its version's step, the last that can hold it (``slot_only``). Size
+        ``every`` (or ``max_inflight``) so the previous checkpoint has committed by then,
+        and it never waits.
         """
-        must_drain = self.windows.tuner is not None and (self._snapshots or self.dispatcher.in_flight)
+        must_drain = not slot_only and self.windows.tuner is not None and (self._snapshots or self.dispatcher.in_flight)
         if not must_drain and (len(self.slots.slots) < self.slots.max_inflight or any(not s.busy for s in self.slots.slots)):
             return
         started = time.perf_counter()
         self._drain(timeout_s=None, start_pending=False)
-        self._slot_wait_s += time.perf_counter() - started  # in the next snapshot's stats
+        waited_s = time.perf_counter() - started
+        self._slot_wait_s += waited_s  # in the next snapshot's stats
+        if slot_only:
+            log.warning(
+                "the checkpoint scheduled for step %d waited %.3f s in optimizer.step() for the previous one to commit "
+                "(every=%s is shorter than a persist takes): pass a larger every or max_inflight (one host copy of the "
+                "state each)",
+                self.step_count, waited_s, self.schedule.every,
+            )
 
     def _start_snapshot(
         self,

@@ -45,17 +45,23 @@ def _send(sock: socket.socket, message: dict[str, Any]) -> None:
 
 
 def _fork_writer(control: socket.socket, lifeline_fd: int, package_dir: str, env: dict[str, str], fds: list[int]) -> int:
+    settled_read, settled_write = os.pipe()
     pid = os.fork()
     if pid != 0:
         for fd in fds:
             os.close(fd)  # the writer holds them now
+        os.close(settled_write)
+        os.read(settled_read, 1)  # answer once it is in its own session (or gone): never a pid still in ours
+        os.close(settled_read)
         return pid
     # The writer: nothing of the server's but the imported modules.
     code = 1
     try:
         control.close()
         os.close(lifeline_fd)
+        os.close(settled_read)
         os.setsid()  # a session of its own: the job's process-group signals do not reach it
+        os.close(settled_write)
         os.environ.clear()
         os.environ.update({**env, **_WRITER_ENV})
         from .process import main
