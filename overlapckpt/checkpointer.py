@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any
@@ -40,6 +43,17 @@ from .train.writer_handle import WriterProcess
 from .train.writer_link import DEFAULT_MAX_WRITER_RESTARTS, WriterLink
 
 log = logging.getLogger("overlapckpt")
+
+
+class _ExitOrderAnchor:
+    pass
+
+
+# atexit runs last-registered first. weakref registers its own exit hook (which runs the host
+# buffers' finalizers: unmap, unregister) at its first finalizer; made here, at import, it is
+# registered before any Checkpointer's exit commit, so it runs after it, never under it.
+_EXIT_ORDER_ANCHOR = _ExitOrderAnchor()
+weakref.finalize(_EXIT_ORDER_ANCHOR, lambda: None)
 
 
 class Checkpointer:
@@ -171,6 +185,15 @@ class Checkpointer:
         )
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model is a {type(model).__name__}; pass a torch.nn.Module")
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise ConfigError(f"path={path!r} is invalid; pass the checkpoint root, a directory path or a URL such as s3://bucket/prefix")
+        on_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        if on_meta:
+            raise ConfigError(
+                f"the model's {on_meta[:3]}{' ...' if len(on_meta) > 3 else ''} are on the meta device (no data to "
+                "checkpoint): materialize the model first (model.to_empty(device=...) and initialize or load its "
+                "weights), then build the Checkpointer"
+            )
         # Accelerate's and Lightning's wrappers step the torch optimizer they hold: hook and replay that one.
         optimizer = unwrap_optimizer(optimizer)
         check_optimizer_matches_model(model, optimizer)
@@ -232,12 +255,14 @@ class Checkpointer:
 
         grace_s = default_grace_s() if signal_grace_s is None else float(signal_grace_s)
         writer = start_writer()
-        if self._distributed is not None:
-            try:
-                writer.wait_ready()  # every rank's writer has joined the writers' group
-            except BaseException:
-                writer.close()
-                raise
+        try:
+            # Ready before the first request (in a distributed run: every rank's writer has joined the
+            # writers' group). A writer still starting held the first checkpoint's slot for its start-up
+            # (0.9-2 s, a fresh interpreter importing torch), and requests made meanwhile were merged.
+            writer.wait_ready()
+        except BaseException:
+            writer.close()
+            raise
         # A dead writer is replaced; in a distributed run its replacement re-forms the writers' group.
         link = WriterLink(writer, lambda: start_writer(restarted=True), max_writer_restarts, distributed=self._distributed is not None)
         self._preemption: PreemptionGuard | None = None
@@ -299,6 +324,9 @@ class Checkpointer:
             if self._preemption is not None:
                 self._preemption.uninstall()
             raise
+        # Never closed: at interpreter exit, commit what is complete, say what was lost, release the lease.
+        self._exit_commit = functools.partial(_commit_at_exit, weakref.ref(self))
+        atexit.register(self._exit_commit)
         # Resumed with load(): continue that checkpoint's version count and lineage, as restore() does.
         resumed = take_restore_mark(model, optimizer, torch_optimizers(optimizer))
         if resumed is not None:
@@ -361,6 +389,9 @@ class Checkpointer:
 
     def _tear_down(self, writer_timeout_s: float) -> None:
         """Remove the hooks, stop the writer, release host buffers (after the copies into them)."""
+        exit_commit = getattr(self, "_exit_commit", None)
+        if exit_commit is not None:
+            atexit.unregister(exit_commit)
         self._engine.shut_down(writer_timeout_s)
         page: OwnedControlPage | None = getattr(self, "_control_page", None)
         if page is not None:
@@ -484,3 +515,35 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError("this Checkpointer is closed; create a new one to keep checkpointing")
+
+    def _close_at_exit(self) -> None:
+        """The interpreter exits with this Checkpointer open: commit what is complete, warn, release everything."""
+        if self._closed:
+            return
+        open_windows = self._engine.unfinished_versions()
+        dropped_before = self._engine.snapshots_dropped
+        self._closed = True
+        if self._preemption is not None:
+            self._preemption.uninstall()
+        committed: list[CheckpointInfo] = []
+        try:
+            if self._engine.dead is None:
+                committed = self._engine.abandon(self.exit_timeout_s)
+        finally:
+            self._tear_down(writer_timeout_s=min(30.0, self.exit_timeout_s))
+        lost = self._engine.snapshots_dropped - dropped_before
+        if committed or lost:
+            warnings.warn(
+                f"overlapckpt: the Checkpointer of {self.path} was never closed. At interpreter exit "
+                + (f"the checkpoint(s) of step(s) {[i.step for i in committed]} committed" if committed else "nothing committed")
+                + (f"; {lost} still being copied (of {[v for v in open_windows if v is not None] or 'open windows'}) "
+                   "were lost" if lost else "")
+                + ". Call ckpt.close() at the end of training, or use `with Checkpointer(...) as ckpt:`",
+                stacklevel=2,
+            )
+
+
+def _commit_at_exit(ref: weakref.ref[Checkpointer]) -> None:
+    ckpt = ref()
+    if ckpt is not None:
+        ckpt._close_at_exit()

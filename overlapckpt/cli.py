@@ -1,30 +1,45 @@
-"""``overlapckpt`` / ``python -m overlapckpt``: list, inspect and verify checkpoints.
-
-    overlapckpt ls ROOT                 committed checkpoints, oldest first
-    overlapckpt inspect ROOT [--step N] one checkpoint's manifest: versions, ledger, window choice
-    overlapckpt verify ROOT [--step N | --all]
-                                        stream every stored byte (shards blob by blob, .metadata,
-                                        the manifest) against the manifest's checksums; exit 1 on a mismatch
-
-ROOT is a local directory or an fsspec URL; ``-o key=value`` passes storage options
-(``-o endpoint_url=http://127.0.0.1:9000 -o 'client_kwargs={"region_name": "us-east-1"}'``).
-Exit codes: 0 fine, 1 a checkpoint is corrupt (verify), 2 the command could not run (storage
-unreachable, bad arguments, the crc32c package missing for a checkpoint written with it).
-"""
+"""``overlapckpt`` / ``python -m overlapckpt``: the command line (its help is ``HELP`` below; docs/cli.md)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import sys
 from typing import Any
 
-from .errors import CheckpointReadError, CorruptCheckpointError, OverlapCkptError
+from .errors import CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError, OverlapCkptError
+from .format.lease import live_holder
+from .format.manifest import step_of_name
 from .format.signing import resolve_key
 from .format.storage import CheckpointStore
 from .format.verify import verify_checkpoint
 from .loading import list_checkpoints, read_manifest, resolve_checkpoint
+
+HELP = """List, inspect, verify, prune and export overlapckpt checkpoints.
+
+  overlapckpt ls ROOT [--json]
+      committed checkpoints, oldest first: step, requested step, mode, window, ranks, size,
+      run and the checkpoint it continued from (its lineage), commit time, path
+  overlapckpt inspect ROOT [--step N | --name DIR] [--json]
+      one checkpoint's manifest: versions per group, gradients replayed, the window's choice
+  overlapckpt verify ROOT [--step N | --name DIR | --all]
+      stream every stored byte against the manifest's checksums; exit 1 on a mismatch
+  overlapckpt prune ROOT --keep N [--dry-run] [--force]
+      delete all but the newest N committed checkpoints (never the one latest names)
+  overlapckpt export ROOT OUT [--step N | --name DIR] [--format torch|safetensors] [--model-only]
+      one consolidated file: torch.save of the model and optimizer state, or safetensors of the model
+
+ROOT is a local directory or an fsspec URL; -o KEY=VALUE passes storage options
+(-o endpoint_url=http://127.0.0.1:9000 -o 'client_kwargs={"region_name": "us-east-1"}').
+Without --step, the newest checkpoint. When two runs hold checkpoints of the same step (a
+rollback), --step names them and --name picks one. On a terminal, verify and export show
+their progress on stderr.
+
+Exit codes: 0 fine, 1 a checkpoint is corrupt (verify), 2 the command could not run (storage
+unreachable, no such root, bad arguments, the crc32c package missing for a checkpoint
+written with it)."""
 
 
 def _storage_options(pairs: list[str]) -> dict[str, Any]:
@@ -66,23 +81,86 @@ def _say(text: str, file: Any = None) -> None:
     print(printable(text), file=file if file is not None else sys.stdout)
 
 
+class Progress:
+    """One line on stderr, rewritten in place, when stderr is a terminal; nothing otherwise (logs, pipes, CI)."""
+
+    def __init__(self) -> None:
+        self.shown = sys.stderr.isatty()
+        self._last = ""
+
+    def say(self, text: str) -> None:
+        if self.shown and text != self._last:
+            self._last = text
+            sys.stderr.write("\r\033[K" + printable(text))
+            sys.stderr.flush()
+
+    def bytes_read(self, what: str) -> Any:
+        return lambda done, total: self.say(f"{what}: {_size(done)} of {_size(total)} ({100 * done // max(total, 1)}%)")
+
+    def done(self) -> None:
+        if self.shown and self._last:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+            self._last = ""
+
+
+def _existing_store(args: argparse.Namespace) -> CheckpointStore:
+    """The root's store, or CheckpointNotFoundError when the root does not exist (ls used to exit 0 on a typo)."""
+    store = CheckpointStore(args.root, _storage_options(args.option))
+    if not store.fs.exists(store.root_path):
+        raise CheckpointNotFoundError(f"no such checkpoint root: {args.root}; check the path (and -o storage options)")
+    return store
+
+
+def _chosen(store: CheckpointStore, args: argparse.Namespace, skip_damaged: bool = True) -> str:
+    """The directory ``--name`` or ``--step`` names (the newest without either); two of one step is an error listing them."""
+    if getattr(args, "name", None):
+        if step_of_name(args.name) is None:
+            raise OverlapCkptError(f"--name {args.name!r} is not a checkpoint directory name (step-N, checkpoint-N); see overlapckpt ls")
+        if not store.is_committed(args.name):
+            raise CheckpointNotFoundError(f"{store.checkpoint_url(args.name)} is not a committed checkpoint (no .metadata)")
+        return str(args.name)
+    if args.step is not None:
+        matching = [n for n in store.committed_names() if step_of_name(n) == args.step]
+        if len(matching) > 1:
+            runs = []
+            for n in matching:
+                try:
+                    runs.append(f"{n} (run {(read_manifest(store, n).run_id or '?')[:8]})")
+                except CorruptCheckpointError:
+                    runs.append(f"{n} (manifest damaged)")
+            raise OverlapCkptError(
+                f"step {args.step} has {len(matching)} checkpoints under {store.root}, from runs that diverged after a "
+                f"rollback: {', '.join(runs)}; pass --name with one of them"
+            )
+    return resolve_checkpoint(store, args.step, skip_damaged=skip_damaged)
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
+    _existing_store(args)
     infos = list_checkpoints(args.root, _storage_options(args.option))
+    if args.json:
+        for line in json.dumps([dataclasses.asdict(i) for i in infos], indent=1).splitlines():
+            _say(line)  # json escapes control characters itself; printable() leaves the lines as they are
+        return 0
     if not infos:
         _say(f"no committed checkpoint under {args.root}")
         return 0
-    _say(f"{'step':>10} {'requested':>10} {'mode':>7} {'window':>6} {'ranks':>5} {'size':>10}  committed                path")
+    _say(
+        f"{'step':>10} {'requested':>10} {'mode':>7} {'window':>6} {'ranks':>5} {'size':>10}  {'run':8}  "
+        f"{'continued from':24}  committed                path"
+    )
     for i in infos:
         _say(
             f"{i.step:>10} {i.requested_step:>10} {i.mode:>7} {i.window:>6} {i.world_size:>5} {_size(i.nbytes):>10}  "
-            f"{_when(i.created_at)}  {i.path}"
+            f"{(i.run_id or '-')[:8]:8}  {i.restored_from or '-':24}  {_when(i.created_at)}  {i.path}"
         )
     return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    store = CheckpointStore(args.root, _storage_options(args.option))
-    name = resolve_checkpoint(store, args.step)
+    store = _existing_store(args)
+    name = _chosen(store, args)
     m = read_manifest(store, name)
     if args.json:
         for line in json.dumps(m.raw, indent=1, sort_keys=True).splitlines():
@@ -124,25 +202,30 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    store = CheckpointStore(args.root, _storage_options(args.option))
+    store = _existing_store(args)
     if args.all:
         names = store.committed_names()
         if not names:
             names = [resolve_checkpoint(store, None)]  # raises: nothing committed
     else:
         # The newest committed checkpoint even when its manifest is damaged: that is what verify is for.
-        names = [resolve_checkpoint(store, args.step, skip_damaged=False)]
+        names = [_chosen(store, args, skip_damaged=False)]
     failed = 0
+    progress = Progress()
     for name in names:
         # A damaged checkpoint counts and the others are still checked; a storage or
         # setup failure (CheckpointReadError, a missing crc32c package) ends the run
         # with exit 2, since nothing was found corrupt.
         try:
-            report = verify_checkpoint(store, name, signing_key=resolve_key(None))  # OVERLAPCKPT_SIGNING_KEY, if set
+            report = verify_checkpoint(
+                store, name, signing_key=resolve_key(None), on_progress=progress.bytes_read(f"verifying {name}")
+            )  # OVERLAPCKPT_SIGNING_KEY, if set
         except CorruptCheckpointError as e:
+            progress.done()
             _say(f"CORRUPT {store.checkpoint_url(name)}: {e}")
             failed += 1
             continue
+        progress.done()
         if report.ok:
             _say(
                 f"ok      {report.path}: {report.blobs} blobs in {report.files} files, .metadata and the manifest, "
@@ -156,23 +239,74 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_prune(args: argparse.Namespace) -> int:
+    store = _existing_store(args)
+    holder = live_holder(store)
+    if holder is not None and not args.force:
+        raise OverlapCkptError(
+            f"{args.root} is leased by {holder.describe()}: a running job applies its own keep=. Prune it once that job "
+            "has ended, or pass --force"
+        )
+    names = store.committed_names()  # oldest (lowest version) first
+    latest = store.read_latest()
+    doomed = [n for n in names[: max(0, len(names) - args.keep)] if n != latest]
+    for name in doomed:
+        if args.dry_run:
+            _say(f"would delete {store.checkpoint_url(name)}")
+        else:
+            store.remove_checkpoint(name)  # its commit marker first: never a half-deleted checkpoint listed
+            _say(f"deleted {store.checkpoint_url(name)}")
+    kept = len(names) - len(doomed)
+    _say(f"{'would keep' if args.dry_run else 'kept'} {kept} checkpoint(s) under {args.root}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .consolidate import export_checkpoint
+
+    store = _existing_store(args)
+    name = _chosen(store, args)
+    progress = Progress()
+    try:
+        info = export_checkpoint(
+            store.checkpoint_url(name), args.out, fmt=args.format, model_only=args.model_only,
+            storage_options=_storage_options(args.option), on_stage=progress.say,
+        )
+    finally:
+        progress.done()
+    _say(f"exported step {info.step} ({_size(info.nbytes)} of state) from {info.path} to {args.out} ({args.format})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="overlapckpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="overlapckpt", description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn, helptext in (
         ("ls", cmd_ls, "list committed checkpoints"),
         ("inspect", cmd_inspect, "show one checkpoint's manifest"),
         ("verify", cmd_verify, "check every stored byte against the manifest's checksums"),
+        ("prune", cmd_prune, "delete all but the newest N committed checkpoints"),
+        ("export", cmd_export, "write one consolidated torch.save or safetensors file"),
     ):
-        p = sub.add_parser(name, help=helptext)
+        p = sub.add_parser(name, help=helptext, description=helptext)
         p.add_argument("root", help="checkpoint root: a directory or an fsspec URL")
+        if name == "export":
+            p.add_argument("out", help="the file to write (written beside, then renamed into place)")
         p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE", help="fsspec storage option")
-        if name != "ls":
+        if name in ("inspect", "verify", "export"):
             p.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")
-        if name == "inspect":
-            p.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
+            p.add_argument("--name", default=None, metavar="DIR", help="the checkpoint directory of this name (step-000001000-1a2b3c4d)")
+        if name in ("ls", "inspect"):
+            p.add_argument("--json", action="store_true", help="print as JSON" if name == "ls" else "print the whole manifest as JSON")
         if name == "verify":
             p.add_argument("--all", action="store_true", help="verify every committed checkpoint")
+        if name == "prune":
+            p.add_argument("--keep", type=int, required=True, help="how many of the newest committed checkpoints to keep")
+            p.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
+            p.add_argument("--force", action="store_true", help="prune even while a job holds the root's lease")
+        if name == "export":
+            p.add_argument("--format", choices=("torch", "safetensors"), default="torch", help="torch.save (default) or safetensors (the model only)")
+            p.add_argument("--model-only", action="store_true", help="leave the optimizer's state out (torch format)")
         p.set_defaults(fn=fn)
     args = parser.parse_args(argv)
     # Exit codes: 0 fine, 1 a checkpoint is corrupt (verify), 2 the command could not run.

@@ -368,6 +368,9 @@ def load(
         # With a key, authenticity first: nothing of .metadata is decoded before its signature holds.
         check_signed(store, name, read_manifest(store, name), signing_key)
         manifest = _checked_manifest(store, name, (rank, world), per_rank_state, verify, target_for)
+        if optimizer is not None:
+            check_optimizer_matches(manifest, unwrap_optimizer(optimizer), store.checkpoint_url(name))
+        check_items_stored(manifest, target, store.checkpoint_url(name))
     except OverlapCkptError as e:  # raised on every rank below, before any rank reads
         failure = e
     _agree_before_reading(group, failure, name)
@@ -381,6 +384,7 @@ def load(
     extra = _per_rank_extra_state(manifest, rank) if per_rank_state == "restore" else {}
     if per_rank_state == "restore":
         _check_stateful_names(extra, stateful or {}, where)
+        _warn_of_stateful_not_given(extra, stateful or {}, where)
     model_sd, optim_sd = unnamed(manifest.key_layout, host, osd)
     apply_state_dicts(model, optimizers, model_sd, optim_sd)
     if per_rank_state == "restore":
@@ -507,6 +511,59 @@ def _check_stateful_names(extra: dict[str, Any], stateful: dict[str, Any], where
             f"stateful objects {missing} are not in {where}, which holds {sorted(saved)}; pass the same "
             "stateful names that were saved"
         )
+
+
+def _warn_of_stateful_not_given(extra: dict[str, Any], stateful: dict[str, Any], where: str) -> None:
+    """A checkpoint's stateful objects that load() was not given stay as they are: warn (a user may mean it)."""
+    not_given = sorted(set(extra.get("stateful", {})) - set(stateful))
+    if not_given:
+        warnings.warn(
+            f"overlapckpt: {where} holds stateful objects {not_given} that load() was not given: they are not restored "
+            f"(an LR scheduler's lr is, in the optimizer, but not its position, last_epoch). Pass "
+            f"stateful={{{', '.join(repr(n) + ': ...' for n in not_given)}}} to restore them",
+            stacklevel=3,
+        )
+
+
+def check_optimizer_matches(manifest: Manifest, optimizer: Any, where: str) -> None:
+    """The live optimizer is the class whose state the checkpoint holds (checkpoints that record it)."""
+    from .train.optimizer_group import describe_optimizer
+
+    live = describe_optimizer(optimizer)
+    if manifest.optimizer is not None and manifest.optimizer != live:
+        raise CheckpointMismatchError(
+            f"{where} holds the state of a {manifest.optimizer}, and is loaded into a {live}: the state would be "
+            "restored into an optimizer that reads it differently. Build the optimizer that was saved, or pass "
+            "optimizer=None to restore the model only"
+        )
+
+
+def check_items_stored(manifest: Manifest, target: dict[str, Any], where: str) -> None:
+    """Every non-tensor item the live objects have is stored (tensors: ``check_shapes``), before any read.
+
+    An LR scheduler attached to the optimizer adds ``initial_lr`` to its param_groups; a
+    checkpoint written without one lacks it, which DCP reported as a corrupt checkpoint
+    ("Missing key ... initial_lr"): it is a mismatch of the objects, named here.
+    """
+    try:
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    except ImportError:  # a torch without it: DCP names the key itself when it reads
+        return
+    if manifest.checksums is None:
+        return  # format 1: no record of the stored keys
+    stored = {blob.key.split("@", 1)[0] for f in manifest.checksums.files.values() for blob in f.blobs}
+    flat, _ = flatten_state_dict(target)
+    missing = sorted(k for k, v in flat.items() if not isinstance(v, torch.Tensor) and k not in stored)
+    if not missing:
+        return
+    if any(k.endswith(".initial_lr") for k in missing):
+        why = (
+            "an LR scheduler attached to the optimizer adds 'initial_lr' to its param_groups, and the checkpoint was "
+            "written without one: create the scheduler after load(), or save with it (stateful={'scheduler': ...})"
+        )
+    else:
+        why = "the optimizer's param_groups differ from the saved ones: build the optimizer with the options that were saved"
+    raise CheckpointMismatchError(f"the objects being loaded have {missing[:5]} that {where} does not store: {why}")
 
 
 def _restore_extra_state(extra: dict[str, Any], stateful: dict[str, Any]) -> None:

@@ -129,6 +129,7 @@ class PersistRequest:
     root_leased: bool = False  # this run holds the root's lease: other runs' dead attempts are removed
     export_formats: tuple[str, ...] = ()  # framework files to write next to DCP's (writer/exports.py)
     key_layout: str = "get_state_dict"  # how the state is named inside DCP (format/key_layout.py)
+    optimizer: str | None = None  # the optimizer class(es) by full name, checked when it is loaded
 
 
 @dataclass

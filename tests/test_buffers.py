@@ -104,3 +104,24 @@ def test_a_checkpointer_never_closed_unregisters_its_host_buffers_at_exit(tmp_pa
     unregistered = {e.split(":")[1] for e in events if e.startswith("unregister:")}
     assert "committed" in proc.stdout and len(registered) >= 1  # the precondition: it checkpointed into registered memory
     assert unregistered == registered
+
+
+def test_a_checkpoint_in_flight_at_exit_commits_and_says_so(tmp_path):
+    """A Checkpointer never closed, exited right after request(): before, the checkpoint was lost with no word,
+    and the root's lease was left behind."""
+    import subprocess
+    import sys
+
+    from overlapckpt import list_checkpoints
+
+    script = os.path.join(os.path.dirname(__file__), "unclosed_script.py")
+    root = tmp_path / "ckpts"
+    proc = subprocess.run(
+        [sys.executable, script, str(root), str(tmp_path / "registrations.log"), "in-flight"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and "requested" in proc.stdout, proc.stderr[-3000:]
+    assert [i.step for i in list_checkpoints(str(root))] == [1]
+    assert "was never closed. At interpreter exit the checkpoint(s) of step(s) [1] committed" in proc.stderr, proc.stderr[-3000:]
+    assert not (root / ".overlapckpt-lease").exists()  # released
+    events = (tmp_path / "registrations.log").read_text().split()
+    assert {e.split(":")[1] for e in events if e.startswith("unregister:")} == {e.split(":")[1] for e in events if e.startswith("register:")}

@@ -129,3 +129,15 @@ def test_restore_continues_step_count(tmp_path):
         (new,) = ckpt2.wait(timeout_s=120)
     assert new.step == 6
     assert [i.step for i in list_checkpoints(str(tmp_path))] == [3, 6]
+
+
+def test_a_tight_loop_with_every_2_gets_every_checkpoint_it_asked_for(tmp_path):
+    """The writer is ready when the constructor returns, and a scheduled checkpoint waits for a slot at its own
+    step rather than merge into a later one. Before: every=2 for 2 s under load wrote only step-2 and step-40."""
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path, every=2) as ckpt:
+        assert ckpt._engine.link.writer.awaiting_responses == 0  # its ReadyResponse was read in the constructor
+        for _ in range(20):
+            train_step(model, opt, sched, sampler)
+            ckpt.step()
+    assert [i.step for i in list_checkpoints(str(tmp_path))] == list(range(2, 21, 2))

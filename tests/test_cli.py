@@ -125,3 +125,113 @@ def test_unreachable_storage_exits_2_without_a_traceback(capsys):
     err = capsys.readouterr().err
     assert err.startswith("overlapckpt ls: s3://ckpts/run: EndpointConnectionError: Could not connect to the endpoint URL")
     assert "Traceback" not in err
+
+
+def test_ls_shows_run_and_lineage_and_speaks_json(tmp_path, capsys):
+    _two_checkpoints(tmp_path)
+    model, opt, sched, sampler = make_run(seed=3)
+    with Checkpointer(model, opt, tmp_path) as ckpt:
+        ckpt.restore(step=1)
+        train_step(model, opt, sched, sampler)
+        ckpt.request()
+        ckpt.wait(timeout_s=120)  # version 2, continued from step-000000001
+    assert main(["ls", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "run       continued from" in lines[0]
+    rows = {line.split()[0]: line for line in lines[1:]}
+    run_of = {n: json.loads((tmp_path / n / "overlapckpt.json").read_text())["run_id"][:8] for n in ("step-000000001", "step-000000002")}
+    assert f"{run_of['step-000000002']}  step-000000001 " in rows["2"]  # its run, and the checkpoint it continued from
+    assert f"{run_of['step-000000001']}  - " in rows["1"]
+    assert main(["ls", str(tmp_path), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(e["step"], e["restored_from"]) for e in listed] == [(1, None), (2, "step-000000001"), (5, None)]
+
+
+def test_a_missing_root_and_an_ambiguous_step_are_errors_that_say_so(tmp_path, capsys):
+    assert main(["ls", str(tmp_path / "typo")]) == 2  # before: exit 0, "no committed checkpoint"
+    assert "no such checkpoint root: " in capsys.readouterr().err
+    _two_checkpoints(tmp_path)
+    shutil.copytree(tmp_path / "step-000000005", tmp_path / "step-000000005-0badc0de")  # a second run's step 5 (a copy)
+    assert main(["inspect", str(tmp_path), "--step", "5"]) == 2  # before: one of them, silently
+    err = capsys.readouterr().err
+    assert "step 5 has 2 checkpoints under" in err and "step-000000005 (run" in err and "step-000000005-0badc0de (" in err
+    assert "pass --name with one of them" in err
+    assert main(["inspect", str(tmp_path), "--name", "step-000000005"]) == 0
+    assert "version      step 5" in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path), "--name", "../elsewhere"]) == 2
+    assert "is not a checkpoint directory name" in capsys.readouterr().err
+
+
+def test_the_help_reads_as_text(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and "overlapckpt prune ROOT --keep N" in out and "overlapckpt export ROOT OUT" in out
+
+
+def test_prune_keeps_the_newest_and_latest_and_waits_for_a_running_job(tmp_path, capsys):
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path, every=1) as ckpt:
+        for _ in range(4):
+            train_step(model, opt, sched, sampler)
+            ckpt.step()
+    assert main(["prune", str(tmp_path), "--keep", "2", "--dry-run"]) == 0
+    assert capsys.readouterr().out.count("would delete") == 2
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == [f"step-00000000{s}" for s in (1, 2, 3, 4)]
+    model, opt, _, _ = make_run()
+    with Checkpointer(model, opt, tmp_path):  # a job holds the lease
+        assert main(["prune", str(tmp_path), "--keep", "2"]) == 2
+        assert "is leased by run" in capsys.readouterr().err
+    (tmp_path / "latest").write_text("step-000000001")  # latest names the oldest: it is kept too
+    assert main(["prune", str(tmp_path), "--keep", "2"]) == 0
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000000001", "step-000000003", "step-000000004"]
+
+
+def test_export_writes_one_file_of_the_state_in_both_formats(tmp_path, capsys):
+    import torch
+    from safetensors.torch import load_file
+
+    from overlapckpt.reading import read_checkpoint
+
+    _two_checkpoints(tmp_path / "ckpts")
+    contents = read_checkpoint(str(tmp_path / "ckpts"))
+    assert main(["export", str(tmp_path / "ckpts"), str(tmp_path / "model.pt")]) == 0
+    assert "exported step 5" in capsys.readouterr().out
+    whole = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert whole["step"] == 5 and whole["model"].keys() == contents.model.keys()
+    assert all(torch.equal(whole["model"][k], v) for k, v in contents.model.items())
+    assert all(torch.equal(whole["optimizer"]["state"][p][k], v) for p, s in contents.optimizer["state"].items() for k, v in s.items())
+    assert main(["export", str(tmp_path / "ckpts"), str(tmp_path / "model.safetensors"), "--format", "safetensors", "--step", "1"]) == 0
+    tensors = load_file(tmp_path / "model.safetensors")
+    step1 = read_checkpoint(str(tmp_path / "ckpts"), step=1)
+    assert tensors.keys() == step1.model.keys() and all(torch.equal(tensors[k], v) for k, v in step1.model.items())
+    assert not list(tmp_path.glob("*.tmp-*"))  # written beside, then renamed into place
+
+
+def test_verify_shows_progress_on_a_terminal_and_not_in_a_pipe(tmp_path):
+    import pty
+
+    _two_checkpoints(tmp_path)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    command = [sys.executable, "-m", "overlapckpt", "verify", str(tmp_path)]
+    primary, secondary = pty.openpty()
+    try:
+        proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=secondary, env=env, timeout=120)
+        os.close(secondary)
+        shown = b""
+        while True:
+            try:
+                chunk = os.read(primary, 65536)
+            except OSError:  # the terminal's other end closed: all was read
+                break
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        os.close(primary)
+    assert proc.returncode == 0 and b"ok " in proc.stdout
+    assert b"verifying step-000000005: " in shown and b"(100%)" in shown
+    piped = subprocess.run(command, capture_output=True, env=env, timeout=120)
+    assert piped.returncode == 0 and piped.stderr == b""

@@ -166,3 +166,68 @@ def test_every_error_is_exported_and_derives_from_the_base():
             if issubclass(c, BaseException) and c.__module__ == module.__name__ and module is not errors
         ]
         assert not strays, f"{info.name} defines {strays}; define errors in overlapckpt/errors.py"
+
+
+@pytest.fixture
+def saved_adamw(tmp_path):
+    """A committed checkpoint of an AdamW run with no scheduler, and one of a run with a StepLR in stateful=."""
+    model, opt = _bare_adamw()
+    with Checkpointer(model, opt, tmp_path / "plain") as ckpt:
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        ckpt.request()
+        ckpt.wait(timeout_s=120)
+    model, opt, _, sampler = make_run()
+    step_lr = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    with Checkpointer(model, opt, tmp_path / "with-scheduler", stateful={"sched": step_lr}) as ckpt:
+        train_step(model, opt, step_lr, sampler)
+        train_step(model, opt, step_lr, sampler)
+        ckpt.request()
+        ckpt.wait(timeout_s=120)
+    return tmp_path / "plain", tmp_path / "with-scheduler"
+
+
+def _bare_adamw(optimizer=torch.optim.AdamW):
+    torch.manual_seed(0)
+    model = TinyNet()
+    return model, optimizer(model.parameters(), lr=1e-2)
+
+
+def test_mismatches_are_named_mismatches_not_corruption(saved_adamw):
+    plain, with_scheduler = saved_adamw
+    # A scheduler attached to the live optimizer adds initial_lr: before, CorruptCheckpointError ("Missing key").
+    model, opt = _bare_adamw()
+    torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    with pytest.raises(CheckpointMismatchError, match=r"\['optimizer.param_groups.0.initial_lr'\] .* an LR scheduler attached to the optimizer adds 'initial_lr'"):
+        load(str(plain), model, opt)
+    # An AdamW checkpoint into Adam: before, loaded silently.
+    model, adam = _bare_adamw(torch.optim.Adam)
+    with pytest.raises(CheckpointMismatchError, match=r"holds the state of a torch.optim.adamw.AdamW, and is loaded into a torch.optim.adam.Adam.*optimizer=None"):
+        load(str(plain), model, adam)
+    assert load(str(plain), model, None).step == 1  # the model alone still loads
+    # A checkpoint with a scheduler, loaded without stateful=: before, the lr came back and last_epoch stayed 0, silently.
+    model, opt, _, _ = make_run(seed=3)
+    with pytest.warns(UserWarning, match=r"holds stateful objects \['sched'\] that load\(\) was not given: they are not restored"):
+        load(str(with_scheduler), model, opt)
+
+
+def test_a_scheduler_passed_as_the_optimizer_is_refused(saved_adamw, tmp_path):
+    plain, _ = saved_adamw
+    model, opt, _, _ = make_run()
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1)
+    message = r"optimizer is a StepLR, an LR scheduler, not the optimizer it schedules: pass its optimizer \(scheduler.optimizer\)"
+    with pytest.raises(ConfigError, match=message):
+        Checkpointer(model, scheduler, tmp_path / "x")
+    with pytest.raises(ConfigError, match=message):
+        load(str(plain), model, scheduler)
+
+
+def test_a_model_on_meta_and_a_path_that_is_no_path_are_refused_at_construction(tmp_path):
+    with torch.device("meta"):
+        model = TinyNet()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ConfigError, match=r"the model's \['inp.weight', 'inp.bias', 'norm.weight'\] ... are on the meta device"):
+        Checkpointer(model, opt, tmp_path)  # before: accepted, then a raw NotImplementedError after training
+    model, opt, _, _ = make_run()
+    with pytest.raises(ConfigError, match=r"path=123 is invalid; pass the checkpoint root"):
+        Checkpointer(model, opt, 123)  # before: a raw TypeError

@@ -1,6 +1,7 @@
 """A training script that never closes its Checkpointer: each host registration is logged, and each release.
 
-argv: checkpoint root, log file. Run by tests/test_buffers.py.
+argv: checkpoint root, log file, and optionally "in-flight": exit right after request(), the
+checkpoint still being copied and persisted. Run by tests/test_buffers.py.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def main() -> None:
     model(torch.randn(4, 32)).sum().backward()
     opt.step()
     ckpt.request()
+    if sys.argv[3:] == ["in-flight"]:
+        print("requested", flush=True)
+        return  # no wait(), no close(): the interpreter exits with the checkpoint in flight
     ckpt.wait(timeout_s=120)
     print("committed", flush=True)
     # No close(): the interpreter exits with the Checkpointer open.

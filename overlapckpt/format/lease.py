@@ -53,6 +53,16 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def live_holder(store: CheckpointStore) -> LeaseHolder | None:
+    """Who holds ``store``'s root now, or None: no lease, or one whose holder on this host is gone."""
+    holder = RootLease(store, run_id="")._holder()
+    if holder is None:
+        return None
+    if holder.host == socket.gethostname() and not _pid_alive(holder.pid):
+        return None
+    return holder
+
+
 class RootLease:
     """The lease on ``store``'s root for run ``run_id``."""
 

@@ -133,6 +133,7 @@ class CheckpointInfo:
     torch_version: str
     world_size: int = 1  # ranks that wrote it
     run_id: str | None = None  # the run that wrote it (None: written before runs had ids)
+    restored_from: str | None = None  # the checkpoint its run continued from (its lineage), if any
 
     @classmethod
     def from_manifest(cls, manifest: Manifest, path: str) -> CheckpointInfo:
@@ -147,6 +148,7 @@ class CheckpointInfo:
             torch_version=manifest.torch_version,
             world_size=manifest.world_size,
             run_id=manifest.run_id,
+            restored_from=manifest.restored_from,
         )
 
 
@@ -340,6 +342,8 @@ class Manifest:
     ledger: dict[str, Any] | None = None
     stats: dict[str, Any] | None = None
     key_layout: str = "get_state_dict"  # how the state is named inside DCP (format/key_layout.py)
+    # The optimizer class(es) whose state it holds, by full name (None: written before it was recorded).
+    optimizer: str | None = None
     # The JSON as read, for what is checked on the exact document (the signature, inspect --json).
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -381,6 +385,7 @@ class Manifest:
             ledger=_field(raw, "ledger", (dict, type(None)), where, None),
             stats=_field(raw, "stats", (dict, type(None)), where, None),
             key_layout=_known_layout(_field(raw, "key_layout", str, where, GET_STATE_DICT), where),
+            optimizer=_field(raw, "optimizer", (str, type(None)), where, None),
             raw=raw,
         )
 
@@ -404,6 +409,7 @@ class Manifest:
             "stats": self.stats,
             "extra_state_index": list(self.extra_state_index),
             "key_layout": self.key_layout,
+            "optimizer": self.optimizer,
         }
         if self.ranks:
             out["ranks"] = [r.to_json() for r in self.ranks]

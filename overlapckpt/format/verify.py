@@ -103,6 +103,7 @@ def verify_checkpoint(
     share: tuple[int, int] = (0, 1),
     signing_key: bytes | None = None,
     read_blobs: bool = True,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
     """Verify every stored byte of checkpoint ``name`` against its manifest, blob by blob.
 
@@ -113,7 +114,8 @@ def verify_checkpoint(
     of ``.metadata`` (rank 0; the CLI verifies as one rank). ``read_blobs=False``: check
     ``.metadata`` and each shard's kind and size only, not its blobs, and not the framework
     files: what ``load`` checks before its one read, which checks each blob as it arrives
-    (``verified_read.py``).
+    (``verified_read.py``). ``on_progress(bytes_read, bytes_total)`` is called as the
+    shards are read (the CLI's progress line).
 
     Raises CorruptCheckpointError when the manifest itself is damaged or cannot be
     verified, CheckpointReadError when storage cannot be read, and ConfigError when the
@@ -148,6 +150,12 @@ def verify_checkpoint(
             )
     update = updater(report.algorithm)
     rank, world = share
+    total_nbytes = sum(nbytes for index, (_, (nbytes, _)) in enumerate(sorted(files.items())) if index % world == rank)
+
+    def progress() -> None:
+        if on_progress is not None:
+            on_progress(report.nbytes, total_nbytes)
+
     with translate_read_errors(where):
         if rank == 0:
             metadata_bytes = _verify_metadata(store, name, metadata, update, report)
@@ -162,7 +170,7 @@ def verify_checkpoint(
             if index % world != rank:
                 continue
             if read_blobs:
-                _verify_file(store, name, filename, nbytes, blobs, update, report)
+                _verify_file(store, name, filename, nbytes, blobs, update, report, progress)
             else:
                 _check_file_size(store, name, filename, nbytes, report)
     return report
@@ -222,6 +230,7 @@ def _verify_file(
     blobs: list[tuple[str, int, int, str]],
     update: Callable[[Any, int], int],
     report: VerifyReport,
+    progress: Callable[[], None] = lambda: None,
 ) -> None:
     report.files += 1
     if not _regular_file(store, name, filename, report):
@@ -245,8 +254,9 @@ def _verify_file(
                     break
                 checksum = update(chunk, checksum)
                 read += len(chunk)
+                report.nbytes += len(chunk)
+                progress()
             report.blobs += 1
-            report.nbytes += read
             position = offset + length
             if read < length:
                 report.problems.append(

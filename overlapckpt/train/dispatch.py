@@ -62,7 +62,9 @@ class PersistDispatcher:
         unsolicited_errors: bool = False,
         export_formats: tuple[str, ...] = (),
         key_layout: str = GET_STATE_DICT,
+        optimizer: str | None = None,
     ) -> None:
+        self.optimizer = optimizer  # the optimizer class(es) by full name, for the manifest
         self.lineage = lineage
         self.export_formats = export_formats
         self.key_layout = key_layout
@@ -127,6 +129,7 @@ class PersistDispatcher:
             root_leased=self.lineage.root_leased,
             export_formats=self.export_formats,
             key_layout=self.key_layout,
+            optimizer=self.optimizer,
         )
         self._sent[snap.request_id] = _Sent(snap, stats, request)
         self.link.writer.send(request)

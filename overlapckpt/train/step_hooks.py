@@ -60,6 +60,11 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     A container that steps optimizers it holds (TorchTitan's ``OptimizersContainer``)
     becomes an ``OptimizerGroup``: hooked on its own step, its state read from inside.
     """
+    if isinstance(optimizer, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+        raise ConfigError(
+            f"optimizer is a {type(optimizer).__qualname__}, an LR scheduler, not the optimizer it schedules: pass its "
+            "optimizer (scheduler.optimizer) as optimizer, and the scheduler in stateful={'scheduler': scheduler}"
+        )
     current = optimizer
     for _ in range(_MAX_WRAPPER_DEPTH):
         if fires_step_hooks(current):

@@ -285,6 +285,7 @@ def _manifest(
         "restored_from": req.restored_from,
         "extra_state_index": tuple(sorted(req.extra_state.keys())),
         "key_layout": req.key_layout,
+        "optimizer": req.optimizer,
     }
     if sections is None:
         return Manifest(nbytes=sum(e.nbytes for e in entries), items={}, **common)
