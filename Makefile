@@ -10,7 +10,7 @@ TORCH_PIN ?= torch==2.13.0
 TITAN_TEST_PKGS := torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1 tyro==1.0.17 docstring_parser==0.18.0 \
 	typeguard==4.6.1 shtab==1.13.0 einops==0.8.2 spmd_types==0.2.3
 
-.PHONY: venv install demo demo-dist check test soak bench bench-dist clean
+.PHONY: venv install demo demo-dist check docs test soak bench bench-dist clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,10 +35,15 @@ demo-dist: install
 	OMP_NUM_THREADS=1 $(PY) examples/demo_dist.py restore
 
 # The checkers first (seconds), then the tests on both cores.
-check: install
+check: install docs
 	$(VENV)/bin/ruff check overlapckpt tests benchmarks examples
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
+
+# The documentation site (docs/ and the docstrings, mkdocs + mkdocstrings) into build/site,
+# strict: a warning, a broken link or an unparsable docstring fails it.
+docs: install
+	$(PY) -m mkdocs build --strict --quiet
 
 test: check
 	$(PY) -m pytest -q -n 2 tests

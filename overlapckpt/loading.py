@@ -526,10 +526,10 @@ def _warn_of_stateful_not_given(extra: dict[str, Any], stateful: dict[str, Any],
 
 
 def check_optimizer_matches(manifest: Manifest, optimizer: Any, where: str) -> None:
-    """The live optimizer is the class whose state the checkpoint holds (checkpoints that record it)."""
-    from .train.optimizer_group import describe_optimizer
+    """The live optimizer has the update rule whose state the checkpoint holds (checkpoints that record it)."""
+    from .train.optimizer_group import update_rule_name
 
-    live = describe_optimizer(optimizer)
+    live = update_rule_name(optimizer)
     if manifest.optimizer is not None and manifest.optimizer != live:
         raise CheckpointMismatchError(
             f"{where} holds the state of a {manifest.optimizer}, and is loaded into a {live}: the state would be "

@@ -294,16 +294,19 @@ def _tcp_connections(pid: int) -> list[tuple[str, str]]:
 
     def address(text: str) -> str:
         host, port = text.split(":")
+        if len(host) == 32:  # /proc/net/tcp6: an IPv4-mapped address (::ffff:a.b.c.d) keeps its last 4 bytes
+            host = host[24:]
         octets = [str(int(host[i : i + 2], 16)) for i in range(6, -1, -2)]  # little-endian hex
         return f"{'.'.join(octets)}:{int(port, 16)}"
 
     out = []
-    with open("/proc/net/tcp") as f:
-        next(f)
-        for line in f:
-            fields = line.split()
-            if fields[3] == "01" and int(fields[9]) in inodes:  # TCP_ESTABLISHED
-                out.append((address(fields[1]), address(fields[2])))
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):  # a dual-stack socket is listed in tcp6
+        with open(table) as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if fields[3] == "01" and int(fields[9]) in inodes:  # TCP_ESTABLISHED
+                    out.append((address(fields[1]), address(fields[2])))
     return out
 
 

@@ -89,7 +89,8 @@ class OverlapCallback(TrainerCallback):  # type: ignore[misc, valid-type]
         output_dir: the checkpoint root (a local directory: the Trainer reads its files from there).
         save_steps: checkpoint after every N-th optimizer step (``state.global_step``).
         save_total_limit: keep only the newest N checkpoints of this run.
-        window, consistency: as for ``Checkpointer``.
+        window: as for ``Checkpointer``.
+        consistency: as for ``Checkpointer``.
         save_on_train_end: checkpoint the final step when training ends.
         every_n_steps: the former name of ``save_steps`` (deprecated).
         **checkpointer_options: any other ``Checkpointer`` argument.

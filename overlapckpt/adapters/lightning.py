@@ -87,7 +87,9 @@ class OverlapCheckpoint(Checkpoint):  # type: ignore[misc, valid-type]
         dirpath: the checkpoint root (a local directory or an fsspec URL such as s3://bucket/prefix).
         every_n_train_steps: checkpoint after every N-th optimizer step (Lightning's ``global_step``),
             or None to checkpoint only when ``request()`` is called.
-        window, consistency, keep: as for ``Checkpointer``.
+        window: as for ``Checkpointer``.
+        consistency: as for ``Checkpointer``.
+        keep: as for ``Checkpointer``.
         save_on_train_end: checkpoint the final state when training ends (unless it is just checkpointed).
         **checkpointer_options: any other ``Checkpointer`` argument (storage_options, signing_key, ...).
     """

@@ -1,6 +1,7 @@
-"""The engine's blocking calls: ``wait``, ``close`` and leaving on an error. Never called from a hook.
+"""The engine's blocking calls: ``wait``, ``close`` and leaving on an error, never called from a hook; and the one
+wait a hook may do, for a host slot at a scheduled checkpoint's step (a stall, without a host-device sync).
 
-Each closes the open windows at the current step (or abandons them, on an error),
+Each blocking call closes the open windows at the current step (or abandons them, on an error),
 lands the copies, hands the snapshots to the writer and waits for its answers,
 within a deadline and with the writer's liveness checked at every wait.
 """
@@ -14,6 +15,9 @@ from typing import TYPE_CHECKING
 from ..errors import CheckpointTimeoutError, OverlapCkptError, WriterDiedError
 from ..format.manifest import CheckpointInfo
 from .snapshot import Snapshot, SnapshotMode, SnapshotState
+
+# A hook waiting for a host slot looks at the copies' events and the writer's pipe this often.
+SLOT_POLL_S = 0.002
 
 if TYPE_CHECKING:
     from .dispatch import PersistDispatcher
@@ -88,6 +92,34 @@ class BlockingCalls:
                 except TimeoutError:
                     continue  # the deadline check above raises the named error
             self._raise_pending()
+
+    def _wait_for_free_slot(self) -> float:
+        """A scheduled checkpoint at its version's step, every slot busy: wait for one, without a host-device sync; the seconds.
+
+        Open windows (an unscheduled request's) close now, as ``wait()`` closes them. Then
+        the hook polls: the copies' events by query, the writer's answers by a wait on its
+        pipe of at most ``SLOT_POLL_S``. A stall, but never an event or stream
+        synchronize, which the device's hooks must not do (``docs/gpu.md``).
+        """
+        started = time.perf_counter()
+        for snap in list(self._snapshots):
+            self.copies.close_window(snap, self.step_count, self._hook_serial)
+            if snap.state == SnapshotState.AT_BOUNDARY:
+                self._close_boundary(snap, provisional=False)
+        while not self.slots.may_have_free_slot():
+            self._progress()
+            self._raise_pending(may_start=False)
+            if self.slots.may_have_free_slot():
+                break
+            if self.dispatcher.in_flight or self.link.writer.awaiting_responses:
+                try:
+                    self.dispatcher.wait_one(SLOT_POLL_S)
+                except TimeoutError:
+                    pass
+            else:
+                # Copies still landing: nothing to block on without synchronizing; look again shortly.
+                time.sleep(SLOT_POLL_S)
+        return time.perf_counter() - started
 
     def abandon(self, timeout_s: float) -> list[CheckpointInfo]:
         """Leaving on an error: commit what is complete in host memory within ``timeout_s``, drop the rest.

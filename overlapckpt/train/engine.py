@@ -44,7 +44,7 @@ from .dispatch import PersistDispatcher
 from .gradlog import GradientLogger
 from .layout import CheckpointScope
 from .lineage import Lineage
-from .optimizer_group import describe_optimizer
+from .optimizer_group import update_rule_name
 from .plan_cache import PlanCache
 from .replay_guard import ReplayMutationGuard
 from .requests import CheckpointSchedule, RequestQueue
@@ -109,7 +109,7 @@ class SnapshotEngine(SnapshotStarts, SnapshotCompletion, BlockingCalls, Snapshot
         self.copies = SnapshotCopies(optimizer, stateful, copier, self.staging, self.gradients)
         self.dispatcher = PersistDispatcher(
             link, self.slots, keep, lineage, on_commit, unsolicited_errors=scope.world_size > 1, export_formats=export_formats,
-            key_layout=key_layout, optimizer=describe_optimizer(optimizer),
+            key_layout=key_layout, optimizer=update_rule_name(optimizer),
         )
         self.step_count = 0
         self._hook_serial = 0

@@ -93,6 +93,22 @@ def describe_optimizer(optimizer: Any) -> str:
     return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
+def update_rule_name(optimizer: Any) -> str:
+    """What a checkpoint's optimizer state means, by name: the nearest ``torch.optim`` class the optimizer derives
+    from (a subclass that adds hooks or logging reads the same state), else its own class; a group: each inner one's.
+
+    Recorded in the manifest and compared by ``load``: an AdamW checkpoint does not load into Adam.
+    """
+    if isinstance(optimizer, OptimizerGroup):
+        return "[" + ", ".join(sorted({_rule_name(type(o)) for o in optimizer.optimizers})) + "]"
+    return _rule_name(type(optimizer))
+
+
+def _rule_name(cls: type) -> str:
+    rule = next((c for c in cls.__mro__ if c.__module__.startswith("torch.optim.") and c is not torch.optim.Optimizer), cls)
+    return f"{rule.__module__}.{rule.__qualname__}"
+
+
 def torch_optimizers(optimizer: Any) -> Any:
     """What ``torch.distributed.checkpoint.state_dict`` takes: the optimizer, or a group's optimizers as a tuple."""
     return tuple(optimizer.optimizers) if isinstance(optimizer, OptimizerGroup) else optimizer

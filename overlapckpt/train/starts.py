@@ -64,6 +64,8 @@ class SnapshotStarts:
 
         def _warn_about_late_hooks(self) -> None: ...
 
+        def _wait_for_free_slot(self) -> float: ...
+
     def _prepare(self) -> None:
         """Size and allocate the host slots for the widest window, off the critical path."""
         layout = self.plans.layout()
@@ -115,10 +117,17 @@ class SnapshotStarts:
             return  # its window starts at a later step, so that its version is the one asked for
         if self.distributed:
             self._wait_until_startable()
-        elif scheduled is not None and self.step_count >= scheduled:
+        elif scheduled is not None and self.step_count >= scheduled and not self.slots.may_have_free_slot():
             # The last step that can still hold the version asked for: wait for a slot here
             # (a stall, in the snapshot's waited_for_slot_s) rather than land off the schedule.
-            self._wait_until_startable(slot_only=True)
+            waited_s = self._wait_for_free_slot()
+            self._slot_wait_s += waited_s
+            log.warning(
+                "the checkpoint scheduled for step %d waited %.3f s in optimizer.step() for the previous one to commit "
+                "(every=%s is shorter than a persist takes): pass a larger every or max_inflight (one host copy of the "
+                "state each)",
+                self.step_count, waited_s, self.schedule.every,
+            )
         slot = None
         if self.slots.may_have_free_slot():  # before any layout work: a fingerprint walks every tensor
             layout = self.plans.layout()
@@ -183,31 +192,21 @@ class SnapshotStarts:
             return f"the checkpoint requested after step {s.requested_step} was still being copied (window {s.window})"
         return self.dispatcher.busy_reason()
 
-    def _wait_until_startable(self, slot_only: bool = False) -> None:
-        """Block this hook until a slot is free (distributed, and for "auto", until the agreed window is known).
+    def _wait_until_startable(self) -> None:
+        """Distributed: block this hook until a slot is free (and, for "auto", the agreed window is known).
 
-        Distributed: ranks receive their writers' answers at different steps, so starting
-        a request "as soon as a slot frees" would start it at different versions on
-        different ranks. Every rank instead closes what is open at this same step and
-        waits: a stall, but the same snapshot everywhere. A scheduled checkpoint (``every``)
-        waits too, at its version's step, the last that can hold it (``slot_only``). Size
-        ``every`` (or ``max_inflight``) so the previous checkpoint has committed by then,
-        and it never waits.
+        Ranks receive their writers' answers at different steps, so starting a request
+        "as soon as a slot frees" would start it at different versions on different
+        ranks. Every rank instead closes what is open at this same step and waits: a
+        stall, but the same snapshot everywhere. Size ``every`` (or ``max_inflight``) so
+        the previous checkpoint has committed by then, and it never waits.
         """
-        must_drain = not slot_only and self.windows.tuner is not None and (self._snapshots or self.dispatcher.in_flight)
+        must_drain = self.windows.tuner is not None and (self._snapshots or self.dispatcher.in_flight)
         if not must_drain and (len(self.slots.slots) < self.slots.max_inflight or any(not s.busy for s in self.slots.slots)):
             return
         started = time.perf_counter()
         self._drain(timeout_s=None, start_pending=False)
-        waited_s = time.perf_counter() - started
-        self._slot_wait_s += waited_s  # in the next snapshot's stats
-        if slot_only:
-            log.warning(
-                "the checkpoint scheduled for step %d waited %.3f s in optimizer.step() for the previous one to commit "
-                "(every=%s is shorter than a persist takes): pass a larger every or max_inflight (one host copy of the "
-                "state each)",
-                self.step_count, waited_s, self.schedule.every,
-            )
+        self._slot_wait_s += time.perf_counter() - started  # in the next snapshot's stats
 
     def _start_snapshot(
         self,
