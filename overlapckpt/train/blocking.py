@@ -12,73 +12,48 @@ import time
 import warnings
 from typing import TYPE_CHECKING
 
-from ..errors import CheckpointTimeoutError, OverlapCkptError, WriterDiedError
+from ..errors import CheckpointTimeoutError, OverlapCkptError
 from ..format.manifest import CheckpointInfo
-from .snapshot import Snapshot, SnapshotMode, SnapshotState
+from .snapshot import SnapshotMode, SnapshotState
 
 # A hook waiting for a host slot looks at the copies' events and the writer's pipe this often.
 SLOT_POLL_S = 0.002
 
 if TYPE_CHECKING:
-    from .dispatch import PersistDispatcher
-    from .requests import RequestQueue
-    from .slots import SlotPool
-    from .snapshot_copies import SnapshotCopies
-    from .transfer import Copier
-    from .writer_link import WriterLink
+    from .engine_parts import EngineParts
 
 
 class BlockingCalls:
-    """A mixin of ``SnapshotEngine``, which owns these attributes."""
+    """``wait``, ``close``, leaving on an error; the hook's wait for a host slot at a scheduled step."""
 
-    copier: Copier
-    copies: SnapshotCopies
-    dispatcher: PersistDispatcher
-    link: WriterLink
-    requests: RequestQueue
-    slots: SlotPool
-    step_count: int
-    snapshots_dropped: int
-    dead: WriterDiedError | None
-    _snapshots: list[Snapshot]
-    _hook_serial: int
-
-    if TYPE_CHECKING:  # provided by SnapshotEngine
-
-        def _start_pending(self, closing: bool = False) -> None: ...
-
-        def _progress(self) -> None: ...
-
-        def _raise_pending(self, may_start: bool = True) -> None: ...
-
-        def _close_boundary(self, snap: Snapshot, provisional: bool) -> None: ...
-
-        def _holds_version(self, version: int) -> bool: ...
+    def __init__(self, parts: EngineParts) -> None:
+        self.p = parts
+        self.s = parts.state
 
     def wait(self, timeout_s: float | None) -> list[CheckpointInfo]:
         """Finish every requested snapshot now and block until the writer committed each."""
-        if self.dead is not None:
-            raise self.dead
-        self._raise_pending()
-        self._drain(timeout_s, start_pending=True)
-        return self.dispatcher.take_committed()
+        if self.s.dead is not None:
+            raise self.s.dead
+        self.p.completion.raise_pending()
+        self.drain(timeout_s, start_pending=True)
+        return self.p.dispatcher.take_committed()
 
-    def _drain(self, timeout_s: float | None, start_pending: bool) -> None:
+    def drain(self, timeout_s: float | None, start_pending: bool) -> None:
         """Close every open window now, land its copies and block until the writer committed each."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             if start_pending:
                 # A deferred request starts as soon as a slot is free, at the current step.
-                self._start_pending(closing=True)
-            for snap in list(self._snapshots):
-                self.copies.close_window(snap, self.step_count, self._hook_serial)
+                self.p.starts.start_pending(closing=True)
+            for snap in list(self.s.snapshots):
+                self.p.copies.close_window(snap, self.s.step_count, self.s.hook_serial)
                 if snap.state == SnapshotState.AT_BOUNDARY:
-                    self._close_boundary(snap, provisional=False)
+                    self.s.close_boundary(snap, provisional=False)
                 for t in snap.tickets:
-                    self.copier.wait(t)
-            self._progress()
-            self._raise_pending()
-            if not self._snapshots and not self.dispatcher.in_flight and not (start_pending and self.requests.due_by(self.step_count)):
+                    self.p.copier.wait(t)
+            self.p.completion.progress()
+            self.p.completion.raise_pending()
+            if not self.s.snapshots and not self.p.dispatcher.in_flight and not (start_pending and self.p.requests.due_by(self.s.step_count)):
                 break
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -86,14 +61,14 @@ class BlockingCalls:
                     f"checkpoints of steps {self.unfinished_versions()} were not committed within "
                     f"timeout_s={timeout_s}; pass a larger timeout_s or None"
                 )
-            if self.dispatcher.in_flight or self.link.writer.awaiting_responses:
+            if self.p.dispatcher.in_flight or self.p.link.writer.awaiting_responses:
                 try:
-                    self.dispatcher.wait_one(remaining)
+                    self.p.dispatcher.wait_one(remaining)
                 except TimeoutError:
                     continue  # the deadline check above raises the named error
-            self._raise_pending()
+            self.p.completion.raise_pending()
 
-    def _wait_for_free_slot(self) -> float:
+    def wait_for_free_slot(self) -> float:
         """A scheduled checkpoint at its version's step, every slot busy: wait for one, without a host-device sync; the seconds.
 
         Open windows (an unscheduled request's) close now, as ``wait()`` closes them. Then
@@ -102,18 +77,18 @@ class BlockingCalls:
         synchronize, which the device's hooks must not do (``docs/gpu.md``).
         """
         started = time.perf_counter()
-        for snap in list(self._snapshots):
-            self.copies.close_window(snap, self.step_count, self._hook_serial)
+        for snap in list(self.s.snapshots):
+            self.p.copies.close_window(snap, self.s.step_count, self.s.hook_serial)
             if snap.state == SnapshotState.AT_BOUNDARY:
-                self._close_boundary(snap, provisional=False)
-        while not self.slots.may_have_free_slot():
-            self._progress()
-            self._raise_pending(may_start=False)
-            if self.slots.may_have_free_slot():
+                self.s.close_boundary(snap, provisional=False)
+        while not self.p.slots.may_have_free_slot():
+            self.p.completion.progress()
+            self.p.completion.raise_pending(may_start=False)
+            if self.p.slots.may_have_free_slot():
                 break
-            if self.dispatcher.in_flight or self.link.writer.awaiting_responses:
+            if self.p.dispatcher.in_flight or self.p.link.writer.awaiting_responses:
                 try:
-                    self.dispatcher.wait_one(SLOT_POLL_S)
+                    self.p.dispatcher.wait_one(SLOT_POLL_S)
                 except TimeoutError:
                     pass
             else:
@@ -130,38 +105,38 @@ class BlockingCalls:
         the deadline. Nothing here raises: the caller's exception must come through.
         """
         deadline = time.monotonic() + timeout_s
-        self.requests.clear()
-        for snap in list(self._snapshots):
+        self.p.requests.clear()
+        for snap in list(self.s.snapshots):
             if snap.all_enqueued and snap.version is not None:
                 if snap.state == SnapshotState.AT_BOUNDARY:
-                    self._close_boundary(snap, provisional=False)
+                    self.s.close_boundary(snap, provisional=False)
                 for t in snap.tickets:
-                    self.copier.wait(t)
+                    self.p.copier.wait(t)
             else:
-                self.slots.drop(snap.slot, snap.tickets)
-                self._snapshots.remove(snap)
-                self.snapshots_dropped += 1
+                self.p.slots.drop(snap.slot, snap.tickets)
+                self.s.snapshots.remove(snap)
+                self.s.snapshots_dropped += 1
         try:
-            self._progress()
-            while self.dispatcher.in_flight and self.dispatcher.error is None:
+            self.p.completion.progress()
+            while self.p.dispatcher.in_flight and self.p.dispatcher.error is None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 try:
-                    self.dispatcher.wait_one(remaining)
+                    self.p.dispatcher.wait_one(remaining)
                 except TimeoutError:
                     break
         except OverlapCkptError as e:
             warnings.warn(f"overlapckpt: while leaving on an error, the pending checkpoints could not commit: {e}", stacklevel=3)
-        if self.dispatcher.error is not None:
-            warnings.warn(f"overlapckpt: while leaving on an error: {self.dispatcher.error}", stacklevel=3)
-            self.dispatcher.error = None
-        return self.dispatcher.take_committed()
+        if self.p.dispatcher.error is not None:
+            warnings.warn(f"overlapckpt: while leaving on an error: {self.p.dispatcher.error}", stacklevel=3)
+            self.p.dispatcher.error = None
+        return self.p.dispatcher.take_committed()
 
     def covers_current_step(self) -> bool:
         """Whether a snapshot holds the current step, or will once an open replay window closes now."""
-        open_replay = any(s.mode == SnapshotMode.REPLAY and s.version is None for s in self._snapshots)
-        return open_replay or self._holds_version(self.step_count)
+        open_replay = any(s.mode == SnapshotMode.REPLAY and s.version is None for s in self.s.snapshots)
+        return open_replay or self.p.starts.holds_version(self.s.step_count)
 
     def unfinished_versions(self) -> list[int | None]:
-        return [s.version for s in self._snapshots] + self.dispatcher.sent_versions()
+        return [s.version for s in self.s.snapshots] + self.p.dispatcher.sent_versions()

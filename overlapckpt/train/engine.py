@@ -28,7 +28,6 @@ starting snapshots (``starts.py``), sending them and reading the writer's answer
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -37,10 +36,12 @@ from torch import nn
 
 from ..errors import WriterDiedError
 from ..format.key_layout import GET_STATE_DICT
+from ..format.manifest import CheckpointInfo
 from .autowindow import FWD_BWD_END, FWD_BWD_START, OPT_END, OPT_START, PhaseTimer
 from .blocking import BlockingCalls
 from .completion import SnapshotCompletion
 from .dispatch import PersistDispatcher
+from .engine_parts import EngineParts, EngineState
 from .gradlog import GradientLogger
 from .layout import CheckpointScope
 from .lineage import Lineage
@@ -50,21 +51,18 @@ from .replay_guard import ReplayMutationGuard
 from .requests import CheckpointSchedule, RequestQueue
 from .restarts import SnapshotRestarts
 from .slots import SlotPool
-from .snapshot import Snapshot, SnapshotMode, SnapshotState, SnapshotStats
+from .snapshot import SnapshotMode, SnapshotState, SnapshotStats
 from .snapshot_copies import SnapshotCopies
 from .staging import StagingArea
 from .starts import SnapshotStarts
 from .step_hooks import StepPoint
 from .transfer import Copier
-from .warnings_text import (
-    BOUNDARY_WARNING,
-)
 from .window_policy import WindowPolicy
 from .writer_link import WriterLink
 
 
-class SnapshotEngine(SnapshotStarts, SnapshotCompletion, BlockingCalls, SnapshotRestarts):
-    """Drives snapshots from the optimizer's step hooks."""
+class SnapshotEngine:
+    """Drives snapshots from the optimizer's step hooks, through its four collaborators (``engine_parts.py``)."""
 
     def __init__(
         self,
@@ -89,228 +87,282 @@ class SnapshotEngine(SnapshotStarts, SnapshotCompletion, BlockingCalls, Snapshot
         export_formats: tuple[str, ...] = (),
         key_layout: str = GET_STATE_DICT,
     ) -> None:
-        self.optimizer = optimizer
-        self.consistency = SnapshotMode(consistency)
-        self.schedule = CheckpointSchedule(every)
-        self.stateful = stateful
-        self.link = link
-        self.copier = copier
-        self.gap_timer = gap_timer
+        mode = SnapshotMode(consistency)
         # Distributed: every rank must start each snapshot at the same step, so a request
         # that finds no free slot waits for one instead of starting later on some ranks.
-        self.distributed = scope.world_size > 1
-        self.windows = WindowPolicy(
-            window, self.consistency, max_window, gap_timer, gradients_fenced=not copier.clone_is_cheap, distributed=self.distributed
+        distributed = scope.world_size > 1
+        windows = WindowPolicy(window, mode, max_window, gap_timer, gradients_fenced=not copier.clone_is_cheap, distributed=distributed)
+        slots = SlotPool(link, copier, max_inflight=max_inflight)
+        staging = StagingArea(copier, stage_budget_bytes)
+        gradients = GradientLogger(optimizer, copier)
+        step_point = StepPoint(optimizer, self._on_step_start, self._before_update, self._on_step_end)
+        self.parts = EngineParts(
+            state=EngineState(has_stateful=bool(stateful)),
+            optimizer=optimizer,
+            consistency=mode,
+            stateful=stateful,
+            distributed=distributed,
+            copier=copier,
+            copies=SnapshotCopies(optimizer, stateful, copier, staging, gradients),
+            dispatcher=PersistDispatcher(
+                link, slots, keep, lineage, on_commit, unsolicited_errors=distributed, export_formats=export_formats,
+                key_layout=key_layout, optimizer=update_rule_name(optimizer),
+            ),
+            link=link,
+            plans=PlanCache(model, optimizer, link, scope, key_layout),
+            slots=slots,
+            staging=staging,
+            windows=windows,
+            gradients=gradients,
+            requests=RequestQueue(),
+            schedule=CheckpointSchedule(every),
+            step_point=step_point,
+            replay_guard=ReplayMutationGuard(step_point),
+            gap_timer=gap_timer,
         )
-        self.slots = SlotPool(link, copier, max_inflight=max_inflight)
-        self.plans = PlanCache(model, optimizer, link, scope, key_layout)
-        self.staging = StagingArea(copier, stage_budget_bytes)
-        self.gradients = GradientLogger(optimizer, copier)
-        self.copies = SnapshotCopies(optimizer, stateful, copier, self.staging, self.gradients)
-        self.dispatcher = PersistDispatcher(
-            link, self.slots, keep, lineage, on_commit, unsolicited_errors=scope.world_size > 1, export_formats=export_formats,
-            key_layout=key_layout, optimizer=update_rule_name(optimizer),
+        p = self.parts
+        p.starts, p.completion, p.blocking, p.restarts = (
+            SnapshotStarts(p), SnapshotCompletion(p), BlockingCalls(p), SnapshotRestarts(p),
         )
-        self.step_count = 0
-        self._hook_serial = 0
-        self._next_request_id = 0
-        self._snapshots: list[Snapshot] = []  # started and not yet sent, in start order
-        self.requests = RequestQueue()
-        self._slot_wait_s = 0.0  # distributed: hook time the next snapshot waited for a free slot
-        self._starting_pending = False  # inside _start_pending: a replaced writer does not start it again
-        self._prepared_fingerprint: int | None = None
-        self._user_marks_boundary = False
-        self._warned: set[str] = set()
-        self.dead: WriterDiedError | None = None  # set once a writer death has been raised
-        self.snapshots_dropped = 0  # incomplete snapshots lost with a dead writer
+        self.state = p.state
         # Called at each iteration boundary (save on a preemption signal); see preemption.py.
         self.at_boundary = at_boundary
-        self.step_point = StepPoint(optimizer, self._on_step_start, self._before_update, self._on_step_end)
-        self._replay_guard = ReplayMutationGuard(self.step_point)
         self.install_hooks()
         if optimizer.state:  # the state exists (a warm start): allocate now, before any step
-            self._prepare()
+            p.starts.prepare()
+
+    # ---- the units, for the Checkpointer and the tests -------------------------------
+
+    @property
+    def step_count(self) -> int:
+        return self.state.step_count
+
+    @property
+    def dead(self) -> WriterDiedError | None:
+        return self.state.dead
+
+    @property
+    def snapshots_dropped(self) -> int:
+        return self.state.snapshots_dropped
+
+    @property
+    def copier(self) -> Copier:
+        return self.parts.copier
+
+    @property
+    def dispatcher(self) -> PersistDispatcher:
+        return self.parts.dispatcher
+
+    @property
+    def link(self) -> WriterLink:
+        return self.parts.link
+
+    @property
+    def requests(self) -> RequestQueue:
+        return self.parts.requests
+
+    @property
+    def schedule(self) -> CheckpointSchedule:
+        return self.parts.schedule
+
+    @property
+    def slots(self) -> SlotPool:
+        return self.parts.slots
+
+    @property
+    def staging(self) -> StagingArea:
+        return self.parts.staging
+
+    @property
+    def windows(self) -> WindowPolicy:
+        return self.parts.windows
+
+    @property
+    def gap_timer(self) -> PhaseTimer | None:
+        return self.parts.gap_timer
 
     def install_hooks(self) -> None:
-        self.step_point.install()
+        self.parts.step_point.install()
 
     def remove_hooks(self) -> None:
-        self.step_point.remove()
+        self.parts.step_point.remove()
 
     # ---- hooks (the order inside optimizer.step(): step_hooks.py) ----------------
 
     def _on_step_start(self, others_follow: bool) -> None:
         """Our pre-hook, first of all pre-hooks: fence here only if another pre-hook may mutate state next."""
-        if self.dead is not None:
+        p, s = self.parts, self.state
+        if s.dead is not None:
             return
         # The step runs on the stream current here: copies order against it, even those a
         # request() made outside the loop's stream context starts.
-        self.copier.note_training_stream()
-        self._note_grad_scaler()
+        p.copier.note_training_stream()
+        p.restarts.note_grad_scaler()
         if not others_follow:
             return
         started = time.perf_counter()
         # Another pre-hook runs before the update point and may write parameters or
         # optimizer state in place: the copies reading them are fenced before it runs.
         self.fence_copies()
-        self._replay_guard.record(self._snapshots)
-        self._charge(started)
+        p.replay_guard.record(s.snapshots)
+        s.charge(started)
 
     def fence_copies(self) -> None:
         """Fence 2, now, for every copy enqueued by an earlier hook (idempotent)."""
-        if self.dead is not None:
+        p, s = self.parts, self.state
+        if s.dead is not None:
             return
-        self._hook_serial += 1
-        for snap in self._snapshots:
-            self.copies.fence_earlier_copies(snap, self._hook_serial)
+        s.hook_serial += 1
+        for snap in s.snapshots:
+            p.copies.fence_earlier_copies(snap, s.hook_serial)
 
     def _before_update(self) -> None:
         """Right before the update (after the closure, clipping and every pre-hook): fence, log gradients."""
-        if self.dead is not None:
+        p, s = self.parts, self.state
+        if s.dead is not None:
             return
-        self.copier.note_training_stream()
-        if self.gap_timer is not None:
+        p.copier.note_training_stream()
+        if p.gap_timer is not None:
             # Before any fence below: forward+backward ends here, our waits are not part of it.
-            self.gap_timer.mark(FWD_BWD_END)
+            p.gap_timer.mark(FWD_BWD_END)
         started = time.perf_counter()
-        self._hook_serial += 1
+        s.hook_serial += 1
         # GradScaler's fused path was noted in our pre-hook: it sets found_inf before step() runs.
-        mutated_by = self._replay_guard.mutated()
+        mutated_by = p.replay_guard.mutated()
         if mutated_by:
-            self._replay_cannot_follow(mutated_by)
-        for snap in list(self._snapshots):
-            self.copies.fence_earlier_copies(snap, self._hook_serial)
+            p.restarts.replay_cannot_follow(mutated_by)
+        for snap in list(s.snapshots):
+            p.copies.fence_earlier_copies(snap, s.hook_serial)
             if snap.state == SnapshotState.AT_BOUNDARY:
-                self._close_boundary(snap, provisional=True)
+                s.close_boundary(snap, provisional=True)
             if snap.mode == SnapshotMode.REPLAY and snap.version is None:
-                self.copies.log_gradients(snap, self.step_count + 1, self._hook_serial)
-        self._charge(started)  # before sending: a snapshot sent below carries this hook's time
-        self._progress()
-        if self.gap_timer is not None:
-            self.gap_timer.mark(OPT_START)
-        self._raise_pending(may_start=False)
+                p.copies.log_gradients(snap, s.step_count + 1, s.hook_serial)
+        s.charge(started)  # before sending: a snapshot sent below carries this hook's time
+        p.completion.progress()
+        if p.gap_timer is not None:
+            p.gap_timer.mark(OPT_START)
+        p.completion.raise_pending(may_start=False)
 
     def _on_step_end(self, update_point_ran: bool) -> None:
-        if self.dead is not None:
-            self.step_count += 1
-            if self.at_boundary is not None and not self._user_marks_boundary:
+        p, s = self.parts, self.state
+        if s.dead is not None:
+            s.step_count += 1
+            if self.at_boundary is not None and not s.user_marks_boundary:
                 self.at_boundary()  # a preemption signal must still end the process
             return
-        self.copier.note_training_stream()
-        if self.gap_timer is not None:
+        p.copier.note_training_stream()
+        if p.gap_timer is not None:
             # Before the fence below: the optimizer step ends here, the wait on the gradient copy is ours.
-            self.gap_timer.mark(OPT_END)
+            p.gap_timer.mark(OPT_END)
         started = time.perf_counter()
         if not update_point_ran:
-            self._update_point_skipped()
-        self._hook_serial += 1
-        self.step_count += 1
-        self._note_grad_scaler()
-        self._restart_if_state_grew()
-        for snap in self._snapshots:
-            self.copies.fence_earlier_copies(snap, self._hook_serial)  # the gradient copies logged before this update
+            p.restarts.update_point_skipped()
+        s.hook_serial += 1
+        s.step_count += 1
+        p.restarts.note_grad_scaler()
+        p.restarts.restart_if_state_grew()
+        for snap in s.snapshots:
+            p.copies.fence_earlier_copies(snap, s.hook_serial)  # the gradient copies logged before this update
             if not snap.all_enqueued:
-                self.copies.advance(snap, self.step_count, self._hook_serial)
-        for version in self.schedule.opening(self.step_count, self._lead_steps()):
-            self.requests.add(self.step_count, scheduled_version=version)
-        if self._prepared_fingerprint is None:
-            self._prepare()  # the first step created the optimizer state: its size is known now
-        self._start_pending()
-        self._charge(started)
-        self._progress()
-        if self.gap_timer is not None:
+                p.copies.advance(snap, s.step_count, s.hook_serial)
+        for version in p.schedule.opening(s.step_count, p.starts.lead_steps()):
+            p.requests.add(s.step_count, scheduled_version=version)
+        if s.prepared_fingerprint is None:
+            p.starts.prepare()  # the first step created the optimizer state: its size is known now
+        p.starts.start_pending()
+        s.charge(started)
+        p.completion.progress()
+        if p.gap_timer is not None:
             # Last, after our own copies and clones: what follows is the next iteration.
-            self.gap_timer.mark(FWD_BWD_START)
-        self._raise_pending()
-        if self.at_boundary is not None and not self._user_marks_boundary:
+            p.gap_timer.mark(FWD_BWD_START)
+        p.completion.raise_pending()
+        if self.at_boundary is not None and not s.user_marks_boundary:
             self.at_boundary()  # the loop marks no boundary of its own: the step's end is one
 
     def mark_iteration_end(self) -> None:
         """``ckpt.step()``: the boundary where stateful objects are captured."""
-        if self.dead is not None:
+        p, s = self.parts, self.state
+        if s.dead is not None:
             if self.at_boundary is not None:
                 self.at_boundary()  # a preemption signal must still end the process
             return
-        self._user_marks_boundary = True
+        s.user_marks_boundary = True
         started = time.perf_counter()
-        for snap in self._snapshots:
+        for snap in s.snapshots:
             if snap.state == SnapshotState.AT_BOUNDARY:
-                self.copies.capture_boundary(snap)
+                p.copies.capture_boundary(snap)
                 snap.state = SnapshotState.LANDING
                 snap.ledger.boundary = "step()"
-        self._charge(started)
-        self._progress()
-        self._raise_pending()
+        s.charge(started)
+        p.completion.progress()
+        p.completion.raise_pending()
         if self.at_boundary is not None:
             self.at_boundary()
 
     def request(self) -> None:
         """Checkpoint the state of the last completed optimizer step, now or as soon as a slot frees."""
-        if self.dead is not None:
-            raise self.dead
-        self._raise_pending()
+        p, s = self.parts, self.state
+        if s.dead is not None:
+            raise s.dead
+        p.completion.raise_pending()
         started = time.perf_counter()
-        self.requests.add(self.step_count)
-        self._start_pending()
-        self._charge(started)  # the copies a request starts are host time the loop waits for
-        self._progress()
-        self._raise_pending()
+        p.requests.add(s.step_count)
+        p.starts.start_pending()
+        s.charge(started)  # the copies a request starts are host time the loop waits for
+        p.completion.progress()
+        p.completion.raise_pending()
 
-    # ---- boundaries, GradScaler, layout changes ---------------------------------------
+    # ---- blocking calls and their answers ------------------------------------------------
 
-    def _close_boundary(self, snap: Snapshot, provisional: bool) -> None:
-        """Keep the boundary captured in the post-hook: ckpt.step() did not come."""
-        snap.state = SnapshotState.LANDING
-        snap.ledger.boundary = "post-hook"
-        if provisional and not self._user_marks_boundary and self.stateful:
-            self._warn_once("boundary", BOUNDARY_WARNING)
+    def wait(self, timeout_s: float | None) -> list[CheckpointInfo]:
+        """Finish every requested snapshot now and block until the writer committed each."""
+        return self.parts.blocking.wait(timeout_s)
 
-    def _warn_once(self, key: str, text: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(text, stacklevel=5)
+    def abandon(self, timeout_s: float) -> list[CheckpointInfo]:
+        return self.parts.blocking.abandon(timeout_s)
 
-    def _charge(self, started: float) -> None:
-        """Add the host time since ``started`` to every snapshot in flight (``hook_host_s``)."""
-        spent = time.perf_counter() - started
-        for snap in self._snapshots:
-            snap.hook_host_s += spent
+    def covers_current_step(self) -> bool:
+        return self.parts.blocking.covers_current_step()
+
+    def unfinished_versions(self) -> list[int | None]:
+        return self.parts.blocking.unfinished_versions()
 
     @property
     def stats(self) -> list[SnapshotStats]:
         """Committed checkpoints' figures, in commit order."""
-        return self.dispatcher.stats
+        return self.parts.dispatcher.stats
 
     @property
     def deferrals(self) -> int:
-        return self.requests.deferrals
+        return self.parts.requests.deferrals
 
     @property
     def writer_pid(self) -> int:
-        return self.link.writer.pid
+        return self.parts.link.writer.pid
 
     @property
     def writer_restarts(self) -> int:
-        return self.link.restarts.count
+        return self.parts.link.restarts.count
 
     def continue_from(self, step: int) -> None:
         """After a restore: the next update makes version ``step + 1``; of the versions, only ``step`` is held (restored)."""
-        self.step_count = step
-        self.schedule.continue_from(step)
+        self.state.step_count = step
+        self.parts.schedule.continue_from(step)
         # A request before the next update would duplicate the checkpoint just restored
         # (a framework's final save after a resume that trained nothing).
-        self.dispatcher.held_versions = {step}
+        self.parts.dispatcher.held_versions = {step}
 
     def shut_down(self, writer_timeout_s: float) -> None:
         """Remove the hooks, stop the writer, release host buffers (after the copies into them)."""
         self.remove_hooks()
-        self.link.close(timeout_s=writer_timeout_s)
+        self.parts.link.close(timeout_s=writer_timeout_s)
         self.release()
 
     def release(self) -> None:
         # Teardown may come with copies still queued (the writer died, wait() raised):
         # the copy engine must be done writing host memory before it is unpinned and unmapped.
-        self.copier.close()
-        self.staging.release()
-        self.gradients.release()
-        self.slots.release_all()
+        p = self.parts
+        p.copier.close()
+        p.staging.release()
+        p.gradients.release()
+        p.slots.release_all()

@@ -14,86 +14,66 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING
 
-import torch
-
 from .optimizer_group import step_owner
 from .snapshot import Snapshot, SnapshotMode
 from .warnings_text import CLOSURE_IGNORED_WARNING, GRAD_SCALER_WARNING, LATE_HOOK_WARNING, NEW_STATE_WARNING, REPLAY_MUTATION_WARNING
 
 if TYPE_CHECKING:
-    from .gradlog import GradientLogger
-    from .requests import RequestQueue
-    from .slots import SlotPool
-    from .step_hooks import StepPoint
-    from .window_policy import WindowPolicy
+    from .engine_parts import EngineParts
 
 
 class SnapshotRestarts:
-    """The engine's restart rules (a mixin of ``SnapshotEngine``, which owns these attributes)."""
+    """The restart rules: what notices that a snapshot cannot reach its version, and its restart."""
 
-    optimizer: torch.optim.Optimizer
-    consistency: SnapshotMode
-    gradients: GradientLogger
-    requests: RequestQueue
-    slots: SlotPool
-    step_point: StepPoint
-    windows: WindowPolicy
-    step_count: int
-    _snapshots: list[Snapshot]
+    def __init__(self, parts: EngineParts) -> None:
+        self.p = parts
+        self.s = parts.state
 
-    if TYPE_CHECKING:  # provided by SnapshotEngine
-
-        def _warn_once(self, key: str, text: str) -> None: ...
-
-    def _update_point_skipped(self) -> None:
+    def update_point_skipped(self) -> None:
         """The step took our closure and never called it: its update ran without our fences."""
-        self._warn_once("closure", CLOSURE_IGNORED_WARNING.format(optimizer=type(self.optimizer).__qualname__))
-        for snap in list(self._snapshots):
+        self.s.warn_once("closure", CLOSURE_IGNORED_WARNING.format(optimizer=type(self.p.optimizer).__qualname__))
+        for snap in list(self.s.snapshots):
             if snap.unfenced or (snap.mode == SnapshotMode.REPLAY and snap.version is None):
-                self._restart(snap)
+                self.restart(snap)
 
-    def _replay_cannot_follow(self, mutated_by: list[str]) -> None:
+    def replay_cannot_follow(self, mutated_by: list[str]) -> None:
         """A pre-hook (or the closure) wrote copied state in place: replay cannot repeat that write."""
-        self.windows.replay_unfollowable = True
-        self._warn_once("replay-mutation", REPLAY_MUTATION_WARNING.format(hooks=", ".join(mutated_by) or "the closure"))
-        for snap in self._open_replay_windows():
-            self._restart(snap)
+        self.p.windows.replay_unfollowable = True
+        self.s.warn_once("replay-mutation", REPLAY_MUTATION_WARNING.format(hooks=", ".join(mutated_by) or "the closure"))
+        for snap in self.s.open_replay_windows():
+            self.restart(snap)
 
-    def _note_grad_scaler(self) -> None:
-        if self.windows.grad_scaler_seen or not hasattr(self.optimizer, "found_inf"):
+    def note_grad_scaler(self) -> None:
+        if self.p.windows.grad_scaler_seen or not hasattr(self.p.optimizer, "found_inf"):
             return
-        self.windows.grad_scaler_seen = True
-        if self.consistency == SnapshotMode.REPLAY and self.windows.widest_window != 1:
+        self.p.windows.grad_scaler_seen = True
+        if self.p.consistency == SnapshotMode.REPLAY and self.p.windows.widest_window != 1:
             warnings.warn(GRAD_SCALER_WARNING, stacklevel=4)
-            for snap in self._open_replay_windows():
+            for snap in self.s.open_replay_windows():
                 # Its logged gradients came from steps GradScaler's fused kernel
                 # unscales and may skip: restart it, now at window 1.
-                self._restart(snap)
+                self.restart(snap)
 
-    def _restart_if_state_grew(self) -> None:
+    def restart_if_state_grew(self) -> None:
         """Post-hook: a replay window whose layout lacks state this step created cannot reach its version."""
-        for snap in self._open_replay_windows():
-            if self.gradients.state_grew(snap.layout):
-                warnings.warn(NEW_STATE_WARNING.format(old=snap.requested_step, new=self.step_count), stacklevel=4)
-                self._restart(snap)
+        for snap in self.s.open_replay_windows():
+            if self.p.gradients.state_grew(snap.layout):
+                warnings.warn(NEW_STATE_WARNING.format(old=snap.requested_step, new=self.s.step_count), stacklevel=4)
+                self.restart(snap)
 
-    def _open_replay_windows(self) -> list[Snapshot]:
-        """Replay snapshots that have not reached their version yet (a copy: restarting edits the list)."""
-        return [s for s in self._snapshots if s.mode == SnapshotMode.REPLAY and s.version is None]
-
-    def _restart(self, snap: Snapshot) -> None:
+    def restart(self, snap: Snapshot) -> None:
         """Replace a replay snapshot that cannot reach its version by one started at the next chance."""
-        self._snapshots.remove(snap)
+        self.s.snapshots.remove(snap)
         # Its copies may still be queued: the pool unmaps the slot only once they landed.
-        self.slots.drop(snap.slot, snap.tickets)
-        self.requests.put_back(snap.requested_step, snap.started_step, snap.ledger.scheduled_version)
+        self.p.slots.drop(snap.slot, snap.tickets)
+        self.p.requests.put_back(snap.requested_step, snap.started_step, snap.ledger.scheduled_version)
 
-    def _warn_about_late_hooks(self) -> None:
+    def warn_about_late_hooks(self) -> None:
         """Post-step hooks that run after ours may write tensors our copies are reading."""
         from torch.optim.optimizer import _global_optimizer_post_hooks
 
-        ours = self.step_point.post_hook_id
-        keys = list(step_owner(self.optimizer)._optimizer_step_post_hooks.keys())
+        ours = self.p.step_point.post_hook_id
+        keys = list(step_owner(self.p.optimizer)._optimizer_step_post_hooks.keys())
         later = len(keys) - 1 - keys.index(ours) if ours in keys else 0
         if later or _global_optimizer_post_hooks:
-            self._warn_once("late-hook", LATE_HOOK_WARNING.format(count=later + len(_global_optimizer_post_hooks)))
+            self.s.warn_once("late-hook", LATE_HOOK_WARNING.format(count=later + len(_global_optimizer_post_hooks)))
