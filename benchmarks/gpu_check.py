@@ -29,8 +29,9 @@ from torch import nn
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(_HERE), os.path.join(os.path.dirname(_HERE), "tests")]
 
-from overlapckpt import Checkpointer, load  # noqa: E402
+from overlapckpt import load  # noqa: E402
 from overlapckpt.hostbuf import SharedHostBuffer  # noqa: E402
+from overlapckpt.seams import Checkpointer  # noqa: E402
 from overlapckpt.train.emulated_device import EmulatedDevice, torch_cuda_placement  # noqa: E402
 from overlapckpt.train.transfer import StreamCopier  # noqa: E402
 

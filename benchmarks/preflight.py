@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                          "check CUDA_VISIBLE_DEVICES and the driver, or pass --emulate to rehearse on the CPU")
         print(f"preflight: CUDA device {torch.cuda.get_device_name()} (torch CUDA {torch.version.cuda})", flush=True)
 
-    from overlapckpt import Checkpointer
+    from overlapckpt.seams import Checkpointer
     from overlapckpt.train.emulated_device import EmulatedDevice
     from overlapckpt.train.transfer import StreamCopier
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
-import functools
 import logging
 import os
 import warnings
@@ -14,33 +12,35 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any
 
-import torch
 from torch import nn
 
-from .control_page import PAGE_BYTES, OwnedControlPage
+from .builder import BuiltCheckpointer, Seams, build
 from .errors import ConfigError
 from .format.key_layout import GET_STATE_DICT
-from .format.lease import RootLease
-from .format.manifest import CheckpointInfo, name_style_for
+from .format.manifest import CheckpointInfo
 from .format.signing import resolve_key
 from .format.storage import CheckpointStore
 from .loading import load
-from .options import check_export_formats, check_optimizer_for_mode, check_options, check_stateful
-from .protocol import WatchPreemptionRequest
+from .optimizers import torch_optimizers, unwrap_optimizer
 from .restore_marks import take_restore_mark
-from .train.autowindow import AUTO_WINDOW, DEFAULT_MAX_WINDOW, PhaseTimer, make_gap_timer
-from .train.distributed import DistributedRun, is_distributed, set_up_distributed
-from .train.engine import SnapshotEngine
-from .train.layout import CheckpointScope, check_optimizer_matches_model
-from .train.lineage import Lineage
-from .train.optimizer_group import torch_optimizers
-from .train.preemption import PreemptionGuard, default_grace_s
-from .train.run_start import agreed_run_id, take_root_lease
-from .train.step_hooks import unwrap_optimizer
-from .train.transfer import Copier, make_copier
-from .train.warnings_text import KEEP_STAGING_WARNING
-from .train.writer_handle import WriterProcess
-from .train.writer_link import DEFAULT_MAX_WRITER_RESTARTS, WriterLink
+from .settings import (
+    DEFAULT_MAX_WINDOW,
+    DEFAULT_MAX_WRITER_RESTARTS,
+    CadenceSettings,
+    CheckpointerSettings,
+    DistributedSettings,
+    PreemptionSettings,
+    StorageSettings,
+    WindowSettings,
+    WriterSettings,
+    check_export_is_one_process,
+    check_model,
+    check_optimizer_for_mode,
+    check_path,
+    check_stateful,
+)
+from .train.layout import check_optimizer_matches_model
+from .train.preemption import PreemptionGuard
 
 log = logging.getLogger("overlapckpt")
 
@@ -83,12 +83,6 @@ class Checkpointer:
             (allocated once, outside the checkpoints' hooks: a region freed after each checkpoint was
             allocated again inside ``optimizer.step()``, where it could run out of memory or
             synchronize). ``False`` warns.
-        copier: how bytes reach host memory (``overlapckpt.train.transfer``): by default a
-            ``StreamCopier`` over the device (a side CUDA stream on GPU; on CPU the emulated device,
-            whose side stream is a worker thread on a spare core); pass ``CpuCopier()`` to copy
-            inside the hooks instead.
-        phase_timer: with ``window="auto"``, what times forward+backward and the optimizer step
-            (default: CUDA events on GPU, the host clock on CPU).
         max_writer_restarts: a writer process that dies is replaced by a new one, which persists the
             snapshots complete in host memory, at most this many times an hour; the next death is raised
             as WriterDiedError (at once in a distributed run, whose writers share a group).
@@ -152,8 +146,6 @@ class Checkpointer:
         store_class: type[CheckpointStore] = CheckpointStore,
         max_window: int = DEFAULT_MAX_WINDOW,
         keep_staging: bool | None = None,
-        copier: Copier | None = None,
-        phase_timer: PhaseTimer | None = None,
         max_writer_restarts: int = DEFAULT_MAX_WRITER_RESTARTS,
         exit_timeout_s: float = 60.0,
         save_on_signal: tuple[int, ...] = (),
@@ -168,164 +160,56 @@ class Checkpointer:
         writer_threads: int | None = None,
         key_layout: str = GET_STATE_DICT,
     ) -> None:
-        check_options(
-            window=window,
-            max_window=max_window,
-            every=every,
-            keep=keep,
-            max_writer_restarts=max_writer_restarts,
-            max_inflight=max_inflight,
-            consistency=consistency,
-            stage_budget_bytes=stage_budget_bytes,
-            store_class=store_class,
-            collective_timeout_s=collective_timeout_s,
-            agreement_timeout_s=agreement_timeout_s,
-            writer_threads=writer_threads,
-            key_layout=key_layout,
-        )
-        if not isinstance(model, nn.Module):
-            raise ConfigError(f"model is a {type(model).__name__}; pass a torch.nn.Module")
-        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-            raise ConfigError(f"path={path!r} is invalid; pass the checkpoint root, a directory path or a URL such as s3://bucket/prefix")
-        on_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-        if on_meta:
-            raise ConfigError(
-                f"the model's {on_meta[:3]}{' ...' if len(on_meta) > 3 else ''} are on the meta device (no data to "
-                "checkpoint): materialize the model first (model.to_empty(device=...) and initialize or load its "
-                "weights), then build the Checkpointer"
-            )
+        settings = CheckpointerSettings(
+            storage=StorageSettings(check_path(path), dict(storage_options or {}), store_class, key_layout, lease),
+            window=WindowSettings(window, consistency, max_window, stage_budget_bytes, keep_staging),
+            cadence=CadenceSettings(every, keep, max_inflight),
+            writer=WriterSettings(max_writer_restarts, writer_threads, float(exit_timeout_s), tuple(export_formats)),
+            distributed=DistributedSettings(collective_timeout_s, agreement_timeout_s),
+            preemption=PreemptionSettings(tuple(save_on_signal), signal_grace_s),
+            stateful_names=tuple(sorted(stateful or {})) if isinstance(stateful, dict) else (),
+        ).checked()
+        self._open(settings, model, optimizer, stateful or {}, process_group, on_commit, signing_key)
+
+    def _open(
+        self,
+        settings: CheckpointerSettings,
+        model: Any,
+        optimizer: Any,
+        stateful: Any,
+        process_group: Any,
+        on_commit: Callable[[dict[str, Any]], None] | None,
+        signing_key: str | bytes | None,
+    ) -> None:
+        """Check the live objects, build every part (``builder.py``), continue a restored run."""
+        check_model(model)
         # Accelerate's and Lightning's wrappers step the torch optimizer they hold: hook and replay that one.
         optimizer = unwrap_optimizer(optimizer)
         check_optimizer_matches_model(model, optimizer)
-        check_optimizer_for_mode(optimizer, window, consistency)
-        stateful = dict(stateful or {})
-        check_stateful(stateful)
-        check_export_formats(export_formats, path, process_group)
+        check_optimizer_for_mode(optimizer, settings.window.window, settings.window.consistency)
+        stateful = check_stateful(stateful)
+        check_export_is_one_process(settings.writer.export_formats, process_group)
+        self.settings = settings
         self._signing_key = resolve_key(signing_key)
-        self.path = os.fspath(path)
-        self.storage_options = dict(storage_options or {})
-        self._distributed: DistributedRun | None = None
-        if is_distributed(process_group):
-            settings = {
-                "path": self.path,
-                "window": window,
-                "consistency": consistency,
-                "every": every,
-                "keep": keep,
-                "max_inflight": max_inflight,
-                "max_window": max_window,
-                "stage_budget_bytes": stage_budget_bytes,
-                "keep_staging": keep_staging,
-                "stateful": sorted(stateful),
-                "store_class": f"{store_class.__module__}.{store_class.__qualname__}",
-                "copier": None if copier is None else type(copier).__qualname__,
-                "key_layout": key_layout,
-                # Agreed: the other ranks' writers wait for a replacement only if one may come.
-                "max_writer_restarts": max_writer_restarts,
-            }
-            self._distributed = set_up_distributed(model, process_group, settings, collective_timeout_s, agreement_timeout_s)
-        store = store_class(self.path, self.storage_options)
-        store.prepare_root()
-        self._store = store
-        self._lineage = Lineage(agreed_run_id(self._distributed), names=name_style_for(key_layout, tuple(export_formats)), root=self.path)
-        self._lease: RootLease | None = None
-        self._lineage.note_existing(store.committed_names(), own=set())
-        self._lineage_starts_at = 0  # the first of self.stats in the current lineage (see continued_from)
-        self.model = model
-        self.optimizer = optimizer
-        self.stateful = stateful
-        self.window = window
-        self.consistency = consistency
-        self.exit_timeout_s = float(exit_timeout_s)
+        self.path = settings.storage.path
+        self.storage_options = dict(settings.storage.storage_options)
+        self.model, self.optimizer, self.stateful = model, optimizer, stateful
+        self.window, self.consistency = settings.window.window, settings.window.consistency
+        self.exit_timeout_s = settings.writer.exit_timeout_s
         self._closed = False
-        def start_writer(restarted: bool = False) -> WriterProcess:
-            spec = None if self._distributed is None else self._distributed.writer_spec
-            if spec is not None and restarted:
-                # It opens the writers' next generation, and tells them which checkpoints this rank
-                # had sent to the dead writer: they are lost on every rank.
-                spec = dataclasses.replace(spec, restarted=True, lost_names=tuple(self._engine.dispatcher.sent_names()))
-            return WriterProcess(
-                self.path,
-                self.storage_options,
-                (store_class.__module__, store_class.__qualname__),
-                group=spec,
-                signing_key=self._signing_key,
-                writer_threads=writer_threads,
-            )
-
-        grace_s = default_grace_s() if signal_grace_s is None else float(signal_grace_s)
-        writer = start_writer()
-        try:
-            # Ready before the first request (in a distributed run: every rank's writer has joined the
-            # writers' group). A writer still starting held the first checkpoint's slot for its start-up
-            # (0.9-2 s, a fresh interpreter importing torch), and requests made meanwhile were merged.
-            writer.wait_ready()
-        except BaseException:
-            writer.close()
-            raise
-        # A dead writer is replaced; in a distributed run its replacement re-forms the writers' group.
-        link = WriterLink(writer, lambda: start_writer(restarted=True), max_writer_restarts, distributed=self._distributed is not None)
-        self._preemption: PreemptionGuard | None = None
-        self._control_page: OwnedControlPage | None = None
-        if save_on_signal:
-            if self._distributed is not None:
-                # The ranks agree on the step through their writers (writer/preempt_watch.py), read
-                # from this page at each boundary: no collective in a hook.
-                page = self._control_page = OwnedControlPage()
-                watch = WatchPreemptionRequest(nbytes=PAGE_BYTES, agreement_timeout_s=grace_s / 2, signals=tuple(save_on_signal))
-                writer.send_with_fd(watch, page.fd)
-                link.on_replaced(lambda new_writer: new_writer.send_with_fd(watch, page.fd))
-            self._preemption = PreemptionGuard(
-                tuple(save_on_signal),
-                grace_s,
-                self._save_now,
-                page=self._control_page,
-                current_step=lambda: self._engine.step_count,
-            )
-        first = next(iter(model.parameters()), None)
-        device = first.device if first is not None else torch.device("cpu")
-        if keep_staging is False:
-            warnings.warn(KEEP_STAGING_WARNING, DeprecationWarning, stacklevel=2)
-        if window == AUTO_WINDOW and phase_timer is None:
-            phase_timer = make_gap_timer(device)
-        try:
-            self._engine = SnapshotEngine(
-                model,
-                optimizer,
-                window=window,
-                consistency=consistency,
-                every=every,
-                keep=keep,
-                stateful=stateful,
-                link=link,
-                max_inflight=max_inflight,
-                stage_budget_bytes=stage_budget_bytes,
-                max_window=max_window,
-                copier=copier if copier is not None else make_copier(device),
-                gap_timer=phase_timer if window == AUTO_WINDOW else None,
-                scope=CheckpointScope() if self._distributed is None else self._distributed.scope,
-                lineage=self._lineage,
-                at_boundary=None if self._preemption is None else self._preemption.at_boundary,
-                on_commit=on_commit,
-                export_formats=tuple(export_formats),
-                key_layout=key_layout,
-            )
-        except BaseException:
-            link.close(timeout_s=30.0)  # nothing may outlive a constructor that raised
-            if self._preemption is not None:
-                self._preemption.uninstall()
-            raise
-        try:
-            # Last: a refusal then tears down what was built, and nothing touched the root's checkpoints.
-            self._lease = take_root_lease(store, self._lineage.run_id, self._distributed) if lease else None
-            self._lineage.root_leased = self._lease is not None
-        except BaseException:
-            self._engine.shut_down(writer_timeout_s=30.0)
-            if self._preemption is not None:
-                self._preemption.uninstall()
-            raise
+        built = build(
+            settings, model, optimizer, stateful, process_group=process_group, on_commit=on_commit,
+            signing_key=self._signing_key, seams=getattr(self, "_seams", Seams()), save_now=self._save_now,
+        )
+        self._built = built
+        self._store, self._lineage, self._engine = built.store, built.lineage, built.engine
+        self._distributed, self._preemption, self._control_page, self._lease = (
+            built.distributed, built.preemption, built.control_page, built.lease,
+        )
+        self._lineage_starts_at = 0  # the first of self.stats in the current lineage (see continued_from)
         # Never closed: at interpreter exit, commit what is complete, say what was lost, release the lease.
-        self._exit_commit = functools.partial(_commit_at_exit, weakref.ref(self))
+        # It holds the parts, not the Checkpointer: a script may drop that (a local of its main()).
+        self._exit_commit = _ExitCommit(built, self.path, self.exit_timeout_s)
         atexit.register(self._exit_commit)
         # Resumed with load(): continue that checkpoint's version count and lineage, as restore() does.
         resumed = take_restore_mark(model, optimizer, torch_optimizers(optimizer))
@@ -388,16 +272,10 @@ class Checkpointer:
             self._tear_down(writer_timeout_s=30.0)
 
     def _tear_down(self, writer_timeout_s: float) -> None:
-        """Remove the hooks, stop the writer, release host buffers (after the copies into them)."""
-        exit_commit = getattr(self, "_exit_commit", None)
-        if exit_commit is not None:
-            atexit.unregister(exit_commit)
-        self._engine.shut_down(writer_timeout_s)
-        page: OwnedControlPage | None = getattr(self, "_control_page", None)
-        if page is not None:
-            page.buffer.release()  # after the writer, the page's other user, stopped
-        if self._lease is not None:
-            self._lease.release()
+        """Remove the hooks, stop the writer, release host buffers (after the copies into them), the page, the lease."""
+        atexit.unregister(self._exit_commit)
+        self._built.writer_timeout_s = writer_timeout_s
+        self._built.teardown.close()  # in the reverse order of building (builder.py)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -516,22 +394,27 @@ class Checkpointer:
         if self._closed:
             raise ConfigError("this Checkpointer is closed; create a new one to keep checkpointing")
 
-    def _close_at_exit(self) -> None:
-        """The interpreter exits with this Checkpointer open: commit what is complete, warn, release everything."""
-        if self._closed:
-            return
-        open_windows = self._engine.unfinished_versions()
-        dropped_before = self._engine.snapshots_dropped
-        self._closed = True
-        if self._preemption is not None:
-            self._preemption.uninstall()
+
+class _ExitCommit:
+    """At interpreter exit, for a Checkpointer never closed: commit what is complete, warn, release everything."""
+
+    def __init__(self, built: BuiltCheckpointer, path: str, exit_timeout_s: float) -> None:
+        self.built, self.path, self.exit_timeout_s = built, path, exit_timeout_s
+
+    def __call__(self) -> None:
+        built, engine = self.built, self.built.engine
+        open_windows = engine.unfinished_versions()
+        dropped_before = engine.snapshots_dropped
+        if built.preemption is not None:
+            built.preemption.uninstall()
         committed: list[CheckpointInfo] = []
         try:
-            if self._engine.dead is None:
-                committed = self._engine.abandon(self.exit_timeout_s)
+            if engine.dead is None:
+                committed = engine.abandon(self.exit_timeout_s)
         finally:
-            self._tear_down(writer_timeout_s=min(30.0, self.exit_timeout_s))
-        lost = self._engine.snapshots_dropped - dropped_before
+            built.writer_timeout_s = min(30.0, self.exit_timeout_s)
+            built.teardown.close()
+        lost = engine.snapshots_dropped - dropped_before
         if committed or lost:
             warnings.warn(
                 f"overlapckpt: the Checkpointer of {self.path} was never closed. At interpreter exit "
@@ -541,9 +424,3 @@ class Checkpointer:
                 + ". Call ckpt.close() at the end of training, or use `with Checkpointer(...) as ckpt:`",
                 stacklevel=2,
             )
-
-
-def _commit_at_exit(ref: weakref.ref[Checkpointer]) -> None:
-    ckpt = ref()
-    if ckpt is not None:
-        ckpt._close_at_exit()

@@ -29,9 +29,8 @@ from .format.signing import check_signature, resolve_key
 from .format.storage import CheckpointStore, dcp_root_cause, is_storage_error, read_error, translate_read_errors
 from .format.verified_read import ExpectedSums
 from .format.verify import describe_problems, read_manifest, verify_checkpoint
+from .optimizers import torch_optimizers, unwrap_optimizer
 from .restore_marks import mark_restored
-from .train.optimizer_group import torch_optimizers
-from .train.step_hooks import unwrap_optimizer
 
 
 def _listable(store: CheckpointStore, names: Iterable[str]) -> Iterator[tuple[str, Manifest]]:
@@ -527,7 +526,7 @@ def _warn_of_stateful_not_given(extra: dict[str, Any], stateful: dict[str, Any],
 
 def check_optimizer_matches(manifest: Manifest, optimizer: Any, where: str) -> None:
     """The live optimizer has the update rule whose state the checkpoint holds (checkpoints that record it)."""
-    from .train.optimizer_group import update_rule_name
+    from .optimizers import update_rule_name
 
     live = update_rule_name(optimizer)
     if manifest.optimizer is not None and manifest.optimizer != live:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .format.manifest import CheckpointInfo
-from .train.optimizer_group import step_owner
+from .optimizers import step_owner
 
 
 @dataclass(frozen=True)

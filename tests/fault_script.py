@@ -16,7 +16,7 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from overlapckpt import Checkpointer  # noqa: E402
+from overlapckpt.seams import Checkpointer  # noqa: E402
 from overlapckpt.train.transfer import CpuCopier  # noqa: E402
 
 from fakes import BLOCK_FIFO_ENV, BlockingStore  # noqa: E402

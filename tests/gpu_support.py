@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from overlapckpt import Checkpointer, load
+from overlapckpt import load
+from overlapckpt.seams import Checkpointer
 from overlapckpt.train import transfer
 from overlapckpt.train.emulated_device import EmulatedDevice, torch_cuda_placement
 from overlapckpt.train.transfer import StreamCopier

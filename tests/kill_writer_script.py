@@ -18,8 +18,8 @@ import time
 import torch
 from torch import nn
 
-from overlapckpt import Checkpointer
 from overlapckpt.errors import WriterDiedError
+from overlapckpt.seams import Checkpointer
 
 from gpu_support import H200_SM_CLOCK_HZ, DelayedCopier, Rig
 from helpers import exited_within

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from overlapckpt import Checkpointer, UnsupportedOptimizerError, load
+from overlapckpt import UnsupportedOptimizerError, load
+from overlapckpt.seams import Checkpointer
 from overlapckpt.train.autowindow import AUTO_FILL_FRACTION, HostGapTimer, WindowTuner
 from overlapckpt.train.gradlog import GradientLogger
 from overlapckpt.train.layout import build_layout

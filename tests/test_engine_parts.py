@@ -7,8 +7,9 @@ import threading
 import pytest
 import torch
 
-from overlapckpt import Checkpointer, load
+from overlapckpt import load
 from overlapckpt.hostbuf import SharedHostBuffer
+from overlapckpt.seams import Checkpointer
 from overlapckpt.train import slots as slots_module
 from overlapckpt.train.boundary import capture_boundary, resolve_values
 from overlapckpt.train.emulated_device import EmulatedDevice

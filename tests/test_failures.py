@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from overlapckpt import Checkpointer, CheckpointWriteError, WriterDiedError, list_checkpoints, load
+from overlapckpt import CheckpointWriteError, WriterDiedError, list_checkpoints, load
+from overlapckpt.seams import Checkpointer
 from overlapckpt.train.transfer import CpuCopier
 
 from fakes import BLOCK_FIFO_ENV, FAIL_AT_ENV, ONLY_NAME_ENV, BlockingStore, FailingStore

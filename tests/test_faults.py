@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from overlapckpt import Checkpointer, WriterDiedError, list_checkpoints, load
+from overlapckpt import WriterDiedError, list_checkpoints, load
+from overlapckpt.seams import Checkpointer
 from overlapckpt.train.transfer import CpuCopier
 
 from fakes import BLOCK_FIFO_ENV, BLOCK_ONCE_MARKER_ENV, ONLY_NAME_ENV, BlockingOnceStore

@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from overlapckpt import Checkpointer, load
+from overlapckpt import load
+from overlapckpt.seams import Checkpointer
 from overlapckpt.train.emulated_device import EmulatedDevice
 from overlapckpt.train.transfer import CopyTicket, FenceResult, StreamCopier
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from overlapckpt import Checkpointer, load
+from overlapckpt import load
+from overlapckpt.seams import Checkpointer
 from overlapckpt.train.transfer import StreamCopier
 
 from gpu_support import (

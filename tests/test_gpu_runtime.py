@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from overlapckpt import Checkpointer
 from overlapckpt.hostbuf import SharedHostBuffer
+from overlapckpt.seams import Checkpointer
 from overlapckpt.train.transfer import StreamCopier
 
 from gpu_support import (

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from overlapckpt import Checkpointer, ConfigError, load
+from overlapckpt import ConfigError, load
+from overlapckpt.seams import Checkpointer
 from overlapckpt.train.emulated_device import EmulatedDevice
 from overlapckpt.train.transfer import StreamCopier
 

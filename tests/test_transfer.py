@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from overlapckpt import Checkpointer, load
+from overlapckpt import load
+from overlapckpt.seams import Checkpointer
 from overlapckpt.train.emulated_device import POISON_BYTE, EmulatedDevice, torch_cuda_placement
 from overlapckpt.train.transfer import FenceResult, StreamCopier
 

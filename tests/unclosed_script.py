@@ -11,7 +11,7 @@ import sys
 import torch
 from torch import nn
 
-from overlapckpt import Checkpointer
+from overlapckpt.seams import Checkpointer
 from overlapckpt.train.emulated_device import EmulatedDevice
 from overlapckpt.train.transfer import StreamCopier
 

@@ -145,7 +145,7 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
         self._warned_step_mismatch = False
         self.ckpt = Checkpointer(
             self._model,
-            optimizers,  # an OptimizersContainer: hooked on its step, state read from inside (train/optimizer_group.py)
+            optimizers,  # an OptimizersContainer: hooked on its step, state read from inside (optimizers.py)
             self.folder,
             window=config.window,
             every=None if config.load_only else config.interval,  # step-N holds step N, replay windows included
@@ -407,8 +407,7 @@ def _merge_into(target: nn.Module, part: nn.Module, where: str) -> None:
 def read_stock_checkpoint(store: Any, name: str, model: nn.Module, optimizers: Any, stateful: dict[str, Any], group: Any) -> None:
     """Restore a checkpoint TorchTitan's own manager wrote (no manifest), through the allowlists, unverified."""
     from ..loading import _empty_like_on_cpu, apply_state_dicts, live_state_dicts, named_as, read_into, unnamed
-    from ..train.optimizer_group import torch_optimizers
-    from ..train.step_hooks import unwrap_optimizer
+    from ..optimizers import torch_optimizers, unwrap_optimizer
 
     inner = None if optimizers is None else torch_optimizers(unwrap_optimizer(optimizers))
     msd, osd = live_state_dicts(model, inner)

@@ -48,8 +48,6 @@ from .plan import CopyPlan
 AUTO_FILL_FRACTION = 0.8
 # Forward+backward samples the median is taken over: enough to ignore one slow step.
 COMPUTE_GAP_SAMPLES = 16
-DEFAULT_MAX_WINDOW = 8
-AUTO_WINDOW = "auto"
 
 
 @dataclass(frozen=True)

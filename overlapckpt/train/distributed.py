@@ -84,6 +84,7 @@ def set_up_distributed(
     settings: dict[str, Any],
     collective_timeout_s: float,
     agreement_timeout_s: float,
+    replaced_when_dead: bool,
 ) -> DistributedRun:
     """Agree on settings and set up the writers' rendezvous (collective: every rank calls it)."""
     group = process_group if process_group is not None else dist.group.WORLD
@@ -117,7 +118,7 @@ def set_up_distributed(
         mesh_shape=mesh_shape_of(model, world),
         key_prefix=str(key_prefix),
         store_key=bytes(store_key),
-        replaced_when_dead=settings["max_writer_restarts"] > 0,
+        replaced_when_dead=replaced_when_dead,
     )
     scope = CheckpointScope(rank=rank, world_size=world, plain_holders=plain_holders(model, group))
     return DistributedRun(scope=scope, group=group, writer_spec=spec, store=store)

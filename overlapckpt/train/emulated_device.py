@@ -452,7 +452,7 @@ def torch_cuda_placement(optimizer: torch.optim.Optimizer, host_tensors: Sequenc
     ``host_tensors`` are others the user put on the host (a tensor lr). Everything else
     of the model and optimizer is device memory.
     """
-    from .optimizer_group import OptimizerGroup
+    from ..optimizers import OptimizerGroup
 
     host_addresses = {t.data_ptr() for t in host_tensors}
 

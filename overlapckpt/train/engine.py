@@ -37,6 +37,7 @@ from torch import nn
 from ..errors import WriterDiedError
 from ..format.key_layout import GET_STATE_DICT
 from ..format.manifest import CheckpointInfo
+from ..optimizers import update_rule_name
 from .autowindow import FWD_BWD_END, FWD_BWD_START, OPT_END, OPT_START, PhaseTimer
 from .blocking import BlockingCalls
 from .completion import SnapshotCompletion
@@ -45,7 +46,6 @@ from .engine_parts import EngineParts, EngineState
 from .gradlog import GradientLogger
 from .layout import CheckpointScope
 from .lineage import Lineage
-from .optimizer_group import update_rule_name
 from .plan_cache import PlanCache
 from .replay_guard import ReplayMutationGuard
 from .requests import CheckpointSchedule, RequestQueue

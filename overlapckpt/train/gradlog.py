@@ -30,19 +30,13 @@ from typing import Any
 import torch
 
 from ..errors import InternalError
+from ..optimizers import OptimizerGroup, describe_optimizer, update_rule_class
 from ..protocol import GradientStep, ReplayLog
 from .layout import StateLayout, optimizer_shape_signature
-from .optimizer_group import OptimizerGroup, describe_optimizer, update_rule_class
 from .ownership import local_tensor
 from .plan import CopyPlan, align_bytes
 from .slots import HostSlot
 from .transfer import Copier, CopyTicket, copy_values_to_host
-
-# Optimizers whose update is elementwise per tensor, so a subset of parameters can be
-# stepped on its own and the result is the same as inside the full step.
-REPLAYABLE_OPTIMIZERS = frozenset(
-    {"SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop", "Adafactor"}
-)
 
 
 def gradient_layout(plan: CopyPlan, layout: StateLayout) -> tuple[dict[tuple[int, str], int], int]:

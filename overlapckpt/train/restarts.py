@@ -14,7 +14,7 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING
 
-from .optimizer_group import step_owner
+from ..optimizers import step_owner
 from .snapshot import Snapshot, SnapshotMode
 from .warnings_text import CLOSURE_IGNORED_WARNING, GRAD_SCALER_WARNING, LATE_HOOK_WARNING, NEW_STATE_WARNING, REPLAY_MUTATION_WARNING
 

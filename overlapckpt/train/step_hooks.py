@@ -44,53 +44,7 @@ import torch
 from torch.optim.optimizer import _global_optimizer_pre_hooks, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from ..errors import ConfigError
-from .optimizer_group import OptimizerGroup, as_optimizer_group, step_owner
-
-_WRAPPER_ATTRIBUTES = ("optimizer", "_optimizer")
-_MAX_WRAPPER_DEPTH = 8
-
-
-def unwrap_optimizer(optimizer: Any) -> Any:
-    """The ``torch.optim.Optimizer`` whose ``step()`` fires step hooks, inside any wrappers around it.
-
-    Accelerate's ``AcceleratedOptimizer`` and Lightning's ``LightningOptimizer`` subclass
-    or imitate an optimizer without registering its hooks; they step the optimizer
-    they hold as ``.optimizer`` / ``._optimizer``, which is the one to hook and replay.
-    A container that steps optimizers it holds (TorchTitan's ``OptimizersContainer``)
-    becomes an ``OptimizerGroup``: hooked on its own step, its state read from inside.
-    """
-    if isinstance(optimizer, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
-        raise ConfigError(
-            f"optimizer is a {type(optimizer).__qualname__}, an LR scheduler, not the optimizer it schedules: pass its "
-            "optimizer (scheduler.optimizer) as optimizer, and the scheduler in stateful={'scheduler': scheduler}"
-        )
-    current = optimizer
-    for _ in range(_MAX_WRAPPER_DEPTH):
-        if fires_step_hooks(current):
-            return as_optimizer_group(current) or current
-        inner = next(
-            (getattr(current, a) for a in _WRAPPER_ATTRIBUTES if isinstance(getattr(current, a, None), torch.optim.Optimizer)),
-            None,
-        )
-        if inner is None or inner is current:
-            break
-        current = inner
-    kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
-    raise ConfigError(
-        f"optimizer is a {kind}, whose step() cannot be hooked: it is not a torch.optim.Optimizer that fires "
-        "step hooks, and it exposes none as .optimizer or ._optimizer. Pass the torch.optim.Optimizer that "
-        "it steps"
-    )
-
-
-def fires_step_hooks(optimizer: Any) -> bool:
-    """Whether ``optimizer.step()`` runs torch's step pre- and post-hooks."""
-    return (
-        isinstance(optimizer, torch.optim.Optimizer)
-        and isinstance(vars(optimizer).get("_optimizer_step_pre_hooks"), dict)
-        and bool(getattr(type(optimizer).step, "hooked", False))
-    )
+from ..optimizers import OptimizerGroup, step_owner
 
 
 def _closure_position(optimizer: Any) -> int | None:

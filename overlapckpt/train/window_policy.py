@@ -8,7 +8,8 @@ timer measured and the copy bandwidth of the previous checkpoint.
 
 from __future__ import annotations
 
-from .autowindow import AUTO_WINDOW, PhaseTimer, WindowChoice, WindowTuner, copy_schedule
+from ..settings import AUTO_WINDOW
+from .autowindow import PhaseTimer, WindowChoice, WindowTuner, copy_schedule
 from .layout import StateLayout
 from .plan_cache import PlanCache
 from .snapshot import SnapshotMode

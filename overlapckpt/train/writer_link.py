@@ -20,7 +20,6 @@ from collections.abc import Callable
 from .writer_handle import WriterProcess
 
 # Writer deaths tolerated within the window before the next one is raised.
-DEFAULT_MAX_WRITER_RESTARTS = 3
 WRITER_RESTART_WINDOW_S = 3600.0
 
 

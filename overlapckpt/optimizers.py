@@ -1,12 +1,17 @@
-"""Several torch optimizers that one container steps, seen by the engine as one optimizer.
+"""Which optimizer a Checkpointer hooks and a checkpoint holds: wrappers unwrapped, containers seen as one, update rules named.
 
-TorchTitan's ``OptimizersContainer`` is a ``torch.optim.Optimizer`` whose ``step()`` steps
-one optimizer per model part (pipeline stages) and per optimizer type. Its own
-``state`` is empty and its one param group carries no hyperparameters: the state and
-the groups live in the optimizers inside. So the engine hooks the container's
-``step()`` (which fires the container's pre-hooks, MoE load balancing among them,
-before any inner optimizer runs) and reads the inner optimizers' groups and state,
-live, through this view.
+Shared by the training side (the hooks, replay's refusals) and the restore side (``load``
+restores into the same optimizer the hooks would find, and checks its update rule
+against the one a checkpoint records), so neither imports the other.
+
+``unwrap_optimizer`` finds the ``torch.optim.Optimizer`` whose ``step()`` fires step
+hooks inside Accelerate's and Lightning's wrappers. TorchTitan's ``OptimizersContainer``
+is a ``torch.optim.Optimizer`` whose ``step()`` steps one optimizer per model part
+(pipeline stages) and per optimizer type. Its own ``state`` is empty and its one param
+group carries no hyperparameters: the state and the groups live in the optimizers
+inside. So the engine hooks the container's ``step()`` (which fires the container's
+pre-hooks, MoE load balancing among them, before any inner optimizer runs) and reads the
+inner optimizers' groups and state, live, through an ``OptimizerGroup``.
 """
 
 from __future__ import annotations
@@ -15,6 +20,14 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+
+from .errors import ConfigError
+
+# Optimizers whose update is elementwise per tensor, so a subset of parameters can be
+# stepped on its own and the result is the same as inside the full step (replay).
+REPLAYABLE_OPTIMIZERS = frozenset(
+    {"SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop", "Adafactor"}
+)
 
 
 class _MergedState(Mapping[torch.Tensor, dict[str, Any]]):
@@ -112,3 +125,49 @@ def _rule_name(cls: type) -> str:
 def torch_optimizers(optimizer: Any) -> Any:
     """What ``torch.distributed.checkpoint.state_dict`` takes: the optimizer, or a group's optimizers as a tuple."""
     return tuple(optimizer.optimizers) if isinstance(optimizer, OptimizerGroup) else optimizer
+
+
+_WRAPPER_ATTRIBUTES = ("optimizer", "_optimizer")
+_MAX_WRAPPER_DEPTH = 8
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The ``torch.optim.Optimizer`` whose ``step()`` fires step hooks, inside any wrappers around it.
+
+    Accelerate's ``AcceleratedOptimizer`` and Lightning's ``LightningOptimizer`` subclass
+    or imitate an optimizer without registering its hooks; they step the optimizer
+    they hold as ``.optimizer`` / ``._optimizer``, which is the one to hook and replay.
+    A container that steps optimizers it holds (TorchTitan's ``OptimizersContainer``)
+    becomes an ``OptimizerGroup``: hooked on its own step, its state read from inside.
+    """
+    if isinstance(optimizer, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+        raise ConfigError(
+            f"optimizer is a {type(optimizer).__qualname__}, an LR scheduler, not the optimizer it schedules: pass its "
+            "optimizer (scheduler.optimizer) as optimizer, and the scheduler in stateful={'scheduler': scheduler}"
+        )
+    current = optimizer
+    for _ in range(_MAX_WRAPPER_DEPTH):
+        if fires_step_hooks(current):
+            return as_optimizer_group(current) or current
+        inner = next(
+            (getattr(current, a) for a in _WRAPPER_ATTRIBUTES if isinstance(getattr(current, a, None), torch.optim.Optimizer)),
+            None,
+        )
+        if inner is None or inner is current:
+            break
+        current = inner
+    kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    raise ConfigError(
+        f"optimizer is a {kind}, whose step() cannot be hooked: it is not a torch.optim.Optimizer that fires "
+        "step hooks, and it exposes none as .optimizer or ._optimizer. Pass the torch.optim.Optimizer that "
+        "it steps"
+    )
+
+
+def fires_step_hooks(optimizer: Any) -> bool:
+    """Whether ``optimizer.step()`` runs torch's step pre- and post-hooks."""
+    return (
+        isinstance(optimizer, torch.optim.Optimizer)
+        and isinstance(vars(optimizer).get("_optimizer_step_pre_hooks"), dict)
+        and bool(getattr(type(optimizer).step, "hooked", False))
+    )

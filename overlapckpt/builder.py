@@ -1,0 +1,207 @@
+"""Building a Checkpointer from its settings: each part in order, each teardown registered as it is built.
+
+``Checkpointer.__init__`` checks its arguments into a ``CheckpointerSettings`` and calls
+``build``. The parts come up in the order they depend on one another: the distributed
+run (settings agreed across ranks), the store, the run's lineage, the writer (ready
+before the first request), its link, the preemption guard and its control page, the
+engine, and last the root's lease, so that a refusal tears down what was built and
+nothing has touched the root's checkpoints. Each teardown goes on one
+``contextlib.ExitStack`` as its part is built: a failure unwinds exactly what exists, in
+reverse order, and a built Checkpointer's ``close()`` unwinds the same stack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .control_page import PAGE_BYTES, OwnedControlPage
+from .errors import InternalError
+from .format.lease import RootLease
+from .format.manifest import name_style_for
+from .format.storage import CheckpointStore
+from .protocol import WatchPreemptionRequest
+from .settings import AUTO_WINDOW, CheckpointerSettings
+from .train.autowindow import PhaseTimer, make_gap_timer
+from .train.distributed import DistributedRun, is_distributed, set_up_distributed
+from .train.engine import SnapshotEngine
+from .train.layout import CheckpointScope
+from .train.lineage import Lineage
+from .train.preemption import PreemptionGuard, default_grace_s
+from .train.run_start import agreed_run_id, take_root_lease
+from .train.transfer import Copier, make_copier
+from .train.warnings_text import KEEP_STAGING_WARNING
+from .train.writer_handle import WriterProcess
+from .train.writer_link import WriterLink
+
+
+@dataclass(frozen=True)
+class Seams:
+    """What tests and benchmarks inject in place of the device's own (``overlapckpt.seams``); users pass none."""
+
+    copier: Copier | None = None  # how bytes reach host memory (default: the device's StreamCopier)
+    phase_timer: PhaseTimer | None = None  # window="auto": what times the step's phases
+
+
+@dataclass
+class BuiltCheckpointer:
+    """A Checkpointer's parts, and the stack that tears them down in reverse order."""
+
+    store: CheckpointStore
+    lineage: Lineage
+    engine: SnapshotEngine
+    distributed: DistributedRun | None
+    preemption: PreemptionGuard | None
+    control_page: OwnedControlPage | None
+    lease: RootLease | None
+    teardown: contextlib.ExitStack
+    # How long the writer may take to stop at teardown (close(): 30 s; leaving on an error: exit_timeout_s).
+    writer_timeout_s: float = 30.0
+
+
+def build(
+    settings: CheckpointerSettings,
+    model: nn.Module,
+    optimizer: Any,
+    stateful: dict[str, Any],
+    *,
+    process_group: Any,
+    on_commit: Callable[[dict[str, Any]], None] | None,
+    signing_key: bytes | None,
+    seams: Seams,
+    save_now: Callable[[float], Any],
+) -> BuiltCheckpointer:
+    """Every part of a Checkpointer over ``model`` and ``optimizer`` (already unwrapped and checked)."""
+    s = settings
+    with contextlib.ExitStack() as stack:
+        # The lease is taken last, and released last: its release goes on the stack first.
+        lease_box: list[RootLease] = []
+
+        def release_lease() -> None:
+            for held in lease_box:
+                held.release()
+
+        stack.callback(release_lease)
+        distributed = None
+        if is_distributed(process_group):
+            distributed = set_up_distributed(
+                model, process_group, s.agreed(), s.distributed.collective_timeout_s, s.distributed.agreement_timeout_s,
+                replaced_when_dead=s.writer.max_writer_restarts > 0,
+            )
+        store = s.storage.store_class(s.storage.path, dict(s.storage.storage_options))
+        store.prepare_root()
+        lineage = Lineage(
+            agreed_run_id(distributed), names=name_style_for(s.storage.key_layout, s.writer.export_formats), root=s.storage.path
+        )
+        lineage.note_existing(store.committed_names(), own=set())
+        # Filled in once the engine exists: a replacement writer is told which checkpoints its rank lost.
+        engine_box: list[SnapshotEngine] = []
+
+        def start_writer(restarted: bool = False) -> WriterProcess:
+            spec = None if distributed is None else distributed.writer_spec
+            if spec is not None and restarted:
+                # It opens the writers' next generation, and tells them which checkpoints this rank
+                # had sent to the dead writer: they are lost on every rank.
+                spec = dataclasses.replace(spec, restarted=True, lost_names=tuple(engine_box[0].dispatcher.sent_names()))
+            return WriterProcess(
+                s.storage.path,
+                dict(s.storage.storage_options),
+                (s.storage.store_class.__module__, s.storage.store_class.__qualname__),
+                group=spec,
+                signing_key=signing_key,
+                writer_threads=s.writer.writer_threads,
+            )
+
+        writer = start_writer()
+        # Until the link owns it: a writer that cannot get ready is closed on the way out.
+        stack.callback(lambda: None if engine_box else writer.close())
+        # Ready before the first request (in a distributed run: every rank's writer has joined the
+        # writers' group). A writer still starting held the first checkpoint's slot for its start-up
+        # (0.9-2 s, a fresh interpreter importing torch), and requests made meanwhile were merged.
+        writer.wait_ready()
+        # A dead writer is replaced; in a distributed run its replacement re-forms the writers' group.
+        link = WriterLink(writer, lambda: start_writer(restarted=True), s.writer.max_writer_restarts, distributed=distributed is not None)
+        preemption, control_page = _preemption_guard(s, writer, link, distributed, save_now, lambda: engine_box[0].step_count, stack)
+        first = next(iter(model.parameters()), None)
+        device = first.device if first is not None else torch.device("cpu")
+        if s.window.keep_staging is False:
+            warnings.warn(KEEP_STAGING_WARNING, DeprecationWarning, stacklevel=4)
+        auto = s.window.window == AUTO_WINDOW
+        phase_timer = seams.phase_timer if seams.phase_timer is not None or not auto else make_gap_timer(device)
+        try:
+            engine = SnapshotEngine(
+                model,
+                optimizer,
+                window=s.window.window,
+                consistency=s.window.consistency,
+                every=s.cadence.every,
+                keep=s.cadence.keep,
+                stateful=stateful,
+                link=link,
+                max_inflight=s.cadence.max_inflight,
+                stage_budget_bytes=s.window.stage_budget_bytes,
+                max_window=s.window.max_window,
+                copier=seams.copier if seams.copier is not None else make_copier(device),
+                gap_timer=phase_timer if auto else None,
+                scope=CheckpointScope() if distributed is None else distributed.scope,
+                lineage=lineage,
+                at_boundary=None if preemption is None else preemption.at_boundary,
+                on_commit=on_commit,
+                export_formats=tuple(s.writer.export_formats),
+                key_layout=s.storage.key_layout,
+            )
+        except BaseException:
+            link.close(timeout_s=30.0)  # nothing may outlive a constructor that raised
+            raise
+        engine_box.append(engine)
+        built = BuiltCheckpointer(
+            store=store, lineage=lineage, engine=engine, distributed=distributed, preemption=preemption,
+            control_page=control_page, lease=None, teardown=stack,
+        )
+        # The engine goes before the preemption guard and the control page (registered above):
+        # the writer, the page's other user, stops first, then the page is released.
+        stack.callback(lambda: engine.shut_down(built.writer_timeout_s))
+        # Last: a refusal then tears down what was built, and nothing touched the root's checkpoints.
+        lease = take_root_lease(store, lineage.run_id, distributed) if s.storage.lease else None
+        if lease is not None:
+            lease_box.append(lease)
+        lineage.root_leased = lease is not None
+        built.lease = lease
+        built.teardown = stack.pop_all()
+        return built
+    raise InternalError("the builder's ExitStack swallowed an exception")  # it never does: nothing returns True
+
+
+def _preemption_guard(
+    s: CheckpointerSettings,
+    writer: WriterProcess,
+    link: WriterLink,
+    distributed: DistributedRun | None,
+    save_now: Callable[[float], Any],
+    current_step: Callable[[], int],
+    stack: contextlib.ExitStack,
+) -> tuple[PreemptionGuard | None, OwnedControlPage | None]:
+    """The signal handlers for ``save_on_signal``, and (distributed) the page the writers agree through."""
+    signals = tuple(s.preemption.save_on_signal)
+    if not signals:
+        return None, None
+    grace_s = default_grace_s() if s.preemption.signal_grace_s is None else float(s.preemption.signal_grace_s)
+    page = None
+    if distributed is not None:
+        # The ranks agree on the step through their writers (writer/preempt_watch.py), read
+        # from this page at each boundary: no collective in a hook.
+        page = OwnedControlPage()
+        stack.callback(page.buffer.release)  # after the writer, the page's other user, stopped
+        watch = WatchPreemptionRequest(nbytes=PAGE_BYTES, agreement_timeout_s=grace_s / 2, signals=signals)
+        writer.send_with_fd(watch, page.fd)
+        link.on_replaced(lambda new_writer: new_writer.send_with_fd(watch, page.fd))
+    guard = PreemptionGuard(signals, grace_s, save_now, page=page, current_step=current_step)
+    stack.callback(guard.uninstall)
+    return guard, page

@@ -1,0 +1,25 @@
+"""The Checkpointer with its device seams exposed: for tests and benchmarks, not for training scripts.
+
+What copies bytes to host memory (a ``Copier``: the device's ``StreamCopier`` by default,
+``CpuCopier`` copies inside the hooks, a test's copier may hold or delay copies) and what
+times the step's phases for ``window="auto"`` (a ``PhaseTimer``) are chosen from the
+device. Tests replace them to drive every fence on the CPU; they import this module's
+``Checkpointer`` in place of ``overlapckpt.Checkpointer``, whose constructor takes neither.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import checkpointer
+from .builder import Seams
+from .train.autowindow import PhaseTimer
+from .train.transfer import Copier
+
+
+class Checkpointer(checkpointer.Checkpointer):
+    """``overlapckpt.Checkpointer``, with ``copier=`` and ``phase_timer=`` as well."""
+
+    def __init__(self, *args: Any, copier: Copier | None = None, phase_timer: PhaseTimer | None = None, **kwargs: Any) -> None:
+        self._seams = Seams(copier=copier, phase_timer=phase_timer)
+        super().__init__(*args, **kwargs)
