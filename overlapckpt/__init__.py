@@ -25,7 +25,7 @@ from .errors import (
 )
 from .format.manifest import CheckpointInfo
 from .format.storage import CheckpointStore
-from .loading import list_checkpoints, load
+from .restore import list_checkpoints, load
 
 __all__ = [
     "CheckpointExistsError",

@@ -20,8 +20,8 @@ from .format.key_layout import GET_STATE_DICT
 from .format.manifest import CheckpointInfo
 from .format.signing import resolve_key
 from .format.storage import CheckpointStore
-from .loading import load
 from .optimizers import torch_optimizers, unwrap_optimizer
+from .restore.pipeline import load
 from .restore_marks import take_restore_mark
 from .settings import (
     DEFAULT_MAX_WINDOW,

@@ -14,8 +14,8 @@ from .format.lease import live_holder
 from .format.manifest import step_of_name
 from .format.signing import resolve_key
 from .format.storage import CheckpointStore
-from .format.verify import verify_checkpoint
-from .loading import list_checkpoints, read_manifest, resolve_checkpoint
+from .format.verify import read_manifest, verify_checkpoint
+from .restore.locate import list_checkpoints, resolve_checkpoint
 
 HELP = """List, inspect, verify, prune and export overlapckpt checkpoints.
 

@@ -18,7 +18,7 @@ import torch
 
 from .errors import ConfigError
 from .format.manifest import CheckpointInfo
-from .reading import read_checkpoint
+from .restore.contents import read_checkpoint
 
 FORMATS = ("torch", "safetensors")
 

@@ -387,7 +387,7 @@ def read_manifest_json(path: str) -> dict[str, Any]:
 def verify_share(root: str) -> dict[str, Any]:
     """load(verify=True): the bytes this rank's checks read (the test sums them), then a flipped bit."""
     import overlapckpt.format.verified_read as verified_read
-    import overlapckpt.loading as loading
+    import overlapckpt.restore.check as loading
 
     reports: list[dict[str, int]] = []
     blobs_read: list[tuple[str, int, int]] = []

@@ -12,7 +12,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
 
 def test_the_core_imports_no_framework():
     done = _run(
-        "import sys, overlapckpt, overlapckpt.cli, overlapckpt.reading\n"
+        "import sys, overlapckpt, overlapckpt.cli, overlapckpt.restore\n"
         "loaded = [m for m in ('pytorch_lightning', 'lightning', 'transformers', 'accelerate', 'torchtitan') if m in sys.modules]\n"
         "print(loaded)"
     )

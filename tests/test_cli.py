@@ -193,7 +193,7 @@ def test_export_writes_one_file_of_the_state_in_both_formats(tmp_path, capsys):
     import torch
     from safetensors.torch import load_file
 
-    from overlapckpt.reading import read_checkpoint
+    from overlapckpt.restore import read_checkpoint
 
     _two_checkpoints(tmp_path / "ckpts")
     contents = read_checkpoint(str(tmp_path / "ckpts"))

@@ -10,7 +10,7 @@ import torch
 
 from overlapckpt import CheckpointStore, ConfigError, list_checkpoints
 from overlapckpt.format.verify import verify_checkpoint
-from overlapckpt.reading import optimizer_state_by_index, read_checkpoint
+from overlapckpt.restore import optimizer_state_by_index, read_checkpoint
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -645,7 +645,7 @@ class ReadCountingStore(CheckpointStore):
 
 
 def test_a_verified_load_reads_each_stored_byte_once(run, monkeypatch, hashing):
-    from overlapckpt import loading
+    from overlapckpt.restore import pipeline as loading
 
     root, refs = run
     store = ReadCountingStore(str(root))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from overlapckpt import ConfigError, list_checkpoints
-from overlapckpt.reading import optimizer_state_by_index, read_checkpoint
+from overlapckpt.restore import optimizer_state_by_index, read_checkpoint
 
 pl = pytest.importorskip("pytorch_lightning")
 from overlapckpt.lightning import OverlapCheckpoint  # noqa: E402

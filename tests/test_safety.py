@@ -244,7 +244,7 @@ _LOAD_AND_REPORT = """
 import sys
 from helpers import make_run
 from overlapckpt import load
-from overlapckpt.reading import read_checkpoint
+from overlapckpt.restore import read_checkpoint
 from overlapckpt.errors import OverlapCkptError
 before = {modules!r}
 assert not any(m in sys.modules for m in before), [m for m in before if m in sys.modules]
@@ -350,7 +350,7 @@ def test_a_blob_length_beyond_its_file_is_refused_before_any_buffer_is_allocated
 
 
 def test_a_metadata_claiming_a_huge_tensor_is_refused_before_it_is_allocated(tmp_path):
-    from overlapckpt.reading import read_checkpoint
+    from overlapckpt.restore import read_checkpoint
 
     ckpt = _checkpoint(tmp_path / "root")
 

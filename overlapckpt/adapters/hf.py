@@ -159,7 +159,7 @@ class OverlapCallback(TrainerCallback):  # type: ignore[misc, valid-type]
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        lr_scheduler: Any = None, **kwargs: Any) -> None:
         from ..checkpointer import Checkpointer
-        from ..loading import list_checkpoints
+        from ..restore import list_checkpoints
 
         if getattr(args, "world_size", 1) > 1:
             raise ConfigError(

@@ -27,8 +27,8 @@ import os
 from typing import Any
 
 from ..errors import ConfigError
-from ..loading import restore_rng
-from ..reading import CheckpointContents, optimizer_state_by_index, read_checkpoint
+from ..restore import CheckpointContents, optimizer_state_by_index, read_checkpoint
+from ..restore.apply import restore_rng
 from . import AdapterSettings, commit_line, finish, metric_figures, require
 
 _pl = require("lightning")
@@ -205,7 +205,7 @@ class OverlapCheckpoint(Checkpoint):  # type: ignore[misc, valid-type]
 
     def holds(self, path: Any) -> bool:
         """Whether ``path`` is one of our checkpoints, or a root holding them, rather than a Lightning .ckpt file."""
-        from ..loading import holds_checkpoints
+        from ..restore.locate import holds_checkpoints
 
         text = str(path).rstrip("/")
         if text.endswith(".ckpt"):

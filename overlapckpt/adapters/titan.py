@@ -214,7 +214,7 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
             ckpt.close()
 
     def _load(self, step: int = -1) -> bool:
-        from ..loading import load
+        from ..restore.pipeline import load
 
         name = self._checkpoint_to_load(step)
         if name is None:
@@ -300,7 +300,7 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
         optimizers, stateful = (None, {}) if model_only else (self._optimizers, self._stateful)
         with self.ckpt.steps_not_counted():
             if ours:  # one of overlapckpt's: verified (checksums, and the signature with a key)
-                from ..loading import load
+                from ..restore.pipeline import load
 
                 load(
                     path, self._model, optimizers, stateful, storage_options=dict(self.config.storage_options),
@@ -406,14 +406,15 @@ def _merge_into(target: nn.Module, part: nn.Module, where: str) -> None:
 
 def read_stock_checkpoint(store: Any, name: str, model: nn.Module, optimizers: Any, stateful: dict[str, Any], group: Any) -> None:
     """Restore a checkpoint TorchTitan's own manager wrote (no manifest), through the allowlists, unverified."""
-    from ..loading import _empty_like_on_cpu, apply_state_dicts, live_state_dicts, named_as, read_into, unnamed
     from ..optimizers import torch_optimizers, unwrap_optimizer
+    from ..restore.apply import apply_state_dicts, live_state_dicts, named_as, unnamed
+    from ..restore.read import empty_like_on_cpu, read_into
 
     inner = None if optimizers is None else torch_optimizers(unwrap_optimizer(optimizers))
     msd, osd = live_state_dicts(model, inner)
     target = named_as(TORCHTITAN, msd, osd)
     saved = {k: obj.state_dict() for k, obj in stateful.items()}  # DCP fills the same keys from the checkpoint
-    host = {**_empty_like_on_cpu(target), **saved}
+    host = {**empty_like_on_cpu(target), **saved}
     read_into(store, name, host, group, manifest=None)
     model_sd, optim_sd = unnamed(TORCHTITAN, {k: v for k, v in host.items() if k not in saved}, osd)
     apply_state_dicts(model, inner, model_sd, optim_sd)

@@ -8,7 +8,7 @@ What it covers (format 3):
 - ``checksums``: the checksum of every blob DCP stored, by file, offset and length
   (tensor data, serialized non-tensor items such as ``param_groups``, and
   torch.save's framing: the blobs tile each shard), and of ``.metadata``'s exact
-  bytes; the algorithm is named there (see :mod:`overlapckpt.checksum`);
+  bytes; the algorithm is named there (see :mod:`overlapckpt.format.checksum`);
 - ``items``: a checksum per tensor of the host snapshot (``checksum``, in the
   algorithm ``checksums`` names; format 2 wrote zlib's CRC-32 as ``crc32``), checked
   at load against the tensor DCP decoded: end to end, it catches a serializer that

@@ -112,7 +112,7 @@ BeforeCommit = Callable[[StoredChecksums], None]
 def _manifest_before_commit(base: type) -> type:
     """A DCP storage writer that checksums what it stores and calls ``before_commit`` right before ``.metadata``.
 
-    See :mod:`overlapckpt.blobsums` for how the checksums are computed and how they
+    See :mod:`overlapckpt.format.blobsums` for how the checksums are computed and how they
     travel from every rank to the coordinator's ``finish()``.
     """
 

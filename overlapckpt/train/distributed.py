@@ -8,7 +8,7 @@ the training process group. The hooks never do.
   a mismatch raises ``ConfigError`` on every rank, naming the setting and each
   rank's value.
 * Training rank 0 hosts a TCPStore for the writers; its port is broadcast, and each
-  rank's writer joins the writers' gloo group through it (``writer_group.py``).
+  rank's writer joins the writers' gloo group through it (``writer/group.py``).
 """
 
 from __future__ import annotations

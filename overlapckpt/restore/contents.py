@@ -1,4 +1,4 @@
-"""Reading a committed checkpoint into plain host dicts, without the live model or optimizer.
+"""Reading a checkpoint whole into plain host dicts, without the live model or optimizer.
 
 ``load`` restores into live objects. A framework's resume path sometimes needs the
 checkpoint before those exist: Lightning reads the whole checkpoint (model,
@@ -16,16 +16,19 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
-from .format.entries import optimizer_state_by_index
-from .format.key_layout import GET_STATE_DICT
-from .format.manifest import CheckpointInfo
-from .format.storage import CheckpointStore, translate_read_errors
-from .format.verified_read import check_data_file, check_span
-from .format.verify import read_manifest
-from .loading import _checked_manifest, _per_rank_extra_state, check_signed, checkpoint_at, read_into
-
-__all__ = ["CheckpointContents", "optimizer_state_by_index", "read_checkpoint"]
+from ..errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+)
+from ..format.key_layout import GET_STATE_DICT
+from ..format.manifest import CheckpointInfo
+from ..format.storage import CheckpointStore, translate_read_errors
+from ..format.verified_read import check_data_file, check_span
+from ..format.verify import read_manifest
+from .check import check_signed, checked_manifest, per_rank_extra_state
+from .locate import checkpoint_at
+from .read import read_into
 
 
 @dataclass
@@ -60,7 +63,7 @@ def read_checkpoint(
     # With a key, authenticity first: nothing of .metadata is decoded before its signature holds.
     check_signed(store, name, read_manifest(store, name), signing_key)
     host = _template(store, name)
-    manifest = _checked_manifest(store, name, (0, 1), "skip", verify, host)
+    manifest = checked_manifest(store, name, (0, 1), "skip", verify, host)
     if manifest.key_layout != GET_STATE_DICT:
         raise ConfigError(
             f"{where} names its state in the {manifest.key_layout!r} key layout, and read_checkpoint returns the "
@@ -70,7 +73,7 @@ def read_checkpoint(
     world = manifest.world_size
     if not 0 <= rank < world:
         raise ConfigError(f"rank={rank} is not a rank of {where}, which {world} rank(s) wrote; pass 0..{world - 1}")
-    extra = _per_rank_extra_state(manifest, rank)
+    extra = per_rank_extra_state(manifest, rank)
     return CheckpointContents(
         info=CheckpointInfo.from_manifest(manifest, where),
         model=host.get("model", {}),

@@ -1,0 +1,110 @@
+"""``load``: restore a committed checkpoint in place, as a short pipeline of the package's steps: locate, check, read, apply."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    OverlapCkptError,
+)
+from ..format.manifest import CheckpointInfo
+from ..format.verify import read_manifest
+from ..optimizers import torch_optimizers, unwrap_optimizer
+from ..restore_marks import mark_restored
+from .apply import apply_state_dicts, live_state_dicts, named_as, restore_extra_state, unnamed
+from .check import (
+    PER_RANK_STATE_CHOICES,
+    check_items_stored,
+    check_optimizer_matches,
+    check_signed,
+    check_stateful_names,
+    checked_manifest,
+    per_rank_extra_state,
+    warn_of_stateful_not_given,
+)
+from .locate import checkpoint_at
+from .read import agree_before_reading, empty_like_on_cpu, read_into, world_of
+
+
+def load(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    stateful: dict[str, Any] | None = None,
+    step: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+    verify: bool = True,
+    *,
+    per_rank_state: str = "restore",
+    process_group: Any = None,
+    signing_key: str | bytes | None = None,
+) -> CheckpointInfo:
+    """Restore a committed checkpoint in place: model, optimizer, stateful objects and RNG states.
+
+    ``path`` is the checkpoint root (``step=None`` loads the newest committed
+    checkpoint) or one checkpoint directory (``CheckpointInfo.path``). The checkpoint
+    is read into host memory and checked first (shapes, then per-item checksums when
+    ``verify``), so a mismatched or corrupt checkpoint raises before any live object
+    changes. With ``verify``, ``.metadata`` and every shard's size are checked first,
+    then every blob read is checked against the manifest's checksums as it arrives,
+    before it is decoded (CorruptCheckpointError naming the file and blob), and each
+    decoded tensor against the checksum of the snapshot it was saved from: one read.
+    (``overlapckpt verify`` checks every stored byte, blobs this load does not read too.) Storage
+    failures raise CheckpointReadError, never CorruptCheckpointError.
+
+    Under torch.distributed, ``load`` is collective (every rank calls it) and reshards
+    through DCP: a checkpoint written at any world size and parallelism loads into
+    any other. Stateful objects and RNG states are per rank: they are restored only
+    at the world size that wrote them; at another one, CheckpointMismatchError names
+    both sizes unless ``per_rank_state="skip"`` loads model and optimizer only.
+    """
+    if per_rank_state not in PER_RANK_STATE_CHOICES:
+        raise ConfigError(f"per_rank_state={per_rank_state!r} is invalid; use 'restore' or 'skip'")
+    group, rank, world = world_of(process_group)
+    # A wrapper: the optimizer inside; a container of optimizers (TorchTitan's): those it steps.
+    optimizers = None if optimizer is None else torch_optimizers(unwrap_optimizer(optimizer))
+    msd, osd = live_state_dicts(model, optimizers)  # collective for some parallelisms: every rank, first
+    target: dict[str, Any] = {}
+    failure: BaseException | None = None
+    name: str | None = None
+    try:
+        store, name = checkpoint_at(path, step, storage_options)
+
+        def target_for(key_layout: str) -> dict[str, Any]:
+            target.update(named_as(key_layout, msd, osd))
+            return target
+
+        # With a key, authenticity first: nothing of .metadata is decoded before its signature holds.
+        check_signed(store, name, read_manifest(store, name), signing_key)
+        manifest = checked_manifest(store, name, (rank, world), per_rank_state, verify, target_for)
+        if optimizer is not None:
+            check_optimizer_matches(manifest, unwrap_optimizer(optimizer), store.checkpoint_url(name))
+        check_items_stored(manifest, target, store.checkpoint_url(name))
+    except OverlapCkptError as e:  # raised on every rank below, before any rank reads
+        failure = e
+    agree_before_reading(group, failure, name)
+    where = store.checkpoint_url(name)  # type: ignore[arg-type]
+
+    host = empty_like_on_cpu(target)
+    if name is None:  # every rank agreed above that nothing failed, so the name was resolved
+        raise CheckpointNotFoundError(f"no checkpoint under {path!r} to load")
+    read_into(store, name, host, group, manifest if verify else None)
+
+    extra = per_rank_extra_state(manifest, rank) if per_rank_state == "restore" else {}
+    if per_rank_state == "restore":
+        check_stateful_names(extra, stateful or {}, where)
+        warn_of_stateful_not_given(extra, stateful or {}, where)
+    model_sd, optim_sd = unnamed(manifest.key_layout, host, osd)
+    apply_state_dicts(model, optimizers, model_sd, optim_sd)
+    if per_rank_state == "restore":
+        restore_extra_state(extra, stateful or {})
+    info = CheckpointInfo.from_manifest(manifest, where)
+    if optimizer is not None:
+        # A Checkpointer built next on these objects continues this version count (restore_marks.py).
+        mark_restored(model, unwrap_optimizer(optimizer), optimizers, info)
+    return info
