@@ -1,57 +1,44 @@
-"""overlapckpt: checkpoint PyTorch training state without stopping training."""
+"""overlapckpt: checkpoint PyTorch training state without stopping training.
+
+What a training script calls, and the errors it catches. Every error type is in
+``overlapckpt.errors`` (all derive from ``OverlapCkptError``); reading a checkpoint
+without live objects is ``overlapckpt.restore.read_checkpoint``, one consolidated file
+``overlapckpt.consolidate.export_checkpoint``; the framework adapters are
+``overlapckpt.lightning``, ``overlapckpt.hf`` and ``overlapckpt.titan``.
+"""
 
 from .checkpointer import Checkpointer
 from .errors import (
-    CheckpointExistsError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CheckpointReadError,
     CheckpointTimeoutError,
     CheckpointWriteError,
     ConfigError,
-    CopyStreamStuckError,
     CorruptCheckpointError,
-    CoverageError,
-    ForgedStoreValueError,
-    InternalError,
     OverlapCkptError,
-    RankDisagreementError,
-    RootLeaseError,
-    SignatureError,
-    UnsafeCheckpointError,
-    UnsupportedOptimizerError,
     WriterDiedError,
-    WritersRegroupedError,
 )
 from .format.manifest import CheckpointInfo
 from .format.storage import CheckpointStore
 from .restore import list_checkpoints, load
 
 __all__ = [
-    "CheckpointExistsError",
+    # the API
+    "Checkpointer",
     "CheckpointInfo",
+    "CheckpointStore",
+    "list_checkpoints",
+    "load",
+    # the errors a training script catches (the rest: overlapckpt.errors)
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointReadError",
-    "CheckpointStore",
     "CheckpointTimeoutError",
     "CheckpointWriteError",
-    "Checkpointer",
     "ConfigError",
-    "CopyStreamStuckError",
     "CorruptCheckpointError",
-    "CoverageError",
-    "ForgedStoreValueError",
-    "InternalError",
     "OverlapCkptError",
-    "RankDisagreementError",
-    "RootLeaseError",
-    "SignatureError",
-    "UnsafeCheckpointError",
-    "UnsupportedOptimizerError",
     "WriterDiedError",
-    "WritersRegroupedError",
-    "list_checkpoints",
-    "load",
 ]
 __version__ = "0.1.0"

@@ -334,7 +334,14 @@ class Checkpointer:
         return self._engine.snapshots_dropped
 
     def restore(self, step: int | None = None) -> CheckpointInfo:
-        """Load this Checkpointer's newest (or ``step``'s) checkpoint and continue its step count."""
+        """Load this Checkpointer's newest (or ``step``'s) checkpoint into its objects and continue its step count.
+
+        ``load()`` is the way to load; this is ``load()`` on this Checkpointer's own root,
+        objects and key, plus what only a live Checkpointer can do: continue its version
+        count and lineage from the restored checkpoint (a rollback inside one run starts a
+        new lineage, ``train/lineage.py``), with its hooks off while the load may step the
+        optimizer to create its state.
+        """
         with self.steps_not_counted():
             info = load(
                 self.path,

@@ -15,7 +15,7 @@ import s3fs
 import torch
 import torch.distributed.checkpoint as dcp
 
-from overlapckpt import CheckpointExistsError
+from overlapckpt.errors import CheckpointExistsError
 from overlapckpt.format.attempts import CLAIM_NAME, Attempt, new_attempt_id
 from overlapckpt.format.manifest import MANIFEST_NAME
 from overlapckpt.format.storage import CheckpointStore

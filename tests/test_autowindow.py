@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from overlapckpt import UnsupportedOptimizerError, load
+from overlapckpt import load
+from overlapckpt.errors import UnsupportedOptimizerError
 from overlapckpt.seams import Checkpointer
 from overlapckpt.train.autowindow import AUTO_FILL_FRACTION, HostGapTimer, WindowTuner
 from overlapckpt.train.gradlog import GradientLogger

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from overlapckpt import RankDisagreementError
+from overlapckpt.errors import RankDisagreementError
 from overlapckpt.writer.claims import ClaimBoard
 from overlapckpt.writer.sealed_store import SealedStore, new_store_key
 

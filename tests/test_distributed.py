@@ -165,7 +165,7 @@ def test_auto_window_is_the_same_on_every_rank(ddp_results):
 def test_parts_that_do_not_tile_a_tensor_are_refused_before_the_commit():
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
 
-    from overlapckpt import CoverageError
+    from overlapckpt.errors import CoverageError
     from overlapckpt.format.shards import check_coverage
 
     def md(*chunks):

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from overlapckpt import Checkpointer, RootLeaseError
+from overlapckpt import Checkpointer
+from overlapckpt.errors import RootLeaseError
 
 from helpers import make_run, train_step
 

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from overlapckpt import Checkpointer, ConfigError, UnsupportedOptimizerError, load
+from overlapckpt import Checkpointer, ConfigError, load
+from overlapckpt.errors import UnsupportedOptimizerError
 
 from helpers import assert_state_equal, make_run, scaled_train_step, snapshot, train_step
 

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from overlapckpt import Checkpointer, CorruptCheckpointError, UnsafeCheckpointError, load
+from overlapckpt import Checkpointer, CorruptCheckpointError, load
 from overlapckpt.cli import main
+from overlapckpt.errors import UnsafeCheckpointError
 from overlapckpt.format.checksum import checksum_bytes, hex32
 from overlapckpt.format.manifest import dump_manifest
 
@@ -175,7 +176,7 @@ KEY = "a secret of at least sixteen bytes"
 
 
 def test_signed_checkpoints_load_and_forged_or_unsigned_ones_are_refused(tmp_path, capsys, monkeypatch):
-    from overlapckpt import SignatureError
+    from overlapckpt.errors import SignatureError
 
     model, opt, sched, sampler = make_run()
     with Checkpointer(model, opt, tmp_path / "signed", signing_key=KEY) as ckpt:
@@ -208,7 +209,7 @@ def test_signed_checkpoints_load_and_forged_or_unsigned_ones_are_refused(tmp_pat
 
 
 def test_a_swapped_metadata_is_refused_by_the_signature(tmp_path):
-    from overlapckpt import SignatureError
+    from overlapckpt.errors import SignatureError
 
     model, opt, sched, sampler = make_run()
     with Checkpointer(model, opt, tmp_path, signing_key=KEY) as ckpt:
@@ -296,7 +297,7 @@ def test_with_a_key_the_signature_is_checked_before_metadata_is_decoded(tmp_path
     out = _in_a_fresh_interpreter(_LOAD_AND_REPORT.format(modules=["torch._inductor"], call=call))
     assert "refused SignatureError" in out and "imported []" in out, out
     # load() too: decoded first, the same .metadata is an UnsafeCheckpointError instead.
-    from overlapckpt import SignatureError
+    from overlapckpt.errors import SignatureError
 
     with pytest.raises(SignatureError, match=r"\.metadata is not the one that was signed"):
         load(str(tmp_path / "root"), *make_run(seed=5)[:2], signing_key=KEY)

@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from overlapckpt import Checkpointer, ConfigError, UnsafeCheckpointError
+from overlapckpt import Checkpointer, ConfigError
+from overlapckpt.errors import UnsafeCheckpointError
 from overlapckpt.titan import DataloaderState, OverlapCheckpointManager, merged_model_parts
 
 from helpers import launch_ranks
@@ -212,7 +213,8 @@ def _resume(config_kwargs: dict, **load_kwargs):
 def test_a_checkpoint_without_its_manifest_is_refused_in_a_signed_folder_or_one_of_ours(tmp_path, monkeypatch):
     """Deleting a signed checkpoint's manifest and tampering a shard made the manager read it as TorchTitan's stock
     layout, unchecked, and load the tampered weights."""
-    from overlapckpt import CorruptCheckpointError, SignatureError
+    from overlapckpt import CorruptCheckpointError
+    from overlapckpt.errors import SignatureError
 
     folder = _trained_folder(tmp_path, monkeypatch, signed=True)
     _tamper(os.path.join(folder, "step-12"))

@@ -346,7 +346,7 @@ def scenario_fsdp(rank: int, world: int) -> dict[str, Any]:
 
 def scenario_parts(rank: int, world: int) -> dict[str, Any]:
     """Two pipeline stages on one rank, replay at window 3; a container of two optimizer types."""
-    from overlapckpt import UnsupportedOptimizerError
+    from overlapckpt.errors import UnsupportedOptimizerError
 
     kw = {"fsdp": False, "parts": 2, "impl": "for-loop"}
     full = Run(rank, world, **kw)
