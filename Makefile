@@ -52,7 +52,7 @@ test: check
 # random steps and inside persists and replays, slow storage, every mode; two trials at once.
 SOAK_TRIALS ?= 200
 soak: install
-	$(PY) tests/soak.py --trials $(SOAK_TRIALS) --jobs 2
+	$(PY) tests/workers/soak.py --trials $(SOAK_TRIALS) --jobs 2
 
 bench: install
 	$(PY) -m pip install --quiet -e '.[test,bench]'

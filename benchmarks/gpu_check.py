@@ -32,8 +32,8 @@ sys.path[:0] = [os.path.dirname(_HERE), os.path.join(os.path.dirname(_HERE), "te
 from overlapckpt import load  # noqa: E402
 from overlapckpt.hostbuf import SharedHostBuffer  # noqa: E402
 from overlapckpt.seams import Checkpointer  # noqa: E402
-from overlapckpt.train.emulated_device import EmulatedDevice, torch_cuda_placement  # noqa: E402
-from overlapckpt.train.transfer import StreamCopier  # noqa: E402
+from overlapckpt.train.copying.emulated_device import EmulatedDevice, torch_cuda_placement  # noqa: E402
+from overlapckpt.train.copying.transfer import StreamCopier  # noqa: E402
 
 from gpu_support import flat_state, mismatches  # noqa: E402  (the GPU tests' own comparisons)
 
@@ -48,7 +48,7 @@ class Target:
     def copier(self, opt: torch.optim.Optimizer, schedule: str = "async") -> StreamCopier:
         if self.emulate:
             return StreamCopier(EmulatedDevice(schedule, clone_is_cheap=True, host_resident=torch_cuda_placement(opt)))
-        from overlapckpt.train.cuda_device import CudaDevice
+        from overlapckpt.train.copying.cuda_device import CudaDevice
 
         return StreamCopier(CudaDevice(self.device))
 

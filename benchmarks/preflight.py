@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"preflight: CUDA device {torch.cuda.get_device_name()} (torch CUDA {torch.version.cuda})", flush=True)
 
     from overlapckpt.seams import Checkpointer
-    from overlapckpt.train.emulated_device import EmulatedDevice
-    from overlapckpt.train.transfer import StreamCopier
+    from overlapckpt.train.copying.emulated_device import EmulatedDevice
+    from overlapckpt.train.copying.transfer import StreamCopier
 
     device = torch.device("cpu" if args.emulate else "cuda")
     model = torch.nn.Linear(64, 64).to(device)

@@ -28,8 +28,8 @@ sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 from measure import machine_description  # noqa: E402
 
 from overlapckpt.hostbuf import SharedHostBuffer  # noqa: E402
-from overlapckpt.train.cuda_device import CudaDevice  # noqa: E402
-from overlapckpt.train.transfer import StreamCopier  # noqa: E402
+from overlapckpt.train.copying.cuda_device import CudaDevice  # noqa: E402
+from overlapckpt.train.copying.transfer import StreamCopier  # noqa: E402
 
 PROBE_NBYTES = 2 << 30
 COPY_REPEATS = 3

@@ -29,17 +29,17 @@ from .format.manifest import name_style_for
 from .format.storage import CheckpointStore
 from .protocol import WatchPreemptionRequest
 from .settings import AUTO_WINDOW, CheckpointerSettings
-from .train.autowindow import PhaseTimer, make_gap_timer
-from .train.distributed import DistributedRun, is_distributed, set_up_distributed
-from .train.engine import SnapshotEngine
-from .train.layout import CheckpointScope
-from .train.lineage import Lineage
-from .train.preemption import PreemptionGuard, default_grace_s
-from .train.run_start import agreed_run_id, take_root_lease
-from .train.transfer import Copier, make_copier
-from .train.warnings_text import KEEP_STAGING_WARNING
-from .train.writer_handle import WriterProcess
-from .train.writer_link import WriterLink
+from .train.consistency.autowindow import PhaseTimer, make_gap_timer
+from .train.copying.layout import CheckpointScope
+from .train.copying.transfer import Copier, make_copier
+from .train.lifecycle.engine import SnapshotEngine
+from .train.lifecycle.warnings_text import KEEP_STAGING_WARNING
+from .train.run.distributed import DistributedRun, is_distributed, set_up_distributed
+from .train.run.lineage import Lineage
+from .train.run.preemption import PreemptionGuard, default_grace_s
+from .train.run.run_identity import agreed_run_id, take_root_lease
+from .train.writer_client.client import WriterClient
+from .train.writer_client.link import WriterLink
 
 
 @dataclass(frozen=True)
@@ -104,13 +104,13 @@ def build(
         # Filled in once the engine exists: a replacement writer is told which checkpoints its rank lost.
         engine_box: list[SnapshotEngine] = []
 
-        def start_writer(restarted: bool = False) -> WriterProcess:
+        def start_writer(restarted: bool = False) -> WriterClient:
             spec = None if distributed is None else distributed.writer_spec
             if spec is not None and restarted:
                 # It opens the writers' next generation, and tells them which checkpoints this rank
                 # had sent to the dead writer: they are lost on every rank.
                 spec = dataclasses.replace(spec, restarted=True, lost_names=tuple(engine_box[0].dispatcher.sent_names()))
-            return WriterProcess(
+            return WriterClient(
                 s.storage.path,
                 dict(s.storage.storage_options),
                 (s.storage.store_class.__module__, s.storage.store_class.__qualname__),
@@ -181,7 +181,7 @@ def build(
 
 def _preemption_guard(
     s: CheckpointerSettings,
-    writer: WriterProcess,
+    writer: WriterClient,
     link: WriterLink,
     distributed: DistributedRun | None,
     save_now: Callable[[float], Any],

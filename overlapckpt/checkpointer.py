@@ -39,8 +39,8 @@ from .settings import (
     check_path,
     check_stateful,
 )
-from .train.layout import check_optimizer_matches_model
-from .train.preemption import PreemptionGuard
+from .train.copying.layout import check_optimizer_matches_model
+from .train.run.preemption import PreemptionGuard
 
 log = logging.getLogger("overlapckpt")
 
@@ -93,7 +93,7 @@ class Checkpointer:
             current step, checkpoint that step if nothing covers it, commit within ``signal_grace_s``,
             then exit as the signal would (or chain to the handler installed before). Installed from
             the main thread. Under torch.distributed, the ranks agree on one step, whichever of them
-            were signalled, checkpoint it together and all exit with the signal (train/preemption.py).
+            were signalled, checkpoint it together and all exit with the signal (train/run/preemption.py).
         signal_grace_s: seconds from the signal to the commit; None: 5 s less than torchrun's
             SIGTERM-to-SIGKILL window (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 30 s by default), so 25 s.
         process_group: under torch.distributed, the ranks that checkpoint together (default: the
@@ -339,7 +339,7 @@ class Checkpointer:
         ``load()`` is the way to load; this is ``load()`` on this Checkpointer's own root,
         objects and key, plus what only a live Checkpointer can do: continue its version
         count and lineage from the restored checkpoint (a rollback inside one run starts a
-        new lineage, ``train/lineage.py``), with its hooks off while the load may step the
+        new lineage, ``train/run/lineage.py``), with its hooks off while the load may step the
         optimizer to create its state.
         """
         with self.steps_not_counted():

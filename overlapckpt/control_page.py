@@ -1,6 +1,6 @@
 """A page of shared memory between a training process and its writer: preemption agreed with no collective in a hook.
 
-Shared by both sides (``train/preemption.py`` writes and reads it at iteration
+Shared by both sides (``train/run/preemption.py`` writes and reads it at iteration
 boundaries, ``writer/preempt_watch.py`` from a thread of the writer). Each slot is one
 aligned 64-bit word, so a read or a write of it is a single machine access: no lock,
 and a hook pays a few hundred nanoseconds for it.

@@ -13,8 +13,8 @@ from typing import Any
 
 from . import checkpointer
 from .builder import Seams
-from .train.autowindow import PhaseTimer
-from .train.transfer import Copier
+from .train.consistency.autowindow import PhaseTimer
+from .train.copying.transfer import Copier
 
 
 class Checkpointer(checkpointer.Checkpointer):

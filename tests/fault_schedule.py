@@ -2,10 +2,10 @@
 
 A trial draws, from its seed, a mode (window 1, replay at W=2..4, stage), a cadence, and
 faults: SIGKILL of the writer between steps, at a file write inside a persist, or inside a
-replay; SIGKILL of the trainer; slow storage. It runs tests/fault_trainer.py until the run
+replay; SIGKILL of the trainer; slow storage. It runs tests/workers/fault_trainer.py until the run
 reaches its last step, restarting it after each death of the trainer (it resumes with
 ``load()``), then checks every listed checkpoint against an uninterrupted twin, bit for bit,
-and that ``load()`` picks the newest. ``python tests/soak.py`` runs many; the suite a few.
+and that ``load()`` picks the newest. ``python tests/workers/soak.py`` runs many; the suite a few.
 
 A failing trial names its seed; ``run_trial(seed)`` replays the same schedule.
 """
@@ -134,7 +134,7 @@ def run_trial(seed: int, twin: dict[int, tuple[dict, dict]] | None = None) -> Tr
         while True:
             starts += 1
             proc = subprocess.run(
-                [sys.executable, os.path.join(TESTS_DIR, "fault_trainer.py"), root, json.dumps(trial.config())],
+                [sys.executable, os.path.join(TESTS_DIR, "workers", "fault_trainer.py"), root, json.dumps(trial.config())],
                 env=env, capture_output=True, text=True, timeout=TRAINER_TIMEOUT_S,
             )
             if proc.returncode == 0 and "done" in proc.stdout:

@@ -1,7 +1,7 @@
 """Shared pieces of the GPU tests: the device they run on, copiers that fail on purpose, models, twin runs.
 
 The GPU tests run on a *rig*: the real CUDA device where there is one, else the CUDA
-device emulated on the CPU (``overlapckpt.train.emulated_device``), in ``make test``.
+device emulated on the CPU (``overlapckpt.train.copying.emulated_device``), in ``make test``.
 The copier is the same ``StreamCopier`` on both; only the device seam differs. Tests
 marked ``device`` run on either rig; those marked ``gpu`` need real hardware (timing,
 pinned pages, CUDA's own events and allocator) and are skipped without it.
@@ -40,9 +40,9 @@ from torch import nn
 
 from overlapckpt import load
 from overlapckpt.seams import Checkpointer
-from overlapckpt.train import transfer
-from overlapckpt.train.emulated_device import EmulatedDevice, torch_cuda_placement
-from overlapckpt.train.transfer import StreamCopier
+from overlapckpt.train.copying import transfer
+from overlapckpt.train.copying.emulated_device import EmulatedDevice, torch_cuda_placement
+from overlapckpt.train.copying.transfer import StreamCopier
 
 # torch.cuda._sleep spins one thread for this many SM clock cycles (clock64): about
 # 100 ms at the H200's 1.98 GHz boost clock, longer at any lower clock.
@@ -90,7 +90,7 @@ class Rig:
     def seam(self, optimizer: torch.optim.Optimizer | None = None, schedule: str = "held") -> Any:
         """The device seam: CUDA's, or the emulated one with torch's CUDA placement for ``optimizer``."""
         if self.is_cuda:
-            from overlapckpt.train.cuda_device import CudaDevice
+            from overlapckpt.train.copying.cuda_device import CudaDevice
 
             return CudaDevice(self.device)
         placement = torch_cuda_placement(optimizer) if optimizer is not None else None

@@ -1,4 +1,4 @@
-"""The Lightning tests' tiny module, data and state recorder (tests/test_lightning.py, tests/lightning_ddp_script.py)."""
+"""The Lightning tests' tiny module, data and state recorder (tests/test_lightning.py, tests/workers/lightning_ddp_script.py)."""
 
 from __future__ import annotations
 

@@ -13,11 +13,11 @@ from torch import nn
 from overlapckpt import load
 from overlapckpt.errors import UnsupportedOptimizerError
 from overlapckpt.seams import Checkpointer
-from overlapckpt.train.autowindow import AUTO_FILL_FRACTION, HostGapTimer, WindowTuner
-from overlapckpt.train.gradlog import GradientLogger
-from overlapckpt.train.layout import build_layout
-from overlapckpt.train.plan import make_plan
-from overlapckpt.train.transfer import CopyTicket, CpuCopier
+from overlapckpt.train.consistency.autowindow import AUTO_FILL_FRACTION, HostGapTimer, WindowTuner
+from overlapckpt.train.consistency.gradlog import GradientLogger
+from overlapckpt.train.copying.layout import build_layout
+from overlapckpt.train.copying.plan import make_plan
+from overlapckpt.train.copying.transfer import CopyTicket, CpuCopier
 
 LAYERS = 24
 WIDTH = 64

@@ -67,7 +67,7 @@ def test_a_buffer_the_filesystem_cannot_hold_is_refused_up_front(tmp_path, monke
 def test_a_host_buffer_dropped_without_release_is_unregistered():
     import gc
 
-    from overlapckpt.train.emulated_device import EmulatedDevice
+    from overlapckpt.train.copying.emulated_device import EmulatedDevice
 
     dev = EmulatedDevice()
     buffer = SharedHostBuffer(1 << 20, pin=dev)
@@ -80,7 +80,7 @@ def test_a_host_buffer_dropped_without_release_is_unregistered():
 
 
 def test_a_range_already_registered_is_named_in_the_error():
-    from overlapckpt.train.emulated_device import ERROR_HOST_MEMORY_ALREADY_REGISTERED, EmulatedDevice
+    from overlapckpt.train.copying.emulated_device import ERROR_HOST_MEMORY_ALREADY_REGISTERED, EmulatedDevice
 
     class AlreadyRegistered(EmulatedDevice):
         def register_host(self, ptr: int, nbytes: int) -> int:
@@ -96,7 +96,7 @@ def test_a_checkpointer_never_closed_unregisters_its_host_buffers_at_exit(tmp_pa
     import sys
 
     log = tmp_path / "registrations.log"
-    script = os.path.join(os.path.dirname(__file__), "unclosed_script.py")
+    script = os.path.join(os.path.dirname(__file__), "workers", "unclosed_script.py")
     proc = subprocess.run([sys.executable, script, str(tmp_path / "ckpts"), str(log)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = log.read_text().split()
@@ -114,7 +114,7 @@ def test_a_checkpoint_in_flight_at_exit_commits_and_says_so(tmp_path):
 
     from overlapckpt import list_checkpoints
 
-    script = os.path.join(os.path.dirname(__file__), "unclosed_script.py")
+    script = os.path.join(os.path.dirname(__file__), "workers", "unclosed_script.py")
     root = tmp_path / "ckpts"
     proc = subprocess.run(
         [sys.executable, script, str(root), str(tmp_path / "registrations.log"), "in-flight"], capture_output=True, text=True, timeout=120

@@ -1,4 +1,4 @@
-"""Distributed runs: real multi-process gloo launches of tests/dist_worker.py, one launch per scenario.
+"""Distributed runs: real multi-process gloo launches of tests/workers/dist_worker.py, one launch per scenario.
 
 Each launch serves several checks (see the worker); the assertions are here, on what
 every rank wrote. Ports are picked free; every wait has a timeout.
@@ -16,7 +16,7 @@ from overlapckpt import Checkpointer, CheckpointMismatchError, list_checkpoints,
 
 from helpers import launch_ranks
 
-WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "dist_worker.py")
 LAUNCH_TIMEOUT_S = 420
 
 
@@ -65,7 +65,7 @@ def fsdp_results(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
     # A one-process checkpoint for the 1 -> 2 reshard, and the state it must load as.
     sys.path.insert(0, os.path.dirname(__file__))
-    from dist_worker import FEATURES, Net
+    from workers.dist_worker import FEATURES, Net
 
     torch.manual_seed(0)
     model = Net()
@@ -200,7 +200,7 @@ def test_writers_killed_mid_persist_idle_and_at_agreement_are_replaced_and_later
     assert r0["writer_restarts"] == 2 and r1["writer_restarts"] == 2, (r0, r1)  # each rank's writer killed twice
     root = os.path.dirname(r0["state_files"]["4"])
     sys.path.insert(0, os.path.dirname(__file__))
-    from dist_worker import Net
+    from workers.dist_worker import Net
 
     for step in r0["listed"]:
         (info,) = [i for i in list_checkpoints(os.path.join(root, "restarted")) if i.step == step]
@@ -231,7 +231,7 @@ def test_fsdp2_uneven_shards_exact_and_reshard_both_ways(fsdp_results, tmp_path)
         assert _differing(reshard["overlapckpt"], reshard["stock_dcp"]) == [], reshard
     # 2-rank FSDP2 -> 1 process, with overlapckpt's load and with the stock recipe.
     sys.path.insert(0, os.path.dirname(__file__))
-    from dist_worker import FEATURES, Net
+    from workers.dist_worker import FEATURES, Net
 
     run = root / "run" / "w3-replay"
     (info,) = list_checkpoints(str(run))
@@ -279,7 +279,7 @@ def test_fsdp_by_tp_on_a_2x2_mesh_is_exact_and_reshards_to_two_ranks_and_one(tmp
         assert _differing(results[rank]["reshard_to_fsdp2"], expected_file) == []
     # ... and into one process, with overlapckpt's load.
     sys.path.insert(0, os.path.dirname(__file__))
-    from dist_worker import TpNet
+    from workers.dist_worker import TpNet
 
     (info,) = list_checkpoints(str(tmp_path / "w3-replay"))
     expected = torch.load(expected_file)

@@ -10,11 +10,11 @@ import torch
 from overlapckpt import load
 from overlapckpt.hostbuf import SharedHostBuffer
 from overlapckpt.seams import Checkpointer
-from overlapckpt.train import slots as slots_module
-from overlapckpt.train.boundary import capture_boundary, resolve_values
-from overlapckpt.train.emulated_device import EmulatedDevice
-from overlapckpt.train.layout import build_layout
-from overlapckpt.train.transfer import SMALL_COPY_BYTES, StreamCopier, plan_packed_copy
+from overlapckpt.train.consistency.boundary import capture_boundary, resolve_values
+from overlapckpt.train.copying import slots as slots_module
+from overlapckpt.train.copying.emulated_device import EmulatedDevice
+from overlapckpt.train.copying.layout import build_layout
+from overlapckpt.train.copying.transfer import SMALL_COPY_BYTES, StreamCopier, plan_packed_copy
 
 from helpers import assert_state_equal, make_run, snapshot, train_step
 

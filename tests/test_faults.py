@@ -13,7 +13,7 @@ import torch
 
 from overlapckpt import WriterDiedError, list_checkpoints, load
 from overlapckpt.seams import Checkpointer
-from overlapckpt.train.transfer import CpuCopier
+from overlapckpt.train.copying.transfer import CpuCopier
 
 from fakes import BLOCK_FIFO_ENV, BLOCK_ONCE_MARKER_ENV, ONLY_NAME_ENV, BlockingOnceStore
 from helpers import assert_state_equal, exited_within, make_run, read_child_line, read_fifo_line, train_step, twin_states
@@ -110,7 +110,7 @@ def test_a_killed_training_process_leaves_no_files_and_no_writer(tmp_path, momen
     before = {f for f in os.listdir("/dev/shm") if f.startswith("overlapckpt-")}
     root = tmp_path / "ckpts"
     child = subprocess.Popen(
-        [sys.executable, os.path.join(os.path.dirname(__file__), "fault_script.py"), moment, str(root)],
+        [sys.executable, os.path.join(os.path.dirname(__file__), "workers", "fault_script.py"), moment, str(root)],
         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
     )
     try:

@@ -19,8 +19,8 @@ from torch import nn
 
 from overlapckpt import load
 from overlapckpt.seams import Checkpointer
-from overlapckpt.train.emulated_device import EmulatedDevice
-from overlapckpt.train.transfer import CopyTicket, FenceResult, StreamCopier
+from overlapckpt.train.copying.emulated_device import EmulatedDevice
+from overlapckpt.train.copying.transfer import CopyTicket, FenceResult, StreamCopier
 
 from helpers import make_run
 

@@ -16,7 +16,7 @@ import torch
 
 from overlapckpt.hostbuf import SharedHostBuffer
 from overlapckpt.seams import Checkpointer
-from overlapckpt.train.transfer import StreamCopier
+from overlapckpt.train.copying.transfer import StreamCopier
 
 from gpu_support import (
     OPTIMIZERS,
@@ -119,7 +119,7 @@ def test_copy_async_of_1_gb_returns_long_before_the_copy_lands(request, rig):
 
 
 def test_writer_killed_with_a_copy_in_flight_does_not_crash_close(tmp_path, rig):
-    # tests/kill_writer_script.py: the copy of a state (about 4 GB on CUDA, behind a ~2 s
+    # tests/workers/kill_writer_script.py: the copy of a state (about 4 GB on CUDA, behind a ~2 s
     # sleep on the side stream; held on the emulated device) is queued, the writer is
     # SIGKILLed and confirmed dead, and the death is raised at the next hook
     # (max_writer_restarts=0, so no replacement lets the loop run on). Releasing the host
@@ -127,7 +127,7 @@ def test_writer_killed_with_a_copy_in_flight_does_not_crash_close(tmp_path, rig)
     # freed memory: a device fault ("an illegal memory access"), or a crash.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
-        [sys.executable, os.path.join(TESTS_DIR, "kill_writer_script.py"), str(tmp_path / "ckpts"), rig.name],
+        [sys.executable, os.path.join(TESTS_DIR, "workers", "kill_writer_script.py"), str(tmp_path / "ckpts"), rig.name],
         capture_output=True, text=True, timeout=300, env=env, cwd=REPO,
     )
     out, err = proc.stdout, proc.stderr

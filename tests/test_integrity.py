@@ -175,7 +175,7 @@ def _shard_positions(root: Path, refs: dict[int, Any]) -> dict[str, tuple[int, i
 def hashing(request, monkeypatch) -> str:
     """Both ways a load hashes a tensor's blob: whole, then the decoded tensor again (small blobs), or in three
     spans combined, the data span's checksum being the tensor's (large blobs; here every blob)."""
-    from overlapckpt.format import verified_read
+    from overlapckpt.format import blob_reader as verified_read
 
     if request.param == "spans":
         monkeypatch.setattr(verified_read, "SPLIT_MIN_BYTES", 0)

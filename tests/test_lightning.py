@@ -162,7 +162,7 @@ def test_ddp_two_ranks_save_and_resume(tmp_path):
     import subprocess
     import sys
 
-    script = os.path.join(os.path.dirname(__file__), "lightning_ddp_script.py")
+    script = os.path.join(os.path.dirname(__file__), "workers", "lightning_ddp_script.py")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(

@@ -236,7 +236,7 @@ def test_grad_scaler_with_a_fused_optimizer_falls_back_to_window_1(tmp_path):
 def test_optimizers_that_write_gradients_in_their_step_are_known(optimizer, expected):
     # SGD's foreach Nesterov path adds the momentum into .grad in place (torch/optim/sgd.py):
     # its gradient copy must be fenced before the step, not after.
-    from overlapckpt.train.gradlog import step_writes_gradients as _step_writes_gradients
+    from overlapckpt.train.consistency.gradlog import step_writes_gradients as _step_writes_gradients
 
     model, _, _, _ = make_run()
     assert _step_writes_gradients(optimizer(model.parameters())) is expected

@@ -16,7 +16,7 @@ from overlapckpt import Checkpointer, list_checkpoints, load
 
 from helpers import assert_state_equal, make_run, read_child_line, train_step, twin_states
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "preempt_script.py")
+SCRIPT = os.path.join(os.path.dirname(__file__), "workers", "preempt_script.py")
 
 
 def _twin_on_one_thread(steps: int) -> dict:

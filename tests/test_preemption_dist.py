@@ -1,7 +1,7 @@
 """Preemption under torchrun: a real SIGTERM, to the agent or to one rank, and one checkpoint every rank commits.
 
 Each test launches ``python -m torch.distributed.run --standalone --nproc_per_node=2
-tests/preempt_worker.py`` (2 DDP ranks, gloo, rank 1 slower), waits until both ranks
+tests/workers/preempt_worker.py`` (2 DDP ranks, gloo, rank 1 slower), waits until both ranks
 are training, sends SIGTERM, and waits for the agent to exit. Then:
 
 - exactly one checkpoint is committed, by both ranks (``world_size`` 2), at one version;
@@ -26,7 +26,7 @@ from overlapckpt import list_checkpoints, load
 
 from helpers import TinyNet, read_child_line
 
-WORKER = os.path.join(os.path.dirname(__file__), "preempt_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "preempt_worker.py")
 LAUNCH_TIMEOUT_S = 180
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "resume_script.py")
+SCRIPT = os.path.join(os.path.dirname(__file__), "workers", "resume_script.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -109,7 +109,7 @@ def test_a_crafted_checkpoint_runs_no_code(tmp_path, capsys, craft, needle):
 
 def test_stock_dcp_metadata_of_every_kind_is_allowed(tmp_path):
     """The allowlist admits what DCP writes: the precondition of the refusals above."""
-    from overlapckpt.format.safe_read import load_metadata
+    from overlapckpt.format.safe_unpickle import load_metadata
 
     ckpt = _checkpoint(tmp_path)
     with open(ckpt / ".metadata", "rb") as f:
@@ -304,7 +304,7 @@ def test_with_a_key_the_signature_is_checked_before_metadata_is_decoded(tmp_path
 
 
 def test_a_pickle_with_a_huge_memo_index_is_refused_before_it_allocates(tmp_path):
-    from overlapckpt.format.safe_read import load_plain_data
+    from overlapckpt.format.safe_unpickle import load_plain_data
 
     bomb = b"\x80\x02Nr" + struct.pack("<I", 1 << 26) + b"."  # 9 bytes; unpickled, a 512 MiB memo
     with pytest.raises(UnsafeCheckpointError, match="puts memo entry 67108864 at byte 3 after 0 entries"):

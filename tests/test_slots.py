@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from overlapckpt.seams import Checkpointer
-from overlapckpt.train.emulated_device import EmulatedDevice
-from overlapckpt.train.transfer import StreamCopier
+from overlapckpt.train.copying.emulated_device import EmulatedDevice
+from overlapckpt.train.copying.transfer import StreamCopier
 
 from helpers import exited_within
 

@@ -1,6 +1,6 @@
 """TorchTitan: overlapckpt's checkpoint manager with TorchTitan's real components, driven as its trainer drives a manager.
 
-Two launches (tests/titan_worker.py) serve the checks: 2 gloo ranks with FSDP2, and one
+Two launches (tests/workers/titan_worker.py) serve the checks: 2 gloo ranks with FSDP2, and one
 process with two pipeline stages and two optimizer types. The rest runs here: the
 config's refusals, the data loader's state read without running code, the merge of
 model parts.
@@ -22,7 +22,7 @@ from overlapckpt.titan import DataloaderState, OverlapCheckpointManager, merged_
 
 from helpers import launch_ranks
 
-WORKER = os.path.join(os.path.dirname(__file__), "titan_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "titan_worker.py")
 LAUNCH_TIMEOUT_S = 300
 
 
@@ -65,8 +65,8 @@ def test_pipeline_stages_on_one_rank_and_two_optimizer_types(tmp_path):
 
 
 def test_pipeline_stages_across_two_ranks(tmp_path):
-    from titan_worker import TitanLike, split_into_stages, tensors_of
     from torchtitan.components.optimizer.optimizer import default_adamw
+    from workers.titan_worker import TitanLike, split_into_stages, tensors_of
 
     from overlapckpt import load
 
@@ -175,7 +175,7 @@ def test_key_layout_is_checked(tmp_path):
 
 def _trained_folder(tmp_path, monkeypatch, signed: bool) -> str:
     """One process trains TorchTitan's components for 12 steps under overlapckpt's manager (step-4, -8, -12)."""
-    from titan_worker import Run, ours
+    from workers.titan_worker import Run, ours
 
     monkeypatch.setenv("TITAN_BASE", str(tmp_path))
     if signed:
@@ -197,7 +197,7 @@ def _tamper(directory: str) -> None:
 
 
 def _resume(config_kwargs: dict, **load_kwargs):
-    from titan_worker import Run, ours
+    from workers.titan_worker import Run, ours
 
     run = Run(0, 1, fsdp=False)
     before = {k: v.clone() for k, v in run.model_parts[0].state_dict().items()}

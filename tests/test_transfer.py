@@ -14,8 +14,8 @@ from torch import nn
 
 from overlapckpt import load
 from overlapckpt.seams import Checkpointer
-from overlapckpt.train.emulated_device import POISON_BYTE, EmulatedDevice, torch_cuda_placement
-from overlapckpt.train.transfer import FenceResult, StreamCopier
+from overlapckpt.train.copying.emulated_device import POISON_BYTE, EmulatedDevice, torch_cuda_placement
+from overlapckpt.train.copying.transfer import FenceResult, StreamCopier
 
 POISON_FP32 = torch.tensor([POISON_BYTE] * 4, dtype=torch.uint8).view(torch.float32).item()
 

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import pytest
 
-WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "dist_worker.py")
 LAUNCH_TIMEOUT_S = 240
 PORT = 29517  # a fresh namespace has every port free
 

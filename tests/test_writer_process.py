@@ -15,7 +15,7 @@ from overlapckpt.format.storage import CheckpointStore
 
 from helpers import exited_within, make_run, train_step
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "writer_cwd_script.py")
+SCRIPT = os.path.join(os.path.dirname(__file__), "workers", "writer_cwd_script.py")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

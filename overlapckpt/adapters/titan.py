@@ -327,7 +327,7 @@ class DataloaderState:
         return self.dataloader.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from ..format.safe_read import load_plain_data
+        from ..format.safe_unpickle import load_plain_data
 
         rank_key = getattr(self.dataloader, "_rank_id", None)
         stateful_loader = _stateful_dataloader_base(self.dataloader)

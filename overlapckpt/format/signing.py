@@ -12,7 +12,7 @@ What the signature covers: the manifest (version, lineage, ledger, stateful obje
 and RNG states, per-item CRCs) and ``.metadata`` exactly. Shard bytes are covered by
 the CRC-32C checksums inside the signed manifest: enough against accident, not against
 a forger who crafts bytes with the same CRC. Reading a checkpoint runs no code
-whatever its bytes (``safe_read.py``), so such a forgery can change tensor values, not
+whatever its bytes (``safe_unpickle.py``), so such a forgery can change tensor values, not
 run anything. A shard digest under the signature is the next step.
 """
 

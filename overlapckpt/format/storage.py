@@ -40,11 +40,11 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torch.futures import Future
 
 from ..errors import CheckpointReadError, CheckpointWriteError, ConfigError, OverlapCkptError
+from .blob_reader import verified_reader_class
 from .blobsums import ChecksummingFileSystem, FileSegments, StoredChecksums, attach_checksums, plain_results
 from .checksum import default_algorithm
 from .manifest import LATEST_NAME, MANIFEST_NAME, METADATA_NAME, step_of_name
-from .safe_read import SafeFileSystemReader, safe_reader_class
-from .verified_read import verified_reader_class
+from .safe_unpickle import SafeFileSystemReader, safe_reader_class
 
 _VerifiedLocalReader = verified_reader_class(SafeFileSystemReader)
 
@@ -372,8 +372,8 @@ class CheckpointStore:
         )
 
     def make_reader(self, name: str) -> StorageReader:
-        """A DCP storage reader whose ``.metadata`` is unpickled by an allowlist (``safe_read.py``), and
-        whose blobs are checked as they are read once its ``expect()`` is called (``verified_read.py``)."""
+        """A DCP storage reader whose ``.metadata`` is unpickled by an allowlist (``safe_unpickle.py``), and
+        whose blobs are checked as they are read once its ``expect()`` is called (``blob_reader.py``)."""
         if self.is_local:
             return _VerifiedLocalReader(self._join(name))
         _, reader_cls = _fsspec_dcp_classes()

@@ -114,7 +114,7 @@ def verify_checkpoint(
     of ``.metadata`` (rank 0; the CLI verifies as one rank). ``read_blobs=False``: check
     ``.metadata`` and each shard's kind and size only, not its blobs, and not the framework
     files: what ``load`` checks before its one read, which checks each blob as it arrives
-    (``verified_read.py``). ``on_progress(bytes_read, bytes_total)`` is called as the
+    (``blob_reader.py``). ``on_progress(bytes_read, bytes_total)`` is called as the
     shards are read (the CLI's progress line).
 
     Raises CorruptCheckpointError when the manifest itself is damaged or cannot be

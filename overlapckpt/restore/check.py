@@ -79,10 +79,10 @@ def _checked_fields(
         # Before reading: .metadata's bytes, and every shard's kind and size (each rank of a
         # distributed load checks a 1/N share of the files; a rank that finds damage fails,
         # and the agreement below makes every rank raise). The blobs are checked as they
-        # are read, once, in read_into (format/verified_read.py). This is integrity (a
+        # are read, once, in read_into (format/blob_reader.py). This is integrity (a
         # flipped bit, a truncated shard), not authenticity: whoever can write the files can
         # recompute CRCs. What keeps a crafted file from running code is the reading itself
-        # (safe_read.py), with or without verify.
+        # (safe_unpickle.py), with or without verify.
         report = verify_checkpoint(store, name, manifest, share, read_blobs=False)
         if not report.ok:
             # The detailed account (which blob a truncation cuts): read everything, once, on failure only.

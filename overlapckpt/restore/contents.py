@@ -4,7 +4,7 @@
 checkpoint before those exist: Lightning reads the whole checkpoint (model,
 optimizer, loops) before its strategy builds the optimizers. ``read_checkpoint``
 builds the tensors to read into from the checkpoint's own ``.metadata`` (read
-through the allowlist, ``format/safe_read.py``), then runs the same checks as
+through the allowlist, ``format/safe_unpickle.py``), then runs the same checks as
 ``load``: the manifest, every stored byte when ``verify``, the signature with a key,
 and each decoded tensor against the snapshot it was saved from.
 """
@@ -21,10 +21,10 @@ from ..errors import (
     ConfigError,
     CorruptCheckpointError,
 )
+from ..format.blob_reader import check_data_file, check_span
 from ..format.key_layout import GET_STATE_DICT
 from ..format.manifest import CheckpointInfo
 from ..format.storage import CheckpointStore, translate_read_errors
-from ..format.verified_read import check_data_file, check_span
 from ..format.verify import read_manifest
 from .check import check_signed, checked_manifest, per_rank_extra_state
 from .locate import checkpoint_at

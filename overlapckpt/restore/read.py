@@ -18,10 +18,10 @@ from ..errors import (
     SignatureError,
     UnsafeCheckpointError,
 )
+from ..format.blob_reader import ExpectedSums
 from ..format.manifest import Manifest
-from ..format.safe_read import SafeLoadPlanner
+from ..format.safe_unpickle import SafeLoadPlanner
 from ..format.storage import CheckpointStore, dcp_root_cause, is_storage_error, read_error, translate_read_errors
-from ..format.verified_read import ExpectedSums
 
 
 def read_into(
@@ -30,7 +30,7 @@ def read_into(
     """Fill host tensors from checkpoint ``name`` with DCP (collectively with ``process_group`` when given).
 
     With ``manifest``, every blob is checked as it is read, and every decoded tensor
-    against the snapshot it was saved from (``format/verified_read.py``).
+    against the snapshot it was saved from (``format/blob_reader.py``).
     CheckpointReadError if storage fails, CorruptCheckpointError if the bytes are
     damaged or cannot be decoded.
     """
@@ -44,7 +44,7 @@ def read_into(
     elif manifest is not None:
         raise ConfigError(
             f"{type(store).__name__}.make_reader returned a {type(reader).__name__}, which cannot check blobs as it "
-            "reads; build it with format.verified_read.verified_reader_class, or load with verify=False"
+            "reads; build it with format.blob_reader.verified_reader_class, or load with verify=False"
         )
     try:
         with translate_read_errors(f"{where}/.metadata"):

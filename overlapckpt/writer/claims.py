@@ -16,7 +16,7 @@ sealed claim behind it) makes no idle writer refuse anything.
 
 The trust model is torch.distributed's: whoever can reach the store can write keys.
 The keys live under a prefix drawn at random on rank 0 and shared over the training
-group, and the store is the job's own where it can be reused (``train/distributed.py``).
+group, and the store is the job's own where it can be reused (``train/run/distributed.py``).
 """
 
 from __future__ import annotations

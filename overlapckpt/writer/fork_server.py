@@ -4,7 +4,7 @@ A writer started as a fresh interpreter spends about 3 s importing torch and DCP
 measured on the 2-core CI machine) before it can answer. Every Checkpointer paid that,
 and so did every replacement of a dead writer. This process pays it once: the training
 process starts it like a writer (``python -I``, its own session, a lifeline; see
-``train/writer_launcher.py``) and then asks it for writers, which ``fork()`` gives in
+``train/writer_client/launcher.py``) and then asks it for writers, which ``fork()`` gives in
 milliseconds, with the modules already imported and shared copy-on-write.
 
 It is single-threaded, so a fork copies no lock held by another thread; the writer
@@ -109,7 +109,7 @@ def serve(package_dir: str, control_fd: int, lifeline_fd: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``argv``: [package dir, control socket fd, lifeline fd] (see ``train/writer_launcher.py``)."""
+    """``argv``: [package dir, control socket fd, lifeline fd] (see ``train/writer_client/launcher.py``)."""
     from . import process  # noqa: F401 - imported once here, before any fork: what the writers share
 
     serve(argv[0], int(argv[1]), int(argv[2]))

@@ -92,7 +92,7 @@ class WriterGroup:
 
     def _connect(self) -> None:
         # A client of the job's own store where it could be reused (no listener of ours),
-        # under a prefix drawn at random for this run (train/distributed.py); every value
+        # under a prefix drawn at random for this run (train/run/distributed.py); every value
         # sealed with the run's key (sealed_store.py).
         self._base = dist.TCPStore(self.spec.store_host, self.spec.store_port, is_master=False, timeout=self._timeout)
         self._run_keys = SealedStore(dist.PrefixStore(self._prefix, self._base), self.spec.store_key, self._prefix)

@@ -1,6 +1,6 @@
 """The writer process: maps the shared host slots and persists snapshots in DCP format.
 
-It is started by :class:`overlapckpt.train.writer_handle.WriterProcess` (``python -I``,
+It is started by :class:`overlapckpt.train.writer_client.client.WriterClient` (``python -I``,
 its own session, a lifeline to the trainer; see there) and serves requests until it gets
 ``ShutdownRequest`` or the pipe closes (the training process exited). Every
 failure is sent back as an ``ErrorResponse`` carrying the original exception; the
@@ -270,7 +270,7 @@ def _skip_zip_crc() -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``argv``: [package dir, request socket fd, lifeline fd] (see ``train/writer_launcher.py``: the bootstrap, or the fork server)."""
+    """``argv``: [package dir, request socket fd, lifeline fd] (see ``train/writer_client/launcher.py``: the bootstrap, or the fork server)."""
     fd = int(argv[1])
     _exit_with_the_trainer(int(argv[2]))
     try:
@@ -290,4 +290,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit("the writer process is started by overlapckpt's WriterProcess, not run directly")
+    raise SystemExit("the writer process is started by overlapckpt's WriterClient, not run directly")

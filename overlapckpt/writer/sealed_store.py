@@ -8,7 +8,7 @@ the next writer's connection on ``add`` (both ranks exited 1), and one that wrot
 
 Every value the writers write is therefore ``HMAC-SHA256(key, name + value)`` in hex,
 then the value. The key is drawn on training rank 0 at construction and shared over
-the training process group only (``train/distributed.py``); it reaches each writer over
+the training process group only (``train/run/distributed.py``); it reaches each writer over
 its local socket pair. The MAC covers the key's full name, so a sealed value copied to
 another key does not open either. A value that does not open is *forged*: the callers
 treat it as absent (a signal, a step, a marker) or as a named refusal (a claim), never

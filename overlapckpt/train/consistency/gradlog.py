@@ -1,0 +1,181 @@
+"""Training side of replay mode: log the gradients and hyperparameters of each window step.
+
+For a snapshot started at step s with window W, group j is copied after step
+s+j. Before each step t in s+1 .. V, the pre-hook copies the gradients of the
+groups already copied, exactly as the optimizer is about to consume them (after
+unscaling and clipping), and records that step's hyperparameters. The writer
+replays those steps on the CPU (``replay.py``).
+
+Two ways to copy a gradient, chosen by the copier (``clone_is_cheap``):
+
+* clone, then drain (CUDA): the pre-hook clones the gradients device-to-device on
+  the compute stream (HBM: milliseconds for gigabytes) and the side stream drains
+  the clones to the host with no fence at all, since nothing writes a clone. The
+  cost is device memory for one step's logged gradients while they drain.
+* copy, then fence (CPU): the copy reads ``.grad`` itself; the compute stream waits
+  for it right after the optimizer step (the next iteration may write gradients in
+  place), or before the step for an optimizer whose step writes them (SGD's foreach
+  Nesterov update).
+
+Host memory: the gradients are kept until the whole window has landed and the
+writer replays in one batch, so the extra host memory is every gradient the
+window waits for: for groups of equal size, (W-1)/2 times the parameter bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...errors import InternalError
+from ...optimizers import OptimizerGroup, describe_optimizer, update_rule_class
+from ...protocol import GradientStep, ReplayLog
+from ..copying.layout import StateLayout, optimizer_shape_signature
+from ..copying.ownership import local_tensor
+from ..copying.plan import CopyPlan, align_bytes
+from ..copying.slots import HostSlot
+from ..copying.transfer import Copier, CopyTicket, copy_values_to_host
+
+
+def gradient_layout(plan: CopyPlan, layout: StateLayout) -> tuple[dict[tuple[int, str], int], int]:
+    """Offsets of every gradient a full window logs: step i (1..W-1) holds groups 0..i-1."""
+    shapes = dict(zip(layout.param_fqns, layout.param_locals))
+    offsets: dict[tuple[int, str], int] = {}
+    cursor = 0
+    for i in range(1, plan.window_steps):
+        for group in plan.groups[:i]:
+            for fqn in group.param_fqns:
+                p = shapes[fqn]
+                offsets[(i, fqn)] = cursor
+                cursor += align_bytes(p.numel() * p.element_size())
+    return offsets, max(cursor, align_bytes(1))
+
+
+def capture_hyperparameters(
+    optimizer: torch.optim.Optimizer, copier: Copier
+) -> tuple[list[dict[str, Any]], CopyTicket | None]:
+    """Each param_group's hyperparameters now (a scheduler may change lr every step).
+
+    Tensor values (a tensor lr, betas) become host copies that are valid once the
+    returned ticket has landed: copying a device tensor with ``.to("cpu")`` would
+    synchronize the host inside the hook.
+    """
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    where = [(gi, k) for gi, g in enumerate(groups) for k, v in g.items() if isinstance(v, torch.Tensor)]
+    if not where:
+        return groups, None
+    host, ticket = copy_values_to_host(copier, [groups[gi][k] for gi, k in where])
+    for (gi, k), h in zip(where, host):
+        groups[gi][k] = h
+    return groups, ticket
+
+
+@dataclass
+class LoggedGradients:
+    """One step's gradient copy, and the fence it needs (the engine places fences)."""
+
+    tickets: list[CopyTicket]
+    fence_before_step: CopyTicket | None = None  # the step writes the gradients the copy reads
+    fence_after_step: CopyTicket | None = None  # the next iteration may write them in place
+
+
+class GradientLogger:
+    """Copies, for each replay window step, the gradients and hyperparameters the step consumes."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, copier: Copier) -> None:
+        self.optimizer = optimizer
+        self.copier = copier
+        # Gradient views into a slot's gradient buffer, per (buffer id, layout fingerprint, window).
+        self._views: dict[tuple[int, int, int], tuple[dict[tuple[int, str], int], dict[tuple[int, str], torch.Tensor]]] = {}
+
+    @staticmethod
+    def buffer_nbytes(plan: CopyPlan, layout: StateLayout) -> int:
+        return gradient_layout(plan, layout)[1]
+
+    def open(self, slot: HostSlot, plan: CopyPlan, layout: StateLayout, base_step: int) -> ReplayLog:
+        """The replay log of a snapshot started at ``base_step``, writing into ``slot``'s gradient buffer."""
+        offsets, _ = self._slot_views(slot, plan, layout)
+        rule = update_rule_class(self.optimizer)
+        if rule is None:  # options.check_optimizer_for_mode refuses replay for such a group
+            raise InternalError(f"replay of {describe_optimizer(self.optimizer)}: its optimizers differ")
+        return ReplayLog(
+            optimizer_class=(rule.__module__, rule.__qualname__),
+            grad_buffer_id=slot.grad_buffer_id,  # type: ignore[arg-type]
+            grad_offsets=offsets,
+            param_group_of={fqn: gi for gi, fqns in enumerate(layout.group_param_fqns) for fqn in fqns},
+            copy_group_of=plan.group_of_param(),
+            base_step=base_step,
+            group_versions=[None] * len(plan.groups),
+        )
+
+    def _slot_views(
+        self, slot: HostSlot, plan: CopyPlan, layout: StateLayout
+    ) -> tuple[dict[tuple[int, str], int], dict[tuple[int, str], torch.Tensor]]:
+        key = (int(slot.grad_buffer_id or 0), plan.fingerprint, plan.window_steps)
+        if key not in self._views:
+            if slot.grad_buffer is None:
+                raise InternalError("replay needs the slot's gradient buffer; the slot pool did not allocate it")
+            offsets, _ = gradient_layout(plan, layout)
+            by_fqn = dict(zip(layout.param_fqns, layout.param_locals))
+            views = {
+                k: slot.grad_buffer.view(off, by_fqn[k[1]].dtype, tuple(by_fqn[k[1]].shape)) for k, off in offsets.items()
+            }
+            self._views = {k: v for k, v in self._views.items() if k[0] != key[0]}  # older plans of this buffer
+            self._views[key] = (offsets, views)
+        return self._views[key]
+
+    def log(
+        self, log: ReplayLog, slot: HostSlot, plan: CopyPlan, layout: StateLayout, copied_groups: int, step: int
+    ) -> LoggedGradients | None:
+        """Pre-hook of ``step`` inside the window: copy the gradients it will consume of the groups copied so far."""
+        i = step - log.base_step
+        if i < 1 or copied_groups == 0:
+            return None
+        _, views = self._slot_views(slot, plan, layout)
+        by_fqn = dict(zip(layout.param_fqns, layout.params))
+        sources, destinations, none = [], [], []
+        for group in plan.groups[:copied_groups]:
+            for fqn in group.param_fqns:
+                grad = by_fqn[fqn].grad
+                if grad is None:
+                    none.append(fqn)
+                    continue
+                sources.append(local_tensor(grad))
+                destinations.append(views[(i, fqn)])
+        hyperparameters, hp_ticket = capture_hyperparameters(self.optimizer, self.copier)
+        log.steps.append(
+            GradientStep(step=step, groups=list(range(copied_groups)), hyperparameters=hyperparameters, grad_none=none)
+        )
+        out = LoggedGradients(tickets=[hp_ticket] if hp_ticket is not None else [])
+        if self.copier.clone_is_cheap:
+            # Cloned on the compute stream before the step: exactly what the step
+            # consumes; no later kernel writes a clone, so its drain needs no fence.
+            clones = self.copier.stage(sources)
+            out.tickets.append(self.copier.copy_async(clones, destinations, keepalive=clones))
+            return out
+        ticket = self.copier.copy_async(sources, destinations)
+        out.tickets.append(ticket)
+        if step_writes_gradients(self.optimizer):
+            out.fence_before_step = ticket
+        else:
+            out.fence_after_step = ticket
+        return out
+
+    def release(self) -> None:
+        """Drop the views into gradient buffers, so releasing a buffer unmaps it."""
+        self._views = {}
+
+    def state_grew(self, layout: StateLayout) -> bool:
+        """The optimizer gained state or parameters that ``layout`` lacks (a parameter unfrozen)."""
+        return optimizer_shape_signature(self.optimizer) != layout.shape_signature
+
+
+def step_writes_gradients(optimizer: Any) -> bool:
+    """Whether this optimizer's step writes ``.grad`` in place (found by reading torch.optim)."""
+    if isinstance(optimizer, OptimizerGroup):
+        return any(step_writes_gradients(o) for o in optimizer.optimizers)
+    return isinstance(optimizer, torch.optim.SGD) and any(
+        g.get("nesterov") and g.get("momentum") and g.get("foreach") is not False for g in optimizer.param_groups
+    )

@@ -1,0 +1,472 @@
+"""A CUDA device emulated on the CPU: the backend the CPU runs the copier on, in tests and in CPU training.
+
+It behaves as CUDA does wherever the correctness of a checkpoint depends on it:
+
+* **Streams** run asynchronously on worker threads (one per stream), in order, with
+  CUDA's ``record``/``wait_event``/``wait_stream`` semantics. The stream that is current
+  when nothing else is (the one training runs on, here the host itself) is synchronous:
+  a device-side wait on it blocks the host until the event, which is what CUDA's
+  compute stream would do to the kernels queued after the wait.
+* **Schedules.** ``"async"``: a worker runs each op as soon as it can. ``"held"`` (the
+  adversarial one): an op runs only once something waits for an event after it (a
+  fence, a synchronize), the latest moment a real stream could run it, so a missing
+  fence lets the mutation it guards run first on every run. ``"eager"``: an op runs as
+  it is queued, the earliest moment (a copy has landed by the next poll).
+* **Allocation** follows the caching allocator. A fresh block holds garbage (the poison
+  byte), never zeros. A block is freed when the last tensor on it dies (a weakref on its
+  storage), goes back at once to the cache of the stream it was allocated on, and is
+  poisoned in that stream's order: on the host's stream at once, on a side stream after
+  the work queued there. So memory released before a copy on another stream read it is
+  overwritten on every run. Queued copies hold the block's memory, never a reference
+  to the tensor, as a DMA holds an address.
+* **Memory** is accounted (allocated, peak, reserved, ``mem_get_info`` against a
+  capacity); an allocation that does not fit frees the cache and retries (counted in
+  ``free_and_retry``: a device synchronization on CUDA), then raises ``OutOfMemoryError``.
+* **Placement.** ``host_resident`` says which tensors CUDA would keep on the host (see
+  ``torch_cuda_placement``); every other tensor is device memory.
+* **The runtime.** Host registration is checked like ``cudaHostRegister`` (an overlapping
+  range is error 712, an unknown one 713), unregistering memory a queued copy still
+  writes is recorded in ``faults`` (a DMA into unmapped memory), runtime calls record the
+  calling thread's current device in ``contexts``, and ``sync_debug_error`` makes host
+  synchronizations raise, as ``torch.cuda.set_sync_debug_mode("error")`` does.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...errors import CopyStreamStuckError
+from .device import align_up
+
+SCHEDULES = ("async", "held", "eager")
+POISON_BYTE = 0xA5  # fp32 0xA5A5A5A5 is -2.9e-16: garbage that looks like a number, as on a GPU
+_BLOCK_ROUND_BYTES = 512  # the caching allocator's size granularity
+# CUDA runtime error codes the emulated registration returns.
+ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+ERROR_HOST_MEMORY_NOT_REGISTERED = 713
+# A wait longer than this means a stream is stuck (its worker died, or a wait can never end).
+STREAM_STUCK_S = 600.0
+
+
+class EmulatedEvent:
+    """A point in one stream's queue: done once every op queued before it has run."""
+
+    def __init__(self, stream: EmulatedStream, seq: int) -> None:
+        self.stream = stream
+        self.seq = seq
+        self.time_s: float | None = None  # when the stream reached it
+
+    def query(self) -> bool:
+        return self.stream.done_through(self.seq)
+
+
+@dataclass(eq=False)
+class _Op:
+    seq: int
+    run: Callable[[], object]
+    host_ranges: tuple[tuple[int, int], ...]  # host memory the op writes: (address, bytes)
+
+
+class EmulatedStream:
+    """An in-order queue of ops; the host's own stream runs them at once, others on a worker."""
+
+    def __init__(self, device: EmulatedDevice, name: str, schedule: str, synchronous: bool = False) -> None:
+        self.device = device
+        self.name = name
+        self.synchronous = synchronous
+        self.schedule = "eager" if synchronous else schedule
+        self._cv = threading.Condition()
+        self._ops: collections.deque[_Op] = collections.deque()
+        self._running: _Op | None = None
+        self._next_seq = 0
+        self._done_seq = -1
+        self._released_seq = -1  # "held": ops up to here may run
+        self.error: BaseException | None = None  # sticky, as a CUDA error is
+        self._worker: threading.Thread | None = None
+        self._closing = False
+        self._closed = False  # after close(), ops run on the caller (a late free's poison, say)
+        self._inline = threading.RLock()  # eager ops run one at a time, in order (an op may queue another)
+
+    def enqueue(self, run: Callable[[], object], host_ranges: tuple[tuple[int, int], ...] = ()) -> int:
+        with self._inline:
+            with self._cv:
+                seq = self._next_seq
+                self._next_seq += 1
+                op = _Op(seq, run, host_ranges)
+                if self.schedule != "eager" and not self._closed:
+                    self._ops.append(op)
+                    self._ensure_worker()
+                    self._cv.notify_all()
+                    return seq
+            # Eager: in order, on the calling thread (nothing is ever queued ahead of it).
+            self._execute(op)
+            return seq
+
+    def done_through(self, seq: int) -> bool:
+        with self._cv:
+            return self._done_seq >= seq
+
+    def release_through(self, seq: int) -> None:
+        """The held schedule: ops up to ``seq`` may run now (someone waits for them)."""
+        with self._cv:
+            if seq > self._released_seq:
+                self._released_seq = seq
+                self._cv.notify_all()
+
+    def wait_through(self, seq: int, timeout_s: float = STREAM_STUCK_S) -> None:
+        self.release_through(seq)
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._done_seq >= seq, timeout=timeout_s):
+                raise CopyStreamStuckError(
+                    f"emulated stream {self.name!r} did not reach op {seq} within {timeout_s} s "
+                    f"(done through {self._done_seq}); its worker is stuck"
+                )
+
+    def last_seq(self) -> int:
+        with self._cv:
+            return self._next_seq - 1
+
+    def pending_host_ranges(self) -> list[tuple[int, int]]:
+        with self._cv:
+            ops = list(self._ops) + ([self._running] if self._running is not None else [])
+        return [r for op in ops for r in op.host_ranges]
+
+    def close(self) -> None:
+        with self._cv:
+            worker, self._worker = self._worker, None
+            self._closed = True
+            if worker is None:
+                return
+            self._released_seq = self._next_seq
+            self._closing = True
+            self._cv.notify_all()
+        worker.join(timeout=STREAM_STUCK_S)
+
+    def _ensure_worker(self) -> None:
+        if self._worker is None:
+            self._closing = False
+            # A daemon, joined by close(): a script that never closes its Checkpointer still exits.
+            self._worker = threading.Thread(target=self._work, name=f"overlapckpt-emulated-{self.name}", daemon=True)
+            self._worker.start()
+
+    def _runnable(self) -> bool:
+        if not self._ops:
+            return self._closing
+        return self.schedule == "async" or self._ops[0].seq <= self._released_seq
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(self._runnable)
+                if not self._ops:
+                    return
+                op = self._ops.popleft()
+                self._running = op
+            self._execute(op)
+
+    def _execute(self, op: _Op) -> None:
+        try:
+            if self.error is None:
+                with torch.no_grad():
+                    op.run()
+        except BaseException as e:  # raised at the next query or synchronize, as CUDA reports a failed kernel
+            self.error = e
+        with self._cv:
+            self._running = None
+            self._done_seq = max(self._done_seq, op.seq)
+            self._cv.notify_all()
+
+
+@dataclass(eq=False)  # compared by identity: removing one from a cache list must not compare tensors
+class _Block:
+    backing: torch.Tensor  # the memory itself: the allocator holds it for the device's life
+    stream: EmulatedStream
+    nbytes: int
+
+
+class EmulatedDevice:
+    """The emulated CUDA device (see the module docstring)."""
+
+    pins_host_memory = True
+    locks_pages = False  # registration is checked and recorded; no page is locked
+
+    def __init__(
+        self,
+        schedule: str = "async",
+        *,
+        clone_is_cheap: bool = False,
+        host_resident: Callable[[torch.Tensor], bool] | None = None,
+        capacity_bytes: int = 1 << 40,
+        index: int = 0,
+    ) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r} is invalid; use one of {SCHEDULES}")
+        self.schedule = schedule
+        # Replay's gradient strategy (see GradientLogger): the CPU tests run both.
+        self.clone_is_cheap = clone_is_cheap
+        self.host_resident = host_resident
+        self.capacity_bytes = capacity_bytes
+        self.index = index
+        self.host_stream = EmulatedStream(self, "host", schedule, synchronous=True)
+        self._streams: list[EmulatedStream] = []
+        self._local = threading.local()
+        self._lock = threading.RLock()  # storage finalizers may run on any thread, inside our own calls
+        self._live: dict[int, _Block] = {}  # handed-out storage address -> its block
+        self._cache: dict[int, list[_Block]] = {}  # id(stream) -> free blocks
+        self.allocated_bytes = 0
+        self.peak_bytes = 0
+        self.reserved_bytes = 0
+        self.allocations: list[int] = []  # every allocation's size, in order (tests read it)
+        self.free_and_retry = 0
+        self.registered: dict[int, int] = {}  # host address -> bytes
+        self.faults: list[str] = []
+        self.contexts: set[int] = set()
+        self.sync_debug_error = False
+
+    # ---- placement and threads ------------------------------------------------------
+
+    def is_resident(self, t: torch.Tensor) -> bool:
+        return self.host_resident is None or not self.host_resident(t)
+
+    def bind_thread(self) -> None:
+        self._local.device_index = self.index
+
+    def _runtime_call(self) -> None:
+        # CUDA creates a context on the calling thread's current device at its first runtime call.
+        self.contexts.add(getattr(self._local, "device_index", 0))
+
+    # ---- streams and events -----------------------------------------------------------
+
+    def new_stream(self, schedule: str | None = None) -> EmulatedStream:
+        self._runtime_call()
+        stream = EmulatedStream(self, f"stream-{len(self._streams) + 1}", schedule or self.schedule)
+        self._streams.append(stream)
+        return stream
+
+    def current_stream(self) -> EmulatedStream:
+        return getattr(self._local, "stream", None) or self.host_stream
+
+    @contextlib.contextmanager
+    def stream_context(self, stream: EmulatedStream) -> Iterator[EmulatedStream]:
+        previous = getattr(self._local, "stream", None)
+        self._local.stream = stream
+        try:
+            yield stream
+        finally:
+            self._local.stream = previous
+
+    def record_event(self, stream: EmulatedStream) -> EmulatedEvent:
+        event = EmulatedEvent(stream, -1)
+
+        def mark() -> None:
+            event.time_s = time.perf_counter()
+
+        event.seq = stream.enqueue(mark)  # nothing queries the event before it is returned
+        return event
+
+    def wait_event(self, stream: EmulatedStream, event: EmulatedEvent) -> None:
+        if event.query():
+            return
+        if stream.synchronous:
+            # What follows on this stream is the host's own work: it waits here.
+            event.stream.wait_through(event.seq)
+            return
+        stream.enqueue(lambda: event.stream.wait_through(event.seq))
+
+    def wait_stream(self, waiter: EmulatedStream, waitee: EmulatedStream) -> None:
+        if waitee.synchronous:
+            return  # everything queued on the host's stream has already run
+        self.wait_event(waiter, self.record_event(waitee))
+
+    def event_done(self, event: EmulatedEvent) -> bool:
+        done = event.query()
+        if done and event.stream.error is not None:
+            raise event.stream.error
+        return done
+
+    def synchronize_event(self, event: EmulatedEvent) -> None:
+        self._host_sync("synchronize an event")
+        event.stream.wait_through(event.seq)
+        if event.stream.error is not None:
+            raise event.stream.error
+
+    def synchronize_stream(self, stream: EmulatedStream) -> None:
+        if not stream.synchronous and stream.last_seq() >= 0:
+            self.synchronize_event(self.record_event(stream))
+
+    def elapsed_s(self, start: EmulatedEvent, end: EmulatedEvent) -> float:
+        if start.time_s is None or end.time_s is None:
+            return 0.0
+        return end.time_s - start.time_s
+
+    def _host_sync(self, what: str) -> None:
+        if self.sync_debug_error:
+            raise RuntimeError(f"called a synchronizing CUDA operation (emulated device: {what})")
+
+    # ---- allocation -------------------------------------------------------------------
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        if nbytes <= 0:
+            return torch.empty(0, dtype=torch.uint8)
+        stream = self.current_stream()
+        size = align_up(nbytes, _BLOCK_ROUND_BYTES)
+        with self._lock:
+            self._runtime_call()
+            block = self._take_cached(stream, size)
+            if block is None:
+                block = self._new_block(stream, size)
+            self.allocated_bytes += block.nbytes
+            self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
+            self.allocations.append(nbytes)
+            flat: Any = block.backing.numpy()
+            handed = torch.frombuffer(memoryview(flat)[:nbytes], dtype=torch.uint8)
+            self._live[handed.data_ptr()] = block
+        weakref.finalize(handed.untyped_storage(), self._freed, handed.data_ptr())
+        return handed
+
+    def _take_cached(self, stream: EmulatedStream, size: int) -> _Block | None:
+        free = self._cache.get(id(stream), [])
+        fits = [b for b in free if b.nbytes >= size]
+        if not fits:
+            return None
+        block = min(fits, key=lambda b: b.nbytes)
+        free.remove(block)
+        return block
+
+    def _new_block(self, stream: EmulatedStream, size: int) -> _Block:
+        if self.reserved_bytes + size > self.capacity_bytes:
+            # The caching allocator frees its cached blocks and retries: on CUDA a device synchronization.
+            self.free_and_retry += 1
+            self._host_sync("free the allocator's cache and retry an allocation")
+            for free in self._cache.values():
+                self.reserved_bytes -= sum(b.nbytes for b in free)
+                free.clear()
+            if self.reserved_bytes + size > self.capacity_bytes:
+                raise torch.OutOfMemoryError(
+                    f"emulated device: tried to allocate {size} bytes with {self.capacity_bytes - self.reserved_bytes} "
+                    f"of {self.capacity_bytes} free"
+                )
+        backing = torch.empty(size, dtype=torch.uint8)
+        backing.fill_(POISON_BYTE)
+        self.reserved_bytes += size
+        return _Block(backing, stream, size)
+
+    def _freed(self, address: int) -> None:
+        with self._lock:
+            block = self._live.pop(address, None)
+            if block is None:
+                return
+            self.allocated_bytes -= block.nbytes
+            # Back in its stream's cache at once, poisoned in that stream's order: work queued
+            # there earlier still sees the old bytes, a reader on another stream does not.
+            self._cache.setdefault(id(block.stream), []).append(block)
+        block.stream.enqueue(lambda: block.backing.fill_(POISON_BYTE))
+
+    def _device_view(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` seen over its block's memory: what a queued copy holds instead of the tensor."""
+        with self._lock:
+            block = self._live.get(t.untyped_storage().data_ptr())
+        if block is None:
+            return t.detach()
+        offset = t.data_ptr() - block.backing.data_ptr()
+        view = torch.empty(0, dtype=t.dtype)
+        view.set_(block.backing.untyped_storage(), offset // t.element_size(), t.size(), t.stride())
+        return view
+
+    def copy_(self, destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+        if not sources:
+            return
+        dsts = [self._device_view(d) for d in destinations]
+        srcs = [self._device_view(s) for s in sources]
+        with self._lock:
+            device_addresses = {b.backing.data_ptr() for b in self._live.values()}
+        host_ranges = tuple(
+            (d.data_ptr(), d.numel() * d.element_size())
+            for d, o in zip(dsts, destinations)
+            if o.untyped_storage().data_ptr() not in device_addresses
+        )
+        self.current_stream().enqueue(lambda: torch._foreach_copy_(dsts, srcs), host_ranges)
+
+    def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    # ---- host registration ----------------------------------------------------------------
+
+    def register_host(self, ptr: int, nbytes: int) -> int:
+        self._runtime_call()
+        with self._lock:
+            if any(ptr < a + n and a < ptr + nbytes for a, n in self.registered.items()):
+                return ERROR_HOST_MEMORY_ALREADY_REGISTERED
+            self.registered[ptr] = nbytes
+        return 0
+
+    def unregister_host(self, ptr: int) -> int:
+        self._runtime_call()
+        with self._lock:
+            nbytes = self.registered.pop(ptr, None)
+        if nbytes is None:
+            return ERROR_HOST_MEMORY_NOT_REGISTERED
+        for stream in self._streams:
+            for a, n in stream.pending_host_ranges():
+                if a < ptr + nbytes and ptr < a + n:
+                    self.faults.append(
+                        f"host memory at {ptr:#x} ({nbytes} bytes) unregistered while a copy queued on "
+                        f"{stream.name} still writes {n} bytes at {a:#x}"
+                    )
+        return 0
+
+    # ---- memory figures --------------------------------------------------------------------
+
+    def memory_allocated(self) -> int:
+        return self.allocated_bytes
+
+    def max_memory_allocated(self) -> int:
+        return self.peak_bytes
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.allocated_bytes
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return self.capacity_bytes - self.reserved_bytes, self.capacity_bytes
+
+    def close(self) -> None:
+        for stream in self._streams:
+            stream.close()
+
+
+def torch_cuda_placement(optimizer: torch.optim.Optimizer, host_tensors: Sequence[torch.Tensor] = ()) -> Callable[[torch.Tensor], bool]:
+    """Where torch keeps a tensor on CUDA: True for what stays in host memory.
+
+    torch.optim keeps the ``step`` counter of Adam, AdamW, Adamax, NAdam, RAdam, ASGD and
+    Adagrad on the host unless the group is ``fused`` or ``capturable`` (read in
+    torch/optim/*.py: ``torch.tensor(0.0, dtype=_get_scalar_dtype())`` on the CPU there);
+    ``host_tensors`` are others the user put on the host (a tensor lr). Everything else
+    of the model and optimizer is device memory.
+    """
+    from ...optimizers import OptimizerGroup
+
+    host_addresses = {t.data_ptr() for t in host_tensors}
+
+    def host_resident(t: torch.Tensor) -> bool:
+        if t.data_ptr() in host_addresses:
+            return True
+        for opt in optimizer.optimizers if isinstance(optimizer, OptimizerGroup) else (optimizer,):
+            for group in opt.param_groups:
+                if group.get("fused") or group.get("capturable"):
+                    continue
+                for p in group["params"]:
+                    step = opt.state[p].get("step") if p in opt.state else None
+                    if isinstance(step, torch.Tensor) and step.data_ptr() == t.data_ptr():
+                        return True
+        return False
+
+    return host_resident

@@ -1,0 +1,136 @@
+"""How one snapshot's copies are issued and fenced: groups, drains, gradients, its version and boundary.
+
+The engine decides *when* (which hook, which step); this unit does *what* for one
+snapshot at that moment. Every call takes the current optimizer step and the
+serial number of the hook it runs in: a copy enqueued by hook h is fenced by the
+first later hook (fence 2, ``transfer.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...format.entries import ROLE_BUFFER
+from ..consistency.boundary import capture_boundary
+from ..consistency.gradlog import GradientLogger
+from ..consistency.stage_area import StagingArea
+from ..lifecycle.snapshot import Snapshot, SnapshotMode, SnapshotState
+from .transfer import Copier, CopyTicket, FenceResult
+
+
+class SnapshotCopies:
+    """Issues and fences the copies of snapshots; holds no snapshot itself."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        stateful: dict[str, Any],
+        copier: Copier,
+        staging: StagingArea,
+        gradients: GradientLogger,
+    ) -> None:
+        self.optimizer = optimizer
+        self.stateful = stateful
+        self.copier = copier
+        self.staging = staging
+        self.gradients = gradients
+
+    def advance(self, snap: Snapshot, step: int, hook: int) -> None:
+        """Post-hook of ``step``: copy (replay) or drain (stage) the group due now."""
+        self.enqueue_group(snap, snap.next_group, step, hook)
+        if snap.version is None and snap.all_enqueued:
+            self.reach_version(snap, step)
+
+    def enqueue_remaining(self, snap: Snapshot, step: int, hook: int) -> None:
+        while not snap.all_enqueued:
+            self.enqueue_group(snap, snap.next_group, step, hook)
+
+    def close_window(self, snap: Snapshot, step: int, hook: int) -> None:
+        """Close a window early at ``step``: copy what is missing now."""
+        if snap.version is None and not snap.all_enqueued:
+            snap.ledger.closed_early_at = step
+        self.enqueue_remaining(snap, step, hook)
+        if snap.version is None:
+            self.reach_version(snap, step)
+
+    def reach_version(self, snap: Snapshot, version: int) -> None:
+        snap.ledger.target_version = version  # the one record of it: snap.version reads it from here on
+        # Provisional: ckpt.step() at the end of this iteration captures the boundary again.
+        self.capture_boundary(snap)
+        snap.state = SnapshotState.AT_BOUNDARY
+
+    def capture_boundary(self, snap: Snapshot) -> None:
+        # A scheduler sets the next step's lr between the optimizer step and the end of
+        # the iteration: param_groups belong to the boundary, like stateful objects.
+        snap.boundary, tickets = capture_boundary(snap.layout, self.optimizer, self.stateful, self.copier)
+        snap.tickets.extend(tickets)
+
+    def enqueue_group(self, snap: Snapshot, j: int, step: int, hook: int) -> None:
+        plan, layout = snap.plan, snap.layout
+        idx = plan.groups[j].entry_indices
+        views = snap.slot.entry_views(plan, layout)
+        from_staging = snap.mode == SnapshotMode.STAGE and j > 0
+        keepalive: list[torch.Tensor] = []
+        if from_staging:
+            # Host-resident entries were copied at stage time; the rest drain from the region.
+            idx = tuple(i for i in idx if snap.staged_views[i] is not None)
+            src = [snap.staged_views[i] for i in idx]
+        else:
+            src = [layout.live_tensors[i] for i in idx]
+            buffers = [k for k, i in enumerate(idx) if layout.entries[i].role == ROLE_BUFFER]
+            if buffers:
+                # Fence 3: the next forward mutates buffers (BatchNorm running stats)
+                # before any fence of ours runs: copy clones made now, in order.
+                clones = self.copier.stage([src[k] for k in buffers])
+                for k, c in zip(buffers, clones):
+                    src[k] = c
+                keepalive = clones
+        ticket = self.copier.copy_async(src, [views[i] for i in idx], keepalive=keepalive)
+        ticket.group_index = j
+        snap.tickets.append(ticket)
+        if from_staging:
+            self.staging.note_drain(ticket)  # no training kernel writes the region: fenced only before its reuse
+        else:
+            snap.unfenced.append(ticket)
+            ticket.fence_after_hook = hook
+        version = snap.started_step if snap.mode == SnapshotMode.STAGE else step
+        snap.ledger.group_enqueued(j, version)
+        if snap.replay_log is not None:
+            snap.replay_log.group_versions[j] = version
+        snap.next_group = j + 1
+
+    def log_gradients(self, snap: Snapshot, step: int, hook: int) -> None:
+        """The update point of ``step`` inside a replay window: copy the gradients it will consume."""
+        if snap.replay_log is None:  # only replay snapshots log gradients; the engine calls this for those
+            return
+        logged = self.gradients.log(snap.replay_log, snap.slot, snap.plan, snap.layout, snap.next_group, step)
+        if logged is None:
+            return
+        snap.tickets.extend(logged.tickets)
+        if logged.fence_before_step is not None:
+            # Fence 2 before this step: it writes the gradients in place while the copy reads them.
+            count_fence(snap, self.copier.fence_compute(logged.fence_before_step))
+        if logged.fence_after_step is not None:
+            # Fence 2 after the step (in its post-hook): the next zero_grad or backward may write them in place.
+            snap.unfenced.append(logged.fence_after_step)
+            logged.fence_after_step.fence_after_hook = hook
+        snap.ledger.gradients_logged(step, list(range(snap.next_group)))
+
+    def fence_earlier_copies(self, snap: Snapshot, hook: int) -> None:
+        """Fence 2 for copies enqueued by earlier hooks: what they read is about to be mutated."""
+        keep: list[CopyTicket] = []
+        for ticket in snap.unfenced:
+            if ticket.fence_after_hook >= hook:
+                keep.append(ticket)
+            else:
+                count_fence(snap, self.copier.fence_compute(ticket))
+        snap.unfenced = keep
+
+
+def count_fence(snap: Snapshot, result: FenceResult) -> None:
+    if result != FenceResult.NOT_NEEDED:
+        snap.device_waits_inserted += 1
+    if result == FenceResult.WAITED_IN_FLIGHT:
+        snap.device_waits_in_flight += 1

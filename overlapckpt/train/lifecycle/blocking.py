@@ -1,0 +1,142 @@
+"""The engine's blocking calls: ``wait``, ``close`` and leaving on an error, never called from a hook; and the one
+wait a hook may do, for a host slot at a scheduled checkpoint's step (a stall, without a host-device sync).
+
+Each blocking call closes the open windows at the current step (or abandons them, on an error),
+lands the copies, hands the snapshots to the writer and waits for its answers,
+within a deadline and with the writer's liveness checked at every wait.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import TYPE_CHECKING
+
+from ...errors import CheckpointTimeoutError, OverlapCkptError
+from ...format.manifest import CheckpointInfo
+from .snapshot import SnapshotMode, SnapshotState
+
+# A hook waiting for a host slot looks at the copies' events and the writer's pipe this often.
+SLOT_POLL_S = 0.002
+
+if TYPE_CHECKING:
+    from .engine_parts import EngineParts
+
+
+class BlockingCalls:
+    """``wait``, ``close``, leaving on an error; the hook's wait for a host slot at a scheduled step."""
+
+    def __init__(self, parts: EngineParts) -> None:
+        self.p = parts
+        self.s = parts.state
+
+    def wait(self, timeout_s: float | None) -> list[CheckpointInfo]:
+        """Finish every requested snapshot now and block until the writer committed each."""
+        if self.s.dead is not None:
+            raise self.s.dead
+        self.p.completion.raise_pending()
+        self.drain(timeout_s, start_pending=True)
+        return self.p.dispatcher.take_committed()
+
+    def drain(self, timeout_s: float | None, start_pending: bool) -> None:
+        """Close every open window now, land its copies and block until the writer committed each."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            if start_pending:
+                # A deferred request starts as soon as a slot is free, at the current step.
+                self.p.starts.start_pending(closing=True)
+            for snap in list(self.s.snapshots):
+                self.p.copies.close_window(snap, self.s.step_count, self.s.hook_serial)
+                if snap.state == SnapshotState.AT_BOUNDARY:
+                    self.s.close_boundary(snap, provisional=False)
+                for t in snap.tickets:
+                    self.p.copier.wait(t)
+            self.p.completion.progress()
+            self.p.completion.raise_pending()
+            if not self.s.snapshots and not self.p.dispatcher.in_flight and not (start_pending and self.p.requests.due_by(self.s.step_count)):
+                break
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise CheckpointTimeoutError(
+                    f"checkpoints of steps {self.unfinished_versions()} were not committed within "
+                    f"timeout_s={timeout_s}; pass a larger timeout_s or None"
+                )
+            if self.p.dispatcher.in_flight or self.p.link.writer.awaiting_responses:
+                try:
+                    self.p.dispatcher.wait_one(remaining)
+                except TimeoutError:
+                    continue  # the deadline check above raises the named error
+            self.p.completion.raise_pending()
+
+    def wait_for_free_slot(self) -> float:
+        """A scheduled checkpoint at its version's step, every slot busy: wait for one, without a host-device sync; the seconds.
+
+        Open windows (an unscheduled request's) close now, as ``wait()`` closes them. Then
+        the hook polls: the copies' events by query, the writer's answers by a wait on its
+        pipe of at most ``SLOT_POLL_S``. A stall, but never an event or stream
+        synchronize, which the device's hooks must not do (``docs/gpu.md``).
+        """
+        started = time.perf_counter()
+        for snap in list(self.s.snapshots):
+            self.p.copies.close_window(snap, self.s.step_count, self.s.hook_serial)
+            if snap.state == SnapshotState.AT_BOUNDARY:
+                self.s.close_boundary(snap, provisional=False)
+        while not self.p.slots.may_have_free_slot():
+            self.p.completion.progress()
+            self.p.completion.raise_pending(may_start=False)
+            if self.p.slots.may_have_free_slot():
+                break
+            if self.p.dispatcher.in_flight or self.p.link.writer.awaiting_responses:
+                try:
+                    self.p.dispatcher.wait_one(SLOT_POLL_S)
+                except TimeoutError:
+                    pass
+            else:
+                # Copies still landing: nothing to block on without synchronizing; look again shortly.
+                time.sleep(SLOT_POLL_S)
+        return time.perf_counter() - started
+
+    def abandon(self, timeout_s: float) -> list[CheckpointInfo]:
+        """Leaving on an error: commit what is complete in host memory within ``timeout_s``, drop the rest.
+
+        Open windows are abandoned (never closed early: the state may be mid-update when
+        an exception unwinds). A snapshot whose groups are all enqueued and whose
+        boundary was captured lands and is sent; the writer's answers are awaited up to
+        the deadline. Nothing here raises: the caller's exception must come through.
+        """
+        deadline = time.monotonic() + timeout_s
+        self.p.requests.clear()
+        for snap in list(self.s.snapshots):
+            if snap.all_enqueued and snap.version is not None:
+                if snap.state == SnapshotState.AT_BOUNDARY:
+                    self.s.close_boundary(snap, provisional=False)
+                for t in snap.tickets:
+                    self.p.copier.wait(t)
+            else:
+                self.p.slots.drop(snap.slot, snap.tickets)
+                self.s.snapshots.remove(snap)
+                self.s.snapshots_dropped += 1
+        try:
+            self.p.completion.progress()
+            while self.p.dispatcher.in_flight and self.p.dispatcher.error is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    self.p.dispatcher.wait_one(remaining)
+                except TimeoutError:
+                    break
+        except OverlapCkptError as e:
+            warnings.warn(f"overlapckpt: while leaving on an error, the pending checkpoints could not commit: {e}", stacklevel=3)
+        if self.p.dispatcher.error is not None:
+            warnings.warn(f"overlapckpt: while leaving on an error: {self.p.dispatcher.error}", stacklevel=3)
+            self.p.dispatcher.error = None
+        return self.p.dispatcher.take_committed()
+
+    def covers_current_step(self) -> bool:
+        """Whether a snapshot holds the current step, or will once an open replay window closes now."""
+        open_replay = any(s.mode == SnapshotMode.REPLAY and s.version is None for s in self.s.snapshots)
+        return open_replay or self.p.starts.holds_version(self.s.step_count)
+
+    def unfinished_versions(self) -> list[int | None]:
+        return [s.version for s in self.s.snapshots] + self.p.dispatcher.sent_versions()

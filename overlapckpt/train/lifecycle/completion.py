@@ -1,0 +1,98 @@
+"""The engine's side of completion, in every hook: which snapshots have landed, and what the writer's answers mean for them.
+
+Nothing here blocks: ``progress`` runs in every hook, hands the snapshots whose copies
+have landed to the dispatcher (``dispatch.py`` builds and tracks their requests), then
+has it read whatever answers arrived. Errors are raised from ``raise_pending`` at the
+end of a hook, once the hook's own work is done; a dead writer is replaced there
+(``writer_client/link.py``) while the restart budget lasts.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ...errors import WriterDiedError
+from .snapshot import SnapshotMode, SnapshotState
+from .warnings_text import WRITER_RESTART_WARNING
+
+if TYPE_CHECKING:
+    from .engine_parts import EngineParts
+
+
+class SnapshotCompletion:
+    """Handing landed snapshots to the writer and reading its answers; a dead writer's replacement."""
+
+    def __init__(self, parts: EngineParts) -> None:
+        self.p = parts
+        self.s = parts.state
+
+    def progress(self) -> None:
+        """Hand landed snapshots to the writer and read its answers. Never blocks."""
+        try:
+            self._send_landed()
+        except WriterDiedError as e:
+            self.p.dispatcher.fail(e)  # what was sent is persisted again by a new writer
+        self.p.dispatcher.poll()
+        if self.p.dispatcher.agreed_window is not None:
+            self.p.windows.agreed_window = self.p.dispatcher.agreed_window
+
+    def _send_landed(self) -> None:
+        if self.p.slots.preallocation_done():
+            self.p.slots.finish_preallocation()  # announce the buffers a background thread allocated
+        for snap in list(self.s.snapshots):
+            # Every ticket, in every hook, not only once the window is complete: each clone a
+            # copy read (replay's gradients) is freed when its own copy lands. Held until the
+            # window landed, a replay window's clones would add up to (W-1)/2 x the parameters.
+            landed = [self.p.copier.poll(t) for t in snap.tickets]
+            if snap.state == SnapshotState.LANDING and snap.all_enqueued and all(landed):
+                self.s.snapshots.remove(snap)
+                snap.staged_views = []  # its drains landed: nothing of it reads the staging region any more
+                proposal = self.p.windows.propose(snap.layout, self.p.plans, self.p.staging)
+                stats = self.p.dispatcher.send(snap, proposed_next_window=proposal)
+                if snap.mode == SnapshotMode.STAGE:
+                    self.p.staging.forget_landed_drains()
+                self.p.windows.observe_copies(stats.copied_nbytes, stats.copy_s)
+
+    def raise_pending(self, may_start: bool = True) -> None:
+        """Raise the writer's error, or replace a dead writer; ``may_start=False`` in the update point.
+
+        Right before the update, nothing may start: this hook has logged the step's gradients
+        and fenced its copies already, so a replay snapshot started here would miss this
+        step's gradients (a wrong checkpoint listed, found by fault seed 50), and any
+        snapshot's first copies would race the update. The post-hook starts it instead.
+        """
+        error, self.p.dispatcher.error = self.p.dispatcher.error, None
+        if error is None:
+            return
+        if isinstance(error, WriterDiedError):
+            if self.replace_dead_writer(error):
+                # A request the death interrupted starts now, at this same step (or, when the
+                # death was seen in a request's wait for a slot, as that wait returns: starting.py;
+                # or in the update point, at the post-hook that follows).
+                if may_start:
+                    self.p.starts.start_pending()
+                self.progress()
+                self.raise_pending(may_start)
+                return
+            # In-flight snapshots are gone with the writer; their slots are unusable.
+            self.s.dead = error
+            self.s.snapshots.clear()
+            self.p.dispatcher.drop_all()
+        raise error
+
+    def replace_dead_writer(self, error: WriterDiedError) -> bool:
+        """Start a new writer and hand it the host buffers, plans and complete snapshots; False if none may start."""
+        if not self.p.link.replace():  # hands the new writer the buffers, plans and sent snapshots
+            return False
+        if not self.p.link.distributed:
+            # Snapshots still being copied are dropped: their request may be made again. The
+            # ones sent were complete in host memory and are persisted by the new writer.
+            for snap in self.s.snapshots:
+                self.p.slots.drop(snap.slot, snap.tickets)  # unmapped only once its queued copies landed
+            self.s.snapshots_dropped += len(self.s.snapshots)
+            self.s.snapshots.clear()
+        # In a distributed run they go on to the new writer instead: this rank never sent
+        # them, so no other rank can have lost them with the old group, and a request made
+        # again would come at a later step than the other ranks' (they would disagree).
+        self.s.warn_once("writer-restart", WRITER_RESTART_WARNING.format(error=error, limit=self.p.link.restarts.max_restarts))
+        return True

@@ -1,0 +1,368 @@
+"""The snapshot engine: the order of events in the optimizer's step and the loop's calls.
+
+Per event (host work only: enqueue copies, insert fences, poll events):
+
+* our pre-hook of step t+1 (first of all pre-hooks): if another pre-hook follows,
+  fence the copies now, before it may write the state (``step_hooks.py``).
+* the update point of step t+1 (right before the update, after the closure):
+  fence the copies enqueued after step t (the compute stream waits on their
+  events before the optimizer mutates the state), log the gradients and
+  hyperparameters replay needs, close boundaries the user did not mark, and hand
+  landed snapshots to the writer.
+* post-hook of step t+1: fence the gradient copies of the update point; advance
+  every snapshot (copy the group due now, or drain a staged group); start a
+  requested snapshot at this version; capture the provisional boundary state.
+* ``ckpt.step()`` (end of the iteration): capture the boundary state again for
+  snapshots whose version was just reached.
+
+Each mechanism has one owner: ``StepPoint`` (where the hooks sit), ``RequestQueue``
+(pending, deferred and merged requests), ``WriterLink`` (the writer process and its
+replacement), ``StagingArea``, ``GradientLogger``, ``PersistDispatcher`` (sent
+snapshots and answers), ``PlanCache``, ``SlotPool``, ``SnapshotCopies`` and the
+copier (``transfer.py``). The engine's other parts are mixins, one concern each:
+starting snapshots (``starting.py``), sending them and reading the writer's answers
+(``completion.py``), the restart rules (``snapshot_restarts.py``) and the blocking calls
+(``blocking.py``); snapshot states are described in ``snapshot.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...errors import WriterDiedError
+from ...format.key_layout import GET_STATE_DICT
+from ...format.manifest import CheckpointInfo
+from ...optimizers import update_rule_name
+from ..consistency.autowindow import FWD_BWD_END, FWD_BWD_START, OPT_END, OPT_START, PhaseTimer
+from ..consistency.gradlog import GradientLogger
+from ..consistency.replay_guard import ReplayMutationGuard
+from ..consistency.stage_area import StagingArea
+from ..consistency.window_policy import WindowPolicy
+from ..copying.layout import CheckpointScope
+from ..copying.plan_cache import PlanCache
+from ..copying.slots import SlotPool
+from ..copying.snapshot_copies import SnapshotCopies
+from ..copying.transfer import Copier
+from ..run.lineage import Lineage
+from ..writer_client.link import WriterLink
+from .blocking import BlockingCalls
+from .completion import SnapshotCompletion
+from .dispatch import PersistDispatcher
+from .engine_parts import EngineParts, EngineState
+from .requests import CheckpointSchedule, RequestQueue
+from .snapshot import SnapshotMode, SnapshotState, SnapshotStats
+from .snapshot_restarts import SnapshotRestarts
+from .starting import SnapshotStarts
+from .step_hooks import StepPoint
+
+
+class SnapshotEngine:
+    """Drives snapshots from the optimizer's step hooks, through its four collaborators (``engine_parts.py``)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        window: int | str,
+        consistency: str,
+        every: int | None,
+        keep: int | None,
+        stateful: dict[str, Any],
+        link: WriterLink,
+        max_inflight: int,
+        stage_budget_bytes: int | None,
+        max_window: int,
+        copier: Copier,
+        gap_timer: PhaseTimer | None,
+        scope: CheckpointScope,
+        lineage: Lineage,
+        at_boundary: Callable[[], None] | None = None,
+        on_commit: Callable[[dict[str, Any]], None] | None = None,
+        export_formats: tuple[str, ...] = (),
+        key_layout: str = GET_STATE_DICT,
+    ) -> None:
+        mode = SnapshotMode(consistency)
+        # Distributed: every rank must start each snapshot at the same step, so a request
+        # that finds no free slot waits for one instead of starting later on some ranks.
+        distributed = scope.world_size > 1
+        windows = WindowPolicy(window, mode, max_window, gap_timer, gradients_fenced=not copier.clone_is_cheap, distributed=distributed)
+        slots = SlotPool(link, copier, max_inflight=max_inflight)
+        staging = StagingArea(copier, stage_budget_bytes)
+        gradients = GradientLogger(optimizer, copier)
+        step_point = StepPoint(optimizer, self._on_step_start, self._before_update, self._on_step_end)
+        self.parts = EngineParts(
+            state=EngineState(has_stateful=bool(stateful)),
+            optimizer=optimizer,
+            consistency=mode,
+            stateful=stateful,
+            distributed=distributed,
+            copier=copier,
+            copies=SnapshotCopies(optimizer, stateful, copier, staging, gradients),
+            dispatcher=PersistDispatcher(
+                link, slots, keep, lineage, on_commit, unsolicited_errors=distributed, export_formats=export_formats,
+                key_layout=key_layout, optimizer=update_rule_name(optimizer),
+            ),
+            link=link,
+            plans=PlanCache(model, optimizer, link, scope, key_layout),
+            slots=slots,
+            staging=staging,
+            windows=windows,
+            gradients=gradients,
+            requests=RequestQueue(),
+            schedule=CheckpointSchedule(every),
+            step_point=step_point,
+            replay_guard=ReplayMutationGuard(step_point),
+            gap_timer=gap_timer,
+        )
+        p = self.parts
+        p.starts, p.completion, p.blocking, p.restarts = (
+            SnapshotStarts(p), SnapshotCompletion(p), BlockingCalls(p), SnapshotRestarts(p),
+        )
+        self.state = p.state
+        # Called at each iteration boundary (save on a preemption signal); see preemption.py.
+        self.at_boundary = at_boundary
+        self.install_hooks()
+        if optimizer.state:  # the state exists (a warm start): allocate now, before any step
+            p.starts.prepare()
+
+    # ---- the units, for the Checkpointer and the tests -------------------------------
+
+    @property
+    def step_count(self) -> int:
+        return self.state.step_count
+
+    @property
+    def dead(self) -> WriterDiedError | None:
+        return self.state.dead
+
+    @property
+    def snapshots_dropped(self) -> int:
+        return self.state.snapshots_dropped
+
+    @property
+    def copier(self) -> Copier:
+        return self.parts.copier
+
+    @property
+    def dispatcher(self) -> PersistDispatcher:
+        return self.parts.dispatcher
+
+    @property
+    def link(self) -> WriterLink:
+        return self.parts.link
+
+    @property
+    def requests(self) -> RequestQueue:
+        return self.parts.requests
+
+    @property
+    def schedule(self) -> CheckpointSchedule:
+        return self.parts.schedule
+
+    @property
+    def slots(self) -> SlotPool:
+        return self.parts.slots
+
+    @property
+    def staging(self) -> StagingArea:
+        return self.parts.staging
+
+    @property
+    def windows(self) -> WindowPolicy:
+        return self.parts.windows
+
+    @property
+    def gap_timer(self) -> PhaseTimer | None:
+        return self.parts.gap_timer
+
+    def install_hooks(self) -> None:
+        self.parts.step_point.install()
+
+    def remove_hooks(self) -> None:
+        self.parts.step_point.remove()
+
+    # ---- hooks (the order inside optimizer.step(): step_hooks.py) ----------------
+
+    def _on_step_start(self, others_follow: bool) -> None:
+        """Our pre-hook, first of all pre-hooks: fence here only if another pre-hook may mutate state next."""
+        p, s = self.parts, self.state
+        if s.dead is not None:
+            return
+        # The step runs on the stream current here: copies order against it, even those a
+        # request() made outside the loop's stream context starts.
+        p.copier.note_training_stream()
+        p.restarts.note_grad_scaler()
+        if not others_follow:
+            return
+        started = time.perf_counter()
+        # Another pre-hook runs before the update point and may write parameters or
+        # optimizer state in place: the copies reading them are fenced before it runs.
+        self.fence_copies()
+        p.replay_guard.record(s.snapshots)
+        s.charge(started)
+
+    def fence_copies(self) -> None:
+        """Fence 2, now, for every copy enqueued by an earlier hook (idempotent)."""
+        p, s = self.parts, self.state
+        if s.dead is not None:
+            return
+        s.hook_serial += 1
+        for snap in s.snapshots:
+            p.copies.fence_earlier_copies(snap, s.hook_serial)
+
+    def _before_update(self) -> None:
+        """Right before the update (after the closure, clipping and every pre-hook): fence, log gradients."""
+        p, s = self.parts, self.state
+        if s.dead is not None:
+            return
+        p.copier.note_training_stream()
+        if p.gap_timer is not None:
+            # Before any fence below: forward+backward ends here, our waits are not part of it.
+            p.gap_timer.mark(FWD_BWD_END)
+        started = time.perf_counter()
+        s.hook_serial += 1
+        # GradScaler's fused path was noted in our pre-hook: it sets found_inf before step() runs.
+        mutated_by = p.replay_guard.mutated()
+        if mutated_by:
+            p.restarts.replay_cannot_follow(mutated_by)
+        for snap in list(s.snapshots):
+            p.copies.fence_earlier_copies(snap, s.hook_serial)
+            if snap.state == SnapshotState.AT_BOUNDARY:
+                s.close_boundary(snap, provisional=True)
+            if snap.mode == SnapshotMode.REPLAY and snap.version is None:
+                p.copies.log_gradients(snap, s.step_count + 1, s.hook_serial)
+        s.charge(started)  # before sending: a snapshot sent below carries this hook's time
+        p.completion.progress()
+        if p.gap_timer is not None:
+            p.gap_timer.mark(OPT_START)
+        p.completion.raise_pending(may_start=False)
+
+    def _on_step_end(self, update_point_ran: bool) -> None:
+        p, s = self.parts, self.state
+        if s.dead is not None:
+            s.step_count += 1
+            if self.at_boundary is not None and not s.user_marks_boundary:
+                self.at_boundary()  # a preemption signal must still end the process
+            return
+        p.copier.note_training_stream()
+        if p.gap_timer is not None:
+            # Before the fence below: the optimizer step ends here, the wait on the gradient copy is ours.
+            p.gap_timer.mark(OPT_END)
+        started = time.perf_counter()
+        if not update_point_ran:
+            p.restarts.update_point_skipped()
+        s.hook_serial += 1
+        s.step_count += 1
+        p.restarts.note_grad_scaler()
+        p.restarts.restart_if_state_grew()
+        for snap in s.snapshots:
+            p.copies.fence_earlier_copies(snap, s.hook_serial)  # the gradient copies logged before this update
+            if not snap.all_enqueued:
+                p.copies.advance(snap, s.step_count, s.hook_serial)
+        for version in p.schedule.opening(s.step_count, p.starts.lead_steps()):
+            p.requests.add(s.step_count, scheduled_version=version)
+        if s.prepared_fingerprint is None:
+            p.starts.prepare()  # the first step created the optimizer state: its size is known now
+        p.starts.start_pending()
+        s.charge(started)
+        p.completion.progress()
+        if p.gap_timer is not None:
+            # Last, after our own copies and clones: what follows is the next iteration.
+            p.gap_timer.mark(FWD_BWD_START)
+        p.completion.raise_pending()
+        if self.at_boundary is not None and not s.user_marks_boundary:
+            self.at_boundary()  # the loop marks no boundary of its own: the step's end is one
+
+    def mark_iteration_end(self) -> None:
+        """``ckpt.step()``: the boundary where stateful objects are captured."""
+        p, s = self.parts, self.state
+        if s.dead is not None:
+            if self.at_boundary is not None:
+                self.at_boundary()  # a preemption signal must still end the process
+            return
+        s.user_marks_boundary = True
+        started = time.perf_counter()
+        for snap in s.snapshots:
+            if snap.state == SnapshotState.AT_BOUNDARY:
+                p.copies.capture_boundary(snap)
+                snap.state = SnapshotState.LANDING
+                snap.ledger.boundary = "step()"
+        s.charge(started)
+        p.completion.progress()
+        p.completion.raise_pending()
+        if self.at_boundary is not None:
+            self.at_boundary()
+
+    def request(self) -> None:
+        """Checkpoint the state of the last completed optimizer step, now or as soon as a slot frees."""
+        p, s = self.parts, self.state
+        if s.dead is not None:
+            raise s.dead
+        p.completion.raise_pending()
+        started = time.perf_counter()
+        p.requests.add(s.step_count)
+        p.starts.start_pending()
+        s.charge(started)  # the copies a request starts are host time the loop waits for
+        p.completion.progress()
+        p.completion.raise_pending()
+
+    # ---- blocking calls and their answers ------------------------------------------------
+
+    def wait(self, timeout_s: float | None) -> list[CheckpointInfo]:
+        """Finish every requested snapshot now and block until the writer committed each."""
+        return self.parts.blocking.wait(timeout_s)
+
+    def abandon(self, timeout_s: float) -> list[CheckpointInfo]:
+        return self.parts.blocking.abandon(timeout_s)
+
+    def covers_current_step(self) -> bool:
+        return self.parts.blocking.covers_current_step()
+
+    def unfinished_versions(self) -> list[int | None]:
+        return self.parts.blocking.unfinished_versions()
+
+    @property
+    def stats(self) -> list[SnapshotStats]:
+        """Committed checkpoints' figures, in commit order."""
+        return self.parts.dispatcher.stats
+
+    @property
+    def deferrals(self) -> int:
+        return self.parts.requests.deferrals
+
+    @property
+    def writer_pid(self) -> int:
+        return self.parts.link.writer.pid
+
+    @property
+    def writer_restarts(self) -> int:
+        return self.parts.link.restarts.count
+
+    def continue_from(self, step: int) -> None:
+        """After a restore: the next update makes version ``step + 1``; of the versions, only ``step`` is held (restored)."""
+        self.state.step_count = step
+        self.parts.schedule.continue_from(step)
+        # A request before the next update would duplicate the checkpoint just restored
+        # (a framework's final save after a resume that trained nothing).
+        self.parts.dispatcher.held_versions = {step}
+
+    def shut_down(self, writer_timeout_s: float) -> None:
+        """Remove the hooks, stop the writer, release host buffers (after the copies into them)."""
+        self.remove_hooks()
+        self.parts.link.close(timeout_s=writer_timeout_s)
+        self.release()
+
+    def release(self) -> None:
+        # Teardown may come with copies still queued (the writer died, wait() raised):
+        # the copy engine must be done writing host memory before it is unpinned and unmapped.
+        p = self.parts
+        p.copier.close()
+        p.staging.release()
+        p.gradients.release()
+        p.slots.release_all()

@@ -1,0 +1,207 @@
+"""Starting a snapshot: sizing the host slots, choosing its window and plan, its first copies.
+
+A request starts at the step it was made after, or, when no host slot is free, at
+the first later step that has one (``requests.py`` records the deferral). In a
+distributed run every rank must start it at the same step, so the hook waits for a
+slot instead (``_wait_until_startable``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from ...errors import ConfigError, WriterDiedError
+from ..consistency.gradlog import GradientLogger
+from .snapshot import Snapshot, SnapshotMode
+
+log = logging.getLogger("overlapckpt.requests")
+
+if TYPE_CHECKING:
+    from ..consistency.autowindow import WindowChoice
+    from ..copying.layout import StateLayout
+    from ..copying.plan import CopyPlan
+    from ..copying.slots import HostSlot
+    from .engine_parts import EngineParts
+    from .requests import StartingRequest
+
+
+class SnapshotStarts:
+    """Starting snapshots: host slots sized once, a window and plan per snapshot, its first copies."""
+
+    def __init__(self, parts: EngineParts) -> None:
+        self.p = parts
+        self.s = parts.state
+
+    def prepare(self) -> None:
+        """Size and allocate the host slots for the widest window, off the critical path."""
+        layout = self.p.plans.layout()
+        widest = self.p.windows.widest_window
+        plan = self.p.plans.plan(layout, widest)
+        replay_possible = self.p.consistency == SnapshotMode.REPLAY and widest > 1
+        grad_nbytes = GradientLogger.buffer_nbytes(plan, layout) if replay_possible else 0
+        if self.p.consistency == SnapshotMode.STAGE and widest > 1:
+            # Outside any checkpoint's hooks: an over-budget or unallocatable staging area
+            # is known now, and no checkpoint allocates device memory inside optimizer.step().
+            needed = self.p.staging.needed_bytes(plan, layout)
+            if self.p.windows.tuner is None or self.p.staging.fits(needed):
+                self.p.staging.reserve(needed, widest, layout.nbytes)
+        self.p.slots.preallocate(plan.slot_nbytes, grad_nbytes)
+        self.s.prepared_fingerprint = layout.fingerprint
+
+    def start_pending(self, closing: bool = False) -> None:
+        """Start what is pending if a slot is free (``closing``: wait() or close(), which start nothing not yet due)."""
+        if self.s.starting_pending:
+            # Reentered from the distributed wait for a slot below: a dead writer was replaced
+            # while it drained. The outer call starts the request once that wait returns, at
+            # this same step. Starting it here instead would make the wait hold this hook
+            # until the new checkpoint commits, which needs the other ranks to send theirs,
+            # and they may do that only after a collective this hook blocks (issue 17).
+            return
+        self.s.starting_pending = True
+        try:
+            self._start_pending_now(closing)
+        except WriterDiedError as e:
+            # The writer died while being told of a buffer or plan: replaced (or raised) by
+            # _raise_pending; the request stays pending and starts at the next chance.
+            self.p.dispatcher.fail(e)
+        finally:
+            self.s.starting_pending = False
+
+    def _start_pending_now(self, closing: bool) -> None:
+        if not self.p.requests.pending:
+            return
+        if self.s.step_count == 0 and not self.p.optimizer.state:
+            self.p.requests.clear()
+            raise ConfigError(
+                "a checkpoint was requested before the first optimizer.step(): the optimizer has no "
+                "state yet, and creating it would change training. Request it after the first step"
+            )
+        if self.p.requests.answered_at(self.s.step_count):
+            return
+        scheduled = self.p.requests.scheduled_version()
+        if scheduled is not None and (scheduled > self.s.step_count if closing else not self._schedule_reached(scheduled)):
+            return  # its window starts at a later step, so that its version is the one asked for
+        if self.p.distributed:
+            self.wait_until_startable()
+        elif scheduled is not None and self.s.step_count >= scheduled and not self.p.slots.may_have_free_slot():
+            # The last step that can still hold the version asked for: wait for a slot here
+            # (a stall, in the snapshot's waited_for_slot_s) rather than land off the schedule.
+            waited_s = self.p.blocking.wait_for_free_slot()
+            self.s.slot_wait_s += waited_s
+            log.warning(
+                "the checkpoint scheduled for step %d waited %.3f s in optimizer.step() for the previous one to commit "
+                "(every=%s is shorter than a persist takes): pass a larger every or max_inflight (one host copy of the "
+                "state each)",
+                self.s.step_count, waited_s, self.p.schedule.every,
+            )
+        slot = None
+        if self.p.slots.may_have_free_slot():  # before any layout work: a fingerprint walks every tensor
+            layout = self.p.plans.layout()
+            window, choice = self.p.windows.choose(layout, self.p.plans, self.p.staging)
+            if scheduled is not None:
+                window = self._window_landing_on(scheduled, window)
+            plan, plan_id = self.p.plans.registered(layout, window)
+            grad_nbytes = GradientLogger.buffer_nbytes(plan, layout) if self.p.windows.mode_for(window) == SnapshotMode.REPLAY else 0
+            slot = self.p.slots.free_slot(plan.slot_nbytes, grad_nbytes)
+        if slot is None:
+            self.p.requests.no_free_slot(self.busy_reason())
+            return
+        if self.holds_version(self.s.step_count):
+            # A deferred request meets a free slot at the very step a snapshot already holds
+            # (a window closed early there): that snapshot answers it; a second would duplicate it.
+            self.p.requests.answered_by_version(self.s.step_count)
+            return
+        version = self.s.step_count + window - 1 if self.p.windows.mode_for(window) == SnapshotMode.REPLAY else self.s.step_count
+        self._start_snapshot(slot, self.p.requests.take(self.s.step_count, version), layout, plan, plan_id, choice)
+
+    def lead_steps(self) -> int:
+        """How many steps before its version a scheduled snapshot's window opens: W-1 for replay, else 0.
+
+        At most ``every - 1``: with ``every`` at or below the window, each window would
+        open before the previous one closed; they are cut to ``every`` steps instead.
+        """
+        if self.p.consistency != SnapshotMode.REPLAY or self.p.windows.replay_blocked:
+            return 0
+        every = self.p.schedule.every
+        return min(self.p.windows.widest_window - 1, (every or 1) - 1)
+
+    def _window_now(self) -> int:
+        """The window a snapshot starting now would use."""
+        if self.p.windows.tuner is None:
+            return 1 if self.p.windows.replay_blocked else int(self.p.windows.window_setting)
+        return self.p.windows.choose(self.p.plans.layout(), self.p.plans, self.p.staging)[0]
+
+    def _schedule_reached(self, version: int) -> bool:
+        """Whether a snapshot starting now can hold ``version`` (a replay window ends on it), or ``version`` is due."""
+        if self.s.step_count >= version:
+            return True
+        window = self._window_now()
+        return self.p.windows.mode_for(window) == SnapshotMode.REPLAY and self.s.step_count + window - 1 >= version
+
+    def _window_landing_on(self, version: int, window: int) -> int:
+        """``window``, cut short when a replay snapshot starts late, so that it still ends on ``version``."""
+        if self.p.windows.mode_for(window) != SnapshotMode.REPLAY or self.s.step_count > version:
+            return window
+        return max(1, min(window, version - self.s.step_count + 1))
+
+    def holds_version(self, version: int) -> bool:
+        """A snapshot in flight, sent or committed (in this lineage) already holds ``version``: a new one would duplicate it."""
+        return (
+            any(s.version == version for s in self.s.snapshots)
+            or version in self.p.dispatcher.sent_versions()
+            or version in self.p.dispatcher.held_versions
+        )
+
+    def busy_reason(self) -> str:
+        if self.s.snapshots:
+            s = self.s.snapshots[0]
+            return f"the checkpoint requested after step {s.requested_step} was still being copied (window {s.window})"
+        return self.p.dispatcher.busy_reason()
+
+    def wait_until_startable(self) -> None:
+        """Distributed: block this hook until a slot is free (and, for "auto", the agreed window is known).
+
+        Ranks receive their writers' answers at different steps, so starting a request
+        "as soon as a slot frees" would start it at different versions on different
+        ranks. Every rank instead closes what is open at this same step and waits: a
+        stall, but the same snapshot everywhere. Size ``every`` (or ``max_inflight``) so
+        the previous checkpoint has committed by then, and it never waits.
+        """
+        must_drain = self.p.windows.tuner is not None and (self.s.snapshots or self.p.dispatcher.in_flight)
+        if not must_drain and (len(self.p.slots.slots) < self.p.slots.max_inflight or any(not s.busy for s in self.p.slots.slots)):
+            return
+        started = time.perf_counter()
+        self.p.blocking.drain(timeout_s=None, start_pending=False)
+        self.s.slot_wait_s += time.perf_counter() - started  # in the next snapshot's stats
+
+    def _start_snapshot(
+        self,
+        slot: HostSlot,
+        request: StartingRequest,
+        layout: StateLayout,
+        plan: CopyPlan,
+        plan_id: int,
+        choice: WindowChoice | None,
+    ) -> None:
+        s, mode = self.s.step_count, self.p.windows.mode_for(plan.window_steps)
+        self.s.next_request_id += 1
+        self.p.restarts.warn_about_late_hooks()
+        snap = Snapshot.open(self.s.next_request_id, request, s, mode, slot, plan, plan_id, layout, choice)
+        snap.waited_for_slot_s, self.s.slot_wait_s = self.s.slot_wait_s, 0.0
+        views = slot.entry_views(plan, layout)
+        if mode == SnapshotMode.STAGE:
+            for other in self.s.snapshots:  # the region is overwritten below: drain what still reads it
+                if other.mode == SnapshotMode.STAGE:
+                    self.p.copies.enqueue_remaining(other, self.s.step_count, self.s.hook_serial)
+            # First, so that an over-budget staging area raises before the snapshot is registered.
+            snap.staged_views = self.p.staging.stage(plan, layout, views)
+        if mode == SnapshotMode.REPLAY:
+            snap.replay_log = self.p.gradients.open(slot, plan, layout, base_step=s)
+        slot.busy = True
+        self.s.snapshots.append(snap)
+        self.p.copies.enqueue_group(snap, 0, self.s.step_count, self.s.hook_serial)
+        if mode != SnapshotMode.REPLAY or snap.all_enqueued:
+            # Window 1 and stage mode hold version s: every later group was staged above.
+            self.p.copies.reach_version(snap, s)
