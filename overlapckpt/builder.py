@@ -139,23 +139,15 @@ def build(
             engine = SnapshotEngine(
                 model,
                 optimizer,
-                window=s.window.window,
-                consistency=s.window.consistency,
-                every=s.cadence.every,
-                keep=s.cadence.keep,
+                s,
                 stateful=stateful,
                 link=link,
-                max_inflight=s.cadence.max_inflight,
-                stage_budget_bytes=s.window.stage_budget_bytes,
-                max_window=s.window.max_window,
                 copier=seams.copier if seams.copier is not None else make_copier(device),
                 gap_timer=phase_timer if auto else None,
                 scope=CheckpointScope() if distributed is None else distributed.scope,
                 lineage=lineage,
                 at_boundary=None if preemption is None else preemption.at_boundary,
                 on_commit=on_commit,
-                export_formats=tuple(s.writer.export_formats),
-                key_layout=s.storage.key_layout,
             )
         except BaseException:
             link.close(timeout_s=30.0)  # nothing may outlive a constructor that raised

@@ -35,9 +35,9 @@ import torch
 from torch import nn
 
 from ...errors import WriterDiedError
-from ...format.key_layout import GET_STATE_DICT
 from ...format.manifest import CheckpointInfo
 from ...optimizers import update_rule_name
+from ...settings import CheckpointerSettings
 from ..consistency.autowindow import FWD_BWD_END, FWD_BWD_START, OPT_END, OPT_START, PhaseTimer
 from ..consistency.gradlog import GradientLogger
 from ..consistency.replay_guard import ReplayMutationGuard
@@ -68,32 +68,27 @@ class SnapshotEngine:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
+        settings: CheckpointerSettings,
         *,
-        window: int | str,
-        consistency: str,
-        every: int | None,
-        keep: int | None,
         stateful: dict[str, Any],
         link: WriterLink,
-        max_inflight: int,
-        stage_budget_bytes: int | None,
-        max_window: int,
         copier: Copier,
         gap_timer: PhaseTimer | None,
         scope: CheckpointScope,
         lineage: Lineage,
         at_boundary: Callable[[], None] | None = None,
         on_commit: Callable[[dict[str, Any]], None] | None = None,
-        export_formats: tuple[str, ...] = (),
-        key_layout: str = GET_STATE_DICT,
     ) -> None:
-        mode = SnapshotMode(consistency)
+        # The options come as the one checked record (settings.py); the keywords are the units the
+        # builder made, which the engine uses but does not own.
+        win, cadence, key_layout = settings.window, settings.cadence, settings.storage.key_layout
+        mode = SnapshotMode(win.consistency)
         # Distributed: every rank must start each snapshot at the same step, so a request
         # that finds no free slot waits for one instead of starting later on some ranks.
         distributed = scope.world_size > 1
-        windows = WindowPolicy(window, mode, max_window, gap_timer, gradients_fenced=not copier.clone_is_cheap, distributed=distributed)
-        slots = SlotPool(link, copier, max_inflight=max_inflight)
-        staging = StagingArea(copier, stage_budget_bytes)
+        windows = WindowPolicy(win.window, mode, win.max_window, gap_timer, gradients_fenced=not copier.clone_is_cheap, distributed=distributed)
+        slots = SlotPool(link, copier, max_inflight=cadence.max_inflight)
+        staging = StagingArea(copier, win.stage_budget_bytes)
         gradients = GradientLogger(optimizer, copier)
         step_point = StepPoint(optimizer, self._on_step_start, self._before_update, self._on_step_end)
         self.parts = EngineParts(
@@ -105,7 +100,8 @@ class SnapshotEngine:
             copier=copier,
             copies=SnapshotCopies(optimizer, stateful, copier, staging, gradients),
             dispatcher=PersistDispatcher(
-                link, slots, keep, lineage, on_commit, unsolicited_errors=distributed, export_formats=export_formats,
+                link, slots, cadence.keep, lineage, on_commit, unsolicited_errors=distributed,
+                export_formats=tuple(settings.writer.export_formats),
                 key_layout=key_layout, optimizer=update_rule_name(optimizer),
             ),
             link=link,
@@ -115,7 +111,7 @@ class SnapshotEngine:
             windows=windows,
             gradients=gradients,
             requests=RequestQueue(),
-            schedule=CheckpointSchedule(every),
+            schedule=CheckpointSchedule(cadence.every),
             step_point=step_point,
             replay_guard=ReplayMutationGuard(step_point),
             gap_timer=gap_timer,
