@@ -315,6 +315,15 @@ class Checkpointer:
         return self._engine.deferrals
 
     @property
+    def hook_host_s(self) -> float:
+        """Host seconds spent in overlapckpt's step hooks, ``step()`` and ``request()`` since construction.
+
+        What the training loop waits for on our account: on a GPU the copies themselves
+        are asynchronous, this host time is not (benchmarks/hook_scaling.py reports it per step).
+        """
+        return self._engine.state.hook_host_total_s
+
+    @property
     def step_count(self) -> int:
         """Optimizer steps taken, continued from the restored checkpoint after ``restore()``."""
         return self._engine.step_count

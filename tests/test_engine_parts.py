@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -165,3 +166,41 @@ def test_grad_scaler_first_seen_inside_an_open_replay_window_restarts_it(tmp_pat
     fresh, fresh_opt, _, _ = make_run(seed=7, fused=True)
     load(str(tmp_path), fresh, fresh_opt)
     assert_state_equal(*twin[5], fresh, fresh_opt)
+
+
+class SlowEnqueueCopier(StreamCopier):
+    """Each enqueue holds the host for ENQUEUE_HOLD_S (busy, like per-tensor work): time the counter must include."""
+
+    ENQUEUE_HOLD_S = 0.02
+
+    def __init__(self) -> None:
+        super().__init__(EmulatedDevice())
+        self.enqueue_s = 0.0
+
+    def copy_async(self, sources, destinations, keepalive=()):
+        started = time.perf_counter()
+        try:
+            return super().copy_async(sources, destinations, keepalive)
+        finally:
+            while time.perf_counter() - started < self.ENQUEUE_HOLD_S:
+                pass
+            self.enqueue_s += time.perf_counter() - started
+
+
+@pytest.mark.parametrize("consistency", ["replay", "stage"])
+def test_hook_host_time_counts_every_enqueue_made_in_a_hook(tmp_path, consistency):
+    model, opt, sched, sampler = make_run()
+    copier = SlowEnqueueCopier()
+    with Checkpointer(model, opt, tmp_path, window=3, consistency=consistency, copier=copier) as ckpt:
+        assert ckpt.hook_host_s == 0.0  # nothing ran yet
+        train_step(model, opt, sched, sampler)
+        ckpt.step()
+        ckpt.request()
+        for _ in range(4):
+            # Per step: every enqueue this step made (pre-hook, post-hook, step()) is in the counter's growth.
+            counted_before, enqueued_before = ckpt.hook_host_s, copier.enqueue_s
+            train_step(model, opt, sched, sampler)
+            ckpt.step()
+            assert ckpt.hook_host_s - counted_before >= copier.enqueue_s - enqueued_before
+        ckpt.wait()
+        assert copier.enqueue_s >= 3 * SlowEnqueueCopier.ENQUEUE_HOLD_S  # the window's copies ran through it

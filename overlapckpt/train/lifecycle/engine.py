@@ -27,6 +27,7 @@ starting snapshots (``starting.py``), sending them and reading the writer's answ
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -59,6 +60,24 @@ from .snapshot import SnapshotMode, SnapshotState, SnapshotStats
 from .snapshot_restarts import SnapshotRestarts
 from .starting import SnapshotStarts
 from .step_hooks import StepPoint
+
+
+def _counts_host_time(hook: Callable[..., None]) -> Callable[..., None]:
+    """Adds the hook's whole host time, ours from entry to return, to ``EngineState.hook_host_total_s``.
+
+    The figure the training loop waits for: on a GPU the copies are asynchronous, this is
+    not (benchmarks/hook_scaling.py reads it per step).
+    """
+
+    @functools.wraps(hook)
+    def timed(self: SnapshotEngine, *args: Any) -> None:
+        started = time.perf_counter()
+        try:
+            hook(self, *args)
+        finally:
+            self.state.hook_host_total_s += time.perf_counter() - started
+
+    return timed
 
 
 class SnapshotEngine:
@@ -185,6 +204,7 @@ class SnapshotEngine:
 
     # ---- hooks (the order inside optimizer.step(): step_hooks.py) ----------------
 
+    @_counts_host_time
     def _on_step_start(self, others_follow: bool) -> None:
         """Our pre-hook, first of all pre-hooks: fence here only if another pre-hook may mutate state next."""
         p, s = self.parts, self.state
@@ -212,6 +232,7 @@ class SnapshotEngine:
         for snap in s.snapshots:
             p.copies.fence_earlier_copies(snap, s.hook_serial)
 
+    @_counts_host_time
     def _before_update(self) -> None:
         """Right before the update (after the closure, clipping and every pre-hook): fence, log gradients."""
         p, s = self.parts, self.state
@@ -239,6 +260,7 @@ class SnapshotEngine:
             p.gap_timer.mark(OPT_START)
         p.completion.raise_pending(may_start=False)
 
+    @_counts_host_time
     def _on_step_end(self, update_point_ran: bool) -> None:
         p, s = self.parts, self.state
         if s.dead is not None:
@@ -275,6 +297,7 @@ class SnapshotEngine:
         if self.at_boundary is not None and not s.user_marks_boundary:
             self.at_boundary()  # the loop marks no boundary of its own: the step's end is one
 
+    @_counts_host_time
     def mark_iteration_end(self) -> None:
         """``ckpt.step()``: the boundary where stateful objects are captured."""
         p, s = self.parts, self.state
@@ -295,6 +318,7 @@ class SnapshotEngine:
         if self.at_boundary is not None:
             self.at_boundary()
 
+    @_counts_host_time
     def request(self) -> None:
         """Checkpoint the state of the last completed optimizer step, now or as soon as a slot frees."""
         p, s = self.parts, self.state

@@ -61,6 +61,7 @@ class EngineState:
     snapshots: list[Snapshot] = field(default_factory=list)  # started and not yet sent, in start order
     dead: WriterDiedError | None = None  # set once a writer death has been raised
     snapshots_dropped: int = 0  # incomplete snapshots lost with a dead writer
+    hook_host_total_s: float = 0.0  # host time in the step hooks, ckpt.step() and request(), since construction
     slot_wait_s: float = 0.0  # hook time the next snapshot waited for a free slot (in its stats)
     starting_pending: bool = False  # inside start_pending: a replaced writer does not start it again
     prepared_fingerprint: int | None = None  # the layout the host slots were sized for

@@ -1,0 +1,199 @@
+"""Host time of overlapckpt's hooks per training step, against the number of state tensors.
+
+    .venv/bin/python benchmarks/hook_scaling.py [--tensors 300,3000,30000,100000]
+        [--modes w1,replay,stage] [--cycles 7] [--every 8] [--out benchmarks/results/hook-scaling]
+
+The workload is the one a Mixture-of-Experts rank meets: many small tensors. N/8 layers
+``nn.Linear(4, 4)`` under AdamW (foreach): each layer holds 8 state tensors (weight, bias,
+and per parameter exp_avg, exp_avg_sq and step). Gradients are set once; the loop times
+``optimizer.step()`` + ``ckpt.step()`` only, so the figure is ours and AdamW's, not a
+model's forward.
+
+Each configuration runs in a fresh process (a fresh Checkpointer, as a user's job meets
+it) on the default copier of the CPU: the emulated CUDA device, whose side stream is a
+worker thread, so the copies run beside the hooks as they would on a GPU. A cycle is
+``--every`` steps ending at a scheduled checkpoint (``every=``, so a window opens its W-1
+steps early, as in a real run); between cycles the loop waits, untimed, for the commit (the writer's persist is not the hooks' cost). Per step it reads
+``Checkpointer.hook_host_s``: host time inside our hooks, ``step()`` and ``request()``,
+which is what the training loop waits for on our account (on a GPU the copies are
+asynchronous; this time is not).
+
+Reported per configuration: the added host time per step, mean and worst over all
+measured steps, the per-cycle mean as min / median / p90 / max over ``--cycles`` cycles
+(and whether max is within 1.5x of the median), and the copy launches per step (calls
+that enqueue copies on the device: one grouped ``_foreach_copy_`` each) with the tensors
+they carry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MODES = {"w1": {"window": 1}, "replay": {"window": 4, "consistency": "replay"}, "stage": {"window": 4, "consistency": "stage"}}
+GOAL_MEAN_MS, GOAL_WORST_MS, GOAL_AT_TENSORS = 2.0, 10.0, 30_000
+
+
+def _p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(0.9 * (len(ordered) - 1))))]
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    med = statistics.median(values)
+    return {
+        "min": min(values), "median": med, "p90": _p90(values), "max": max(values), "n": len(values),
+        "within_1_5x": max(values) <= 1.5 * med if med > 0 else True,
+    }
+
+
+def measure_one(tensors: int, mode: str, cycles: int, every: int) -> dict[str, Any]:
+    """One configuration, in this process."""
+    import torch
+    from torch import nn
+
+    from overlapckpt.seams import Checkpointer
+    from overlapckpt.train.copying.emulated_device import EmulatedDevice
+    from overlapckpt.train.copying.transfer import StreamCopier
+
+    class CountingDevice(EmulatedDevice):
+        """The emulated device, counting the copy launches it is asked for and the tensors in each."""
+
+        launches = 0
+        tensors_copied = 0
+
+        def copy_(self, destinations: Any, sources: Any) -> None:
+            if sources:
+                CountingDevice.launches += 1
+                CountingDevice.tensors_copied += len(sources)
+            super().copy_(destinations, sources)
+
+    torch.set_num_threads(1)  # the trainer on one thread; the writer and the copy thread take the other core
+    torch.manual_seed(0)
+    layers = max(1, round(tensors / 8))
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    state_tensors = sum(1 for _ in model.parameters()) + sum(
+        1 for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    )
+    baseline = []
+    for _ in range(2 * every):
+        started = time.perf_counter()
+        optimizer.step()
+        baseline.append(time.perf_counter() - started)
+    per_step: list[float] = []
+    cycle_means: list[float] = []
+    launches: list[int] = []
+    carried: list[int] = []
+    with tempfile.TemporaryDirectory() as root:
+        copier = StreamCopier(CountingDevice())
+        with Checkpointer(model, optimizer, root, every=every, keep=1, copier=copier, **MODES[mode]) as ckpt:  # type: ignore[arg-type]
+            for cycle in range(cycles + 1):  # the first cycle warms up (allocation, plan)
+                this_cycle = []
+                for _ in range(every):
+                    counted, launched, copied = ckpt.hook_host_s, CountingDevice.launches, CountingDevice.tensors_copied
+                    optimizer.step()
+                    ckpt.step()
+                    this_cycle.append(ckpt.hook_host_s - counted)
+                    if os.environ.get("HOOK_SCALING_TRACE"):
+                        print(cycle, ckpt.step_count, round(this_cycle[-1] * 1e3, 2), file=sys.stderr)
+                    launches.append(CountingDevice.launches - launched)
+                    carried.append(CountingDevice.tensors_copied - copied)
+                ckpt.wait()
+                if cycle:
+                    per_step += this_cycle
+                    cycle_means.append(statistics.mean(this_cycle))
+                else:
+                    launches.clear()
+                    carried.clear()
+    return {
+        "tensors_requested": tensors, "state_tensors": state_tensors, "mode": mode, "every": every,
+        "optimizer_step_ms_median": statistics.median(baseline) * 1e3,
+        "added_mean_ms": statistics.mean(per_step) * 1e3, "added_worst_ms": max(per_step) * 1e3,
+        "cycle_mean_ms": {k: (v * 1e3 if isinstance(v, float) else v) for k, v in spread(cycle_means).items()},
+        "launches_per_step_mean": statistics.mean(launches), "launches_per_step_max": max(launches),
+        "tensors_per_launch_mean": (sum(carried) / sum(launches)) if sum(launches) else 0.0,
+    }
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    out = [
+        "| state tensors | mode | added mean ms | added worst ms | cycle mean ms min / median / p90 / max (n) | within 1.5x | "
+        "launches per step mean / max | tensors per launch | optimizer.step ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        c = r["cycle_mean_ms"]
+        out.append(
+            f"| {r['state_tensors']:,} | {r['mode']} | {r['added_mean_ms']:.2f} | {r['added_worst_ms']:.1f} | "
+            f"{c['min']:.2f} / {c['median']:.2f} / {c['p90']:.2f} / {c['max']:.2f} ({c['n']}) | "
+            f"{'yes' if c['within_1_5x'] else 'no'} | {r['launches_per_step_mean']:.2f} / {r['launches_per_step_max']} | "
+            f"{r['tensors_per_launch_mean']:.0f} | {r['optimizer_step_ms_median']:.1f} |"
+        )
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tensors", default="300,3000,30000,100000")
+    parser.add_argument("--modes", default="w1,replay,stage")
+    parser.add_argument("--cycles", type=int, default=7)
+    parser.add_argument("--every", type=int, default=8)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--one", nargs=2, metavar=("TENSORS", "MODE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.cycles < 7 and args.one is None:
+        print(f"--cycles {args.cycles}: the figures need at least 7 repeats; use --cycles 7 or more", file=sys.stderr)
+    if args.one is not None:
+        print(json.dumps(measure_one(int(args.one[0]), args.one[1], args.cycles, args.every)))
+        return
+    rows = []
+    for tensors in [int(t) for t in args.tensors.split(",")]:
+        for mode in args.modes.split(","):
+            if mode not in MODES:
+                raise SystemExit(f"--modes: {mode!r} is not one of {sorted(MODES)}")
+            started = time.perf_counter()
+            done = subprocess.run(
+                [sys.executable, __file__, "--one", str(tensors), mode, "--cycles", str(args.cycles), "--every", str(args.every)],
+                check=True, capture_output=True, text=True,
+            )
+            row = json.loads(done.stdout.strip().splitlines()[-1])
+            rows.append(row)
+            print(
+                f"{row['state_tensors']:>7,} {mode:>6}: added mean {row['added_mean_ms']:.2f} ms, worst {row['added_worst_ms']:.1f} ms, "
+                f"launches/step {row['launches_per_step_mean']:.2f} ({time.perf_counter() - started:.0f} s)",
+                flush=True,
+            )
+    table = markdown(rows)
+    print(table)
+    goal = [r for r in rows if r["tensors_requested"] == GOAL_AT_TENSORS]
+    for r in goal:
+        met = r["added_mean_ms"] <= GOAL_MEAN_MS and r["added_worst_ms"] <= GOAL_WORST_MS
+        print(f"goal at {GOAL_AT_TENSORS:,} tensors, {r['mode']}: mean <= {GOAL_MEAN_MS} ms and worst <= {GOAL_WORST_MS} ms: "
+              f"{'met' if met else 'missed'} ({r['added_mean_ms']:.2f} / {r['added_worst_ms']:.1f} ms)")
+    if args.out:
+        import torch
+        from measure import machine_description  # benchmarks/ on the path when run as a script
+
+        os.makedirs(args.out, exist_ok=True)
+        command = "python benchmarks/hook_scaling.py " + " ".join(sys.argv[1:])
+        with open(os.path.join(args.out, "hook_scaling.json"), "w") as f:
+            json.dump({"command": command, "machine": machine_description(torch.device("cpu")), "rows": rows}, f, indent=1)
+        with open(os.path.join(args.out, "hook_scaling.md"), "w") as f:
+            f.write(f"Command: `{command}`\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
