@@ -48,8 +48,8 @@ class SimulatedBandwidthCopier(CpuCopier):
         self.clock = clock
         self.bytes_per_s = bytes_per_s
 
-    def copy_async(self, sources, destinations, keepalive=None) -> CopyTicket:
-        ticket = super().copy_async(sources, destinations, keepalive)
+    def copy_async(self, sources, destinations, keepalive=None, route=None) -> CopyTicket:
+        ticket = super().copy_async(sources, destinations, keepalive, route)
         ticket.enqueued_at_s = self.clock()
         ticket.copy_s = ticket.nbytes / self.bytes_per_s
         self.clock.advance(ticket.copy_s)

@@ -177,10 +177,10 @@ class SlowEnqueueCopier(StreamCopier):
         super().__init__(EmulatedDevice())
         self.enqueue_s = 0.0
 
-    def copy_async(self, sources, destinations, keepalive=()):
+    def copy_async(self, sources, destinations, keepalive=(), route=None):
         started = time.perf_counter()
         try:
-            return super().copy_async(sources, destinations, keepalive)
+            return super().copy_async(sources, destinations, keepalive, route)
         finally:
             while time.perf_counter() - started < self.ENQUEUE_HOLD_S:
                 pass

@@ -234,8 +234,8 @@ def test_replay_hooks_never_synchronize_with_a_tensor_learning_rate(tmp_path, ri
 class SynchronizingCopier(StreamCopier):
     """A copier that blocks the host on its own copy inside the hook: what the guard must catch."""
 
-    def copy_async(self, sources, destinations, keepalive=()):  # type: ignore[no-untyped-def]
-        ticket = super().copy_async(sources, destinations, keepalive)
+    def copy_async(self, sources, destinations, keepalive=(), route=None):  # type: ignore[no-untyped-def]
+        ticket = super().copy_async(sources, destinations, keepalive, route)
         self.synchronize()
         return ticket
 

@@ -246,3 +246,78 @@ def test_every_schedule_lands_the_same_bytes(schedule):
     copier.wait(ticket)
     assert [v.tolist() for v in views] == [[0.0, 1.0, 2.0, 3.0], [9], [0.0, 1.0]]
     copier.close()
+
+
+# ---- copy routes: the per-tensor work of a group's copy done once per plan ------------------------
+
+
+class ViewCountingDevice(EmulatedDevice):
+    """Counts the per-tensor device views it makes and the copy launches it is asked for."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.views_made = 0
+        self.launches = 0
+
+    def _device_view(self, t):
+        self.views_made += 1
+        return super()._device_view(t)
+
+    def copy_(self, destinations, sources):
+        self.launches += bool(sources)
+        super().copy_(destinations, sources)
+
+
+def _route_case(dev):
+    host_buffer = torch.zeros(256, dtype=torch.uint8)
+    sources = [torch.arange(4, dtype=torch.float32), torch.tensor([9], dtype=torch.int64), torch.arange(2, dtype=torch.float32)]
+    sources += [torch.full((3,), float(k)) for k in range(8)]
+    views, cursor = [], 0
+    for s in sources:
+        views.append(host_buffer[cursor : cursor + s.numel() * s.element_size()].view(s.dtype))
+        cursor += 16
+    return sources, views
+
+
+@pytest.mark.parametrize("schedule", ["async", "held", "eager"])
+def test_a_routed_copy_lands_the_same_bytes_step_after_step(schedule):
+    # The route is made once; each copy along it must land the sources of its own call: the
+    # same tensors written in place (the live state), and other tensors of the same shapes
+    # (the next step's gradients), with a host-resident value written after the packed DMA.
+    dev = ViewCountingDevice(schedule, host_resident=lambda t: t.dtype == torch.int64)
+    copier = StreamCopier(dev)
+    sources, views = _route_case(dev)
+    route = copier.route(sources, views, keep_sources=True)
+    assert route is not None and route.scratch is not None and route.host_deferred_indices == (1,)
+    for step in range(3):
+        for s in sources:
+            s.add_(1)  # the optimizer's in-place update
+        expected = [s.clone() for s in sources]
+        ticket = copier.copy_async(sources, views, route=route)
+        sources[1].fill_(-1)  # the host writes its own state on: the copy holds the value at the call
+        copier.wait(ticket)
+        assert [torch.equal(v, e) for v, e in zip(views, expected)] == [True] * len(sources), step
+        sources[1].copy_(expected[1])
+    others = [torch.randn_like(s) if s.is_floating_point() else s.clone() for s in sources]  # new tensors, same shapes
+    ticket = copier.copy_async(others, views, route=route)
+    copier.wait(ticket)
+    assert all(torch.equal(v, o) for v, o in zip(views, others))
+    copier.close()
+
+
+def test_a_routed_copy_of_the_same_tensors_makes_no_per_tensor_device_work():
+    dev = ViewCountingDevice("held", host_resident=lambda t: t.dtype == torch.int64)
+    copier = StreamCopier(dev)
+    sources, views = _route_case(dev)
+    unrouted_before = dev.views_made
+    copier.wait(copier.copy_async(sources, views))
+    per_unrouted_copy = dev.views_made - unrouted_before
+    assert per_unrouted_copy >= 2 * (len(sources) - 1)  # a view per source and per destination, every copy
+    route = copier.route(sources, views, keep_sources=True)
+    copier.wait(copier.copy_async(sources, views, route=route))  # the first copy along it makes the views
+    made, launched = dev.views_made, dev.launches
+    for _ in range(3):
+        copier.wait(copier.copy_async(sources, views, route=route))
+    assert dev.views_made == made  # none after the first
+    assert dev.launches - launched == 3 * 2  # per copy: the gather into the scratch and its one DMA
+    copier.close()

@@ -172,3 +172,18 @@ def test_the_writer_starts_from_a_source_checkout_that_is_not_installed(tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"package {checkout / 'overlapckpt' / '__init__.py'}" in proc.stdout  # the copy, not the install
     assert "committed 0" in proc.stdout  # the step before the Checkpointer: its count starts there
+
+
+def test_the_writer_is_ready_when_the_constructor_returns(tmp_path):
+    # Before: the writer started lazily, so the first request waited for its start-up (0.9-2 s)
+    # holding the only slot, and the requests made meanwhile were merged into one.
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path, every=1) as ckpt:
+        assert ckpt._engine.link.writer._ready  # answered before the first step
+        for _ in range(3):
+            train_step(model, opt, sched, sampler)
+            ckpt.step()
+            ckpt.wait(timeout_s=120)
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == [
+        "step-000000001", "step-000000002", "step-000000003",
+    ]

@@ -149,13 +149,15 @@ class GradientLogger:
             GradientStep(step=step, groups=list(range(copied_groups)), hyperparameters=hyperparameters, grad_none=none)
         )
         out = LoggedGradients(tickets=[hp_ticket] if hp_ticket is not None else [])
+        # Made on the first step that logs into these views; the sources are each step's gradients.
+        route = slot.route(self.copier, ("gradients", slot.grad_buffer_id, i, copied_groups, tuple(none)), sources, destinations)
         if self.copier.clone_is_cheap:
             # Cloned on the compute stream before the step: exactly what the step
             # consumes; no later kernel writes a clone, so its drain needs no fence.
             clones = self.copier.stage(sources)
-            out.tickets.append(self.copier.copy_async(clones, destinations, keepalive=clones))
+            out.tickets.append(self.copier.copy_async(clones, destinations, keepalive=clones, route=route))
             return out
-        ticket = self.copier.copy_async(sources, destinations)
+        ticket = self.copier.copy_async(sources, destinations, route=route)
         out.tickets.append(ticket)
         if step_writes_gradients(self.optimizer):
             out.fence_before_step = ticket

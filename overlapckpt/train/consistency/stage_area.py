@@ -32,6 +32,7 @@ import torch
 
 from ...errors import ConfigError, InternalError
 from ...hostbuf import view_bytes
+from ..copying.device import TensorRun
 from ..copying.layout import StateLayout
 from ..copying.plan import CopyPlan, align_bytes
 from ..copying.transfer import Copier, CopyTicket, copy_on_host
@@ -55,6 +56,8 @@ class StagingArea:
         self.budget_bytes = budget_bytes
         self.region: torch.Tensor | None = None
         self._drains: list[CopyTicket] = []  # drain copies that read the region and may not have landed
+        # (key, layout, entry indices, region views, live sources) of the last plan staged: reused while it holds.
+        self._views: tuple[tuple[int, int, int, int], StateLayout, list[int], TensorRun, TensorRun] | None = None
 
     def needed_bytes(self, plan: CopyPlan, layout: StateLayout) -> int:
         """Bytes the region needs for ``plan``: the entries of groups 1..W-1 that live on the device."""
@@ -83,6 +86,7 @@ class StagingArea:
                 "window, consistency='replay' (no device memory), or free device memory"
             )
         self.region = None  # freed first, so the old and the new region are never both held
+        self._views = None  # they view the old region
         self.region = self.copier.allocate_on_training_stream(needed_bytes)
 
     def stage(self, plan: CopyPlan, layout: StateLayout, host_views: list[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -113,14 +117,21 @@ class StagingArea:
         region = self.region
         if region is None:
             raise InternalError("stage mode found no staging region after reserving it")
-        cursor = 0
-        region_views: list[torch.Tensor] = []
-        for i in on_device:
-            e = layout.entries[i]
-            staged[i] = view = view_bytes(region, cursor, e.dtype, e.shape)
-            region_views.append(view)
-            cursor += align_bytes(e.nbytes)
-        self.copier.copy_on_training_stream(region_views, [layout.live_tensors[i] for i in on_device])
+        key = (region.data_ptr(), id(layout), plan.fingerprint, plan.window_steps)
+        if self._views is None or self._views[0] != key or self._views[1] is not layout:
+            cursor = 0
+            region_views = TensorRun()
+            for i in on_device:
+                e = layout.entries[i]
+                region_views.append(view_bytes(region, cursor, e.dtype, e.shape))
+                cursor += align_bytes(e.nbytes)
+            # Views and sources are the same tensors for every snapshot of this plan: made once
+            # (a TensorRun, so the device keeps its per-tensor work for them too).
+            self._views = (key, layout, on_device, region_views, TensorRun(layout.live_tensors[i] for i in on_device))
+        _, _, indices, region_views, sources = self._views
+        for i, view in zip(indices, region_views):
+            staged[i] = view
+        self.copier.copy_on_training_stream(region_views, sources)
         return staged
 
     def note_drain(self, ticket: CopyTicket) -> None:
@@ -132,4 +143,5 @@ class StagingArea:
 
     def release(self) -> None:
         self._drains = []
+        self._views = None
         self.region = None

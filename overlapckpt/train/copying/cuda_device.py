@@ -69,12 +69,18 @@ class CudaDevice:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def copy_(self, destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
-        same = [k for k, (d, s) in enumerate(zip(destinations, sources)) if d.device == s.device]
-        if same:
-            torch._foreach_copy_([destinations[k] for k in same], [sources[k] for k in same])
-        for k in sorted(set(range(len(sources))) - set(same)):
-            # Into pinned host memory: an asynchronous DMA (non_blocking=False would sync the host).
-            destinations[k].copy_(sources[k], non_blocking=True)
+        # No autograd: a source may be a parameter (a copy route passes them undetached), and
+        # a recorded copy would tie the destination to the parameter's graph.
+        with torch.no_grad():
+            same = [k for k, (d, s) in enumerate(zip(destinations, sources)) if d.device == s.device]
+            if len(same) == len(sources):
+                torch._foreach_copy_(list(destinations), list(sources))  # one grouped launch (a route's gather)
+                return
+            if same:
+                torch._foreach_copy_([destinations[k] for k in same], [sources[k] for k in same])
+            for k in sorted(set(range(len(sources))) - set(same)):
+                # Into pinned host memory: an asynchronous DMA (non_blocking=False would sync the host).
+                destinations[k].copy_(sources[k], non_blocking=True)
 
     def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=True)

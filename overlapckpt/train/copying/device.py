@@ -109,6 +109,21 @@ class StreamDevice(Protocol):
     def close(self) -> None: ...
 
 
+class TensorRun(list[torch.Tensor]):
+    """Tensors that a copy route passes to ``copy_`` on every copy, never changed after it is made.
+
+    Hashed and compared by identity, so a device may keep work derived from a run (the
+    emulated device keeps its device views and host ranges) for exactly as long as the
+    run lives, in a ``WeakKeyDictionary``. A plain list gets no such cache: its caller may
+    edit it between copies.
+    """
+
+    __hash__ = object.__hash__  # type: ignore[assignment]
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+
 def align_up(nbytes: int, alignment: int) -> int:
     """``nbytes`` rounded up to a multiple of ``alignment``."""
     return (nbytes + alignment - 1) // alignment * alignment

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from ...errors import CopyStreamStuckError
-from .device import align_up
+from .device import TensorRun, align_up
 
 SCHEDULES = ("async", "held", "eager")
 POISON_BYTE = 0xA5  # fp32 0xA5A5A5A5 is -2.9e-16: garbage that looks like a number, as on a GPU
@@ -219,6 +219,10 @@ class EmulatedDevice:
         self.host_stream = EmulatedStream(self, "host", schedule, synchronous=True)
         self._streams: list[EmulatedStream] = []
         self._local = threading.local()
+        # Device views (and host ranges) of the TensorRuns that copy routes pass, for as long as each run lives.
+        self._runs: weakref.WeakKeyDictionary[TensorRun, tuple[list[torch.Tensor], tuple[tuple[int, int], ...] | None]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._lock = threading.RLock()  # storage finalizers may run on any thread, inside our own calls
         self._live: dict[int, _Block] = {}  # handed-out storage address -> its block
         self._cache: dict[int, list[_Block]] = {}  # id(stream) -> free blocks
@@ -385,16 +389,34 @@ class EmulatedDevice:
     def copy_(self, destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
         if not sources:
             return
-        dsts = [self._device_view(d) for d in destinations]
-        srcs = [self._device_view(s) for s in sources]
-        with self._lock:
-            device_addresses = {b.backing.data_ptr() for b in self._live.values()}
-        host_ranges = tuple(
-            (d.data_ptr(), d.numel() * d.element_size())
-            for d, o in zip(dsts, destinations)
-            if o.untyped_storage().data_ptr() not in device_addresses
-        )
+        dsts, host_ranges = self._run_views(destinations, with_host_ranges=True)
+        srcs, _ = self._run_views(sources, with_host_ranges=False)
         self.current_stream().enqueue(lambda: torch._foreach_copy_(dsts, srcs), host_ranges)
+
+    def _run_views(
+        self, tensors: Sequence[torch.Tensor], with_host_ranges: bool
+    ) -> tuple[list[torch.Tensor], tuple[tuple[int, int], ...]]:
+        """Device views of ``tensors`` and the host ranges among them; kept while a ``TensorRun`` lives.
+
+        A run's tensors are held by the run, so their blocks stay theirs: the views (the
+        per-tensor work here, as a CUDA launch's set-up is on the GPU) are made once.
+        """
+        cached = self._runs.get(tensors) if isinstance(tensors, TensorRun) else None
+        if cached is not None and (cached[1] is not None or not with_host_ranges):
+            return cached[0], cached[1] or ()
+        views = cached[0] if cached is not None else [self._device_view(t) for t in tensors]
+        host_ranges: tuple[tuple[int, int], ...] | None = None
+        if with_host_ranges:
+            with self._lock:
+                device_addresses = {b.backing.data_ptr() for b in self._live.values()}
+            host_ranges = tuple(
+                (v.data_ptr(), v.numel() * v.element_size())
+                for v, t in zip(views, tensors)
+                if t.untyped_storage().data_ptr() not in device_addresses
+            )
+        if isinstance(tensors, TensorRun):
+            self._runs[tensors] = (views, host_ranges)
+        return views, host_ranges or ()
 
     def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)

@@ -38,7 +38,7 @@ from ..writer_client.client import WriterClient
 from ..writer_client.link import WriterLink
 from .layout import StateLayout
 from .plan import CopyPlan
-from .transfer import Copier, CopyTicket
+from .transfer import Copier, CopyRoute, CopyTicket
 
 # A background allocation that takes longer than this is stuck (a full /dev/shm blocks no call, it fails).
 _PREALLOCATE_TIMEOUT_S = 600.0
@@ -58,6 +58,9 @@ class HostSlot:
     # Destination views for each entry, cached per plan: building them costs host time.
     views_key: tuple[int, int] | None = None  # (layout fingerprint, window) of the cached views
     views: list[torch.Tensor] = field(default_factory=list)
+    # The copy routes into this slot (per copy group, per logged gradient step), for the cached views'
+    # plan: they hold views of this slot's buffers, so they go when the views or a buffer go.
+    routes: dict[tuple[object, ...], CopyRoute | None] = field(default_factory=dict)
 
     def entry_views(self, plan: CopyPlan, layout: StateLayout) -> list[torch.Tensor]:
         """Where each entry of ``layout`` lands in this slot under ``plan``."""
@@ -65,7 +68,21 @@ class HostSlot:
         if self.views_key != key or len(self.views) != len(layout.entries):
             self.views = [self.buffer.view(off, e.dtype, e.shape) for e, off in zip(layout.entries, plan.offsets)]
             self.views_key = key
+            self.routes = {}
         return self.views
+
+    def route(
+        self,
+        copier: Copier,
+        key: tuple[object, ...],
+        sources: list[torch.Tensor],
+        destinations: list[torch.Tensor],
+        keep_sources: bool = False,
+    ) -> CopyRoute | None:
+        """The copier's route for ``key`` (made on first use from these sources and destinations)."""
+        if key not in self.routes:
+            self.routes[key] = copier.route(sources, destinations, keep_sources)
+        return self.routes[key]
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.buffer.tensor] + ([self.grad_buffer.tensor] if self.grad_buffer is not None else [])
@@ -219,6 +236,7 @@ class SlotPool:
         slot.pending = []
         self.slots.remove(slot)
         slot.views = []
+        slot.routes = {}
         self._release_gradient_buffer(slot)
         slot.buffer.release()
         self._tell_writer(p.ReleaseBufferRequest(slot.buffer_id))
@@ -235,6 +253,7 @@ class SlotPool:
     def _release_gradient_buffer(self, slot: HostSlot) -> None:
         if slot.grad_buffer is None:
             return
+        slot.routes = {}  # some hold views of the gradient buffer
         slot.grad_buffer.release()
         slot.grad_buffer = None
         if slot.grad_buffer_id is not None:

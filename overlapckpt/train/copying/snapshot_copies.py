@@ -87,7 +87,12 @@ class SnapshotCopies:
                 for k, c in zip(buffers, clones):
                     src[k] = c
                 keepalive = clones
-        ticket = self.copier.copy_async(src, [views[i] for i in idx], keepalive=keepalive)
+        # The per-tensor work of this group's copy, done on its first copy into this slot under this plan.
+        dst = [views[i] for i in idx]
+        # The live tensors are the same on every copy under this plan (clones of buffers are not, and
+        # staged views belong to the stage area, which may replace its region): the route keeps them.
+        route = snap.slot.route(self.copier, ("group", j, from_staging), src, dst, keep_sources=not (from_staging or keepalive))
+        ticket = self.copier.copy_async(src, dst, keepalive=keepalive, route=route)
         ticket.group_index = j
         snap.tickets.append(ticket)
         if from_staging:

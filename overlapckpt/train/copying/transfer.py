@@ -44,6 +44,7 @@ slot once the DMA has landed.
 from __future__ import annotations
 
 import enum
+import operator
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -51,12 +52,15 @@ from typing import Any, Protocol
 
 import torch
 
-from .device import StreamDevice, align_up
+from .device import StreamDevice, TensorRun, align_up
 
 # Device tensors below this size are gathered into one device scratch buffer and
 # copied to the host in one transfer: each copy costs a few microseconds of launch
 # and DMA set-up, and an optimizer has one 4-byte ``step`` tensor per parameter.
 SMALL_COPY_BYTES = 64 * 1024
+# A copy route keeps its packed scratch for the plan's life only up to this size; a larger
+# span gets its scratch per copy, as a copy without a route does (device memory is the trainer's).
+ROUTE_SCRATCH_MAX_BYTES = 64 << 20
 # Clones packed into one allocation start on this boundary, so every dtype views them in place.
 CLONE_ALIGN_BYTES = 64
 
@@ -109,7 +113,14 @@ class Copier(Protocol):
         sources: Sequence[torch.Tensor],
         destinations: Sequence[torch.Tensor],
         keepalive: Sequence[torch.Tensor] = (),
+        route: CopyRoute | None = None,
     ) -> CopyTicket: ...
+
+    def route(
+        self, sources: Sequence[torch.Tensor], destinations: Sequence[torch.Tensor], keep_sources: bool = False
+    ) -> CopyRoute | None:
+        """The per-tensor work of copying such sources into ``destinations``, done once (None: nothing to save)."""
+        ...
 
     def stage(self, sources: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
 
@@ -169,6 +180,45 @@ class PackedSpan:
     def covers(self, destination: torch.Tensor) -> bool:
         start = self.span.data_ptr()
         return start <= destination.data_ptr() < start + self.span.numel()
+
+
+@dataclass(eq=False)
+class CopyRoute:
+    """One group's copies worked out once per plan and slot, so that a step's copy is grouped launches only.
+
+    Made by ``StreamCopier.route`` from a first set of sources and the slot's destinations;
+    valid for any sources of the same placement, dtypes and shapes in the same order (the
+    plan's live tensors, or its parameters' gradients, step after step), into the same
+    destinations. Without it, every copy redoes the per-tensor work below: which sources
+    are device-resident, which destinations pack into one span, the scratch views.
+    """
+
+    destinations: TensorRun
+    nbytes: int
+    device_indices: tuple[int, ...]  # sources copied through the device, in order
+    packed_indices: tuple[int, ...]  # of those, the ones gathered into the scratch
+    every_source_packed: bool  # packed_indices is every source, in order: pass the sources as they come
+    span: torch.Tensor | None  # the host bytes the scratch lands in (one DMA)
+    scratch: torch.Tensor | None  # device memory laid out like the span, allocated on the side stream
+    scratch_views: TensorRun  # where each packed source goes inside the scratch
+    rest_indices: tuple[int, ...]  # device sources copied one by one
+    rest_destinations: TensorRun
+    host_now_indices: tuple[int, ...]  # host-resident sources copied at the call
+    host_now_destinations: list[torch.Tensor]
+    host_deferred_indices: tuple[int, ...]  # host-resident sources inside the span: written after its DMA
+    host_deferred_destinations: list[torch.Tensor]
+    # The first copy's sources, when the caller's sources are the same tensors on every copy
+    # (the plan's live tensors): passed instead, so a device keeps their per-tensor work too.
+    sources: TensorRun | None = None
+    packed_sources: TensorRun | None = None  # of those, the ones gathered into the scratch
+    rest_sources: TensorRun | None = None  # and the ones copied one by one
+    span_run: TensorRun = field(default_factory=TensorRun)  # [span] and [scratch], as runs: the DMA's views once
+    scratch_run: TensorRun = field(default_factory=TensorRun)
+
+    def kept_sources(self, sources: Sequence[torch.Tensor]) -> bool:
+        """Whether ``sources`` are the very tensors the route keeps (identity, compared in C)."""
+        kept = self.sources
+        return kept is not None and len(kept) == len(sources) and all(map(operator.is_, kept, sources))
 
 
 def plan_packed_copy(
@@ -238,12 +288,18 @@ class CpuCopier:
         sources: Sequence[torch.Tensor],
         destinations: Sequence[torch.Tensor],
         keepalive: Sequence[torch.Tensor] = (),
+        route: CopyRoute | None = None,
     ) -> CopyTicket:
         start = time.perf_counter()
         copy_on_host(sources, destinations)
         end = time.perf_counter()
         nbytes = sum(tensor_nbytes(d) for d in destinations)
         return CopyTicket(nbytes=nbytes, enqueued_at_s=start, landed_at_s=end, copy_s=end - start)
+
+    def route(
+        self, sources: Sequence[torch.Tensor], destinations: Sequence[torch.Tensor], keep_sources: bool = False
+    ) -> CopyRoute | None:
+        return None  # one memcpy per tensor at the call: nothing to work out in advance
 
     def stage(self, sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         # The copy happens at the call, before any later mutation: nothing to protect.
@@ -301,7 +357,10 @@ class StreamCopier:
         sources: Sequence[torch.Tensor],
         destinations: Sequence[torch.Tensor],
         keepalive: Sequence[torch.Tensor] = (),
+        route: CopyRoute | None = None,
     ) -> CopyTicket:
+        if route is not None:
+            return self._copy_routed(sources, route, keepalive)
         dev = self.device
         enqueued = time.perf_counter()
         resident = [dev.is_resident(s) for s in sources]
@@ -342,6 +401,87 @@ class StreamCopier:
             deferred_host_writes=deferred,
         )
 
+    def route(
+        self, sources: Sequence[torch.Tensor], destinations: Sequence[torch.Tensor], keep_sources: bool = False
+    ) -> CopyRoute | None:
+        """Work out once what ``copy_async`` would per copy; the scratch is allocated here, on the side stream.
+
+        ``keep_sources``: the caller copies these same tensors every time (they are held by the route).
+        """
+        dev = self.device
+        device_indices = tuple(k for k, s in enumerate(sources) if dev.is_resident(s))
+        host_indices = [k for k in range(len(sources)) if k not in set(device_indices)]
+        dev_src = [sources[k].detach() for k in device_indices]
+        dev_dst = [destinations[k] for k in device_indices]
+        packed, rest = plan_packed_copy(dev_src, dev_dst)
+        scratch = None
+        scratch_views: list[torch.Tensor] = []
+        packed_indices: tuple[int, ...] = ()
+        if packed is not None:
+            if packed.span.numel() > ROUTE_SCRATCH_MAX_BYTES:
+                return None  # too large to keep: copies without a route take their scratch per copy
+            rest_set = set(rest)
+            packed_indices = tuple(device_indices[j] for j in range(len(device_indices)) if j not in rest_set)
+            # Allocated on the side stream, where every use of it is queued: each copy's gather
+            # into it runs after the previous copy's DMA out of it, in that stream's order.
+            with dev.stream_context(self.side_stream):
+                scratch = dev.empty(packed.span.numel())
+            scratch_views = views_of(scratch, packed.scratch_offsets, packed.sources)
+        deferred = [k for k in host_indices if packed is not None and packed.covers(destinations[k])]
+        now = [k for k in host_indices if k not in set(deferred)]
+        return CopyRoute(
+            destinations=TensorRun(destinations),
+            nbytes=sum(tensor_nbytes(d) for d in destinations),
+            device_indices=device_indices,
+            packed_indices=packed_indices,
+            every_source_packed=packed_indices == tuple(range(len(sources))),
+            span=None if packed is None else packed.span,
+            scratch=scratch,
+            scratch_views=TensorRun(scratch_views),
+            rest_indices=tuple(device_indices[j] for j in rest),
+            rest_destinations=TensorRun(dev_dst[j] for j in rest),
+            host_now_indices=tuple(now),
+            host_now_destinations=[destinations[k] for k in now],
+            host_deferred_indices=tuple(deferred),
+            host_deferred_destinations=[destinations[k] for k in deferred],
+            sources=TensorRun(sources) if keep_sources else None,
+            packed_sources=TensorRun(sources[k] for k in packed_indices) if keep_sources else None,
+            rest_sources=TensorRun(sources[device_indices[j]] for j in rest) if keep_sources else None,
+            span_run=TensorRun([] if packed is None else [packed.span]),
+            scratch_run=TensorRun([] if scratch is None else [scratch]),
+        )
+
+    def _copy_routed(self, sources: Sequence[torch.Tensor], route: CopyRoute, keepalive: Sequence[torch.Tensor]) -> CopyTicket:
+        """``copy_async`` along a route: the same fences and launches, none of the per-tensor planning."""
+        dev = self.device
+        enqueued = time.perf_counter()
+        kept = route.kept_sources(sources)
+        # Fence 1: the side stream must not read the state before the optimizer step
+        # queued on the training stream has written it.
+        dev.wait_stream(self.side_stream, self.training_stream)
+        with dev.stream_context(self.side_stream):
+            start = dev.record_event(self.side_stream)
+            self.after_side_stream_wait()
+            if route.scratch is not None:
+                if kept and route.packed_sources is not None:
+                    packed: Sequence[torch.Tensor] = route.packed_sources
+                else:
+                    packed = sources if route.every_source_packed else [sources[k] for k in route.packed_indices]
+                dev.copy_(route.scratch_views, packed)
+                dev.copy_(route.span_run, route.scratch_run)
+            if route.rest_indices:
+                rest = route.rest_sources if kept and route.rest_sources is not None else [sources[k] for k in route.rest_indices]
+                dev.copy_(route.rest_destinations, rest)
+            done = dev.record_event(self.side_stream)
+        # Host-resident state is written by the host in program order: exact now, or kept
+        # now and written once the span's DMA (which covers its bytes) has landed.
+        deferred = [(d, sources[k].detach().clone()) for d, k in zip(route.host_deferred_destinations, route.host_deferred_indices)]
+        copy_on_host([sources[k] for k in route.host_now_indices], route.host_now_destinations)
+        return CopyTicket(
+            nbytes=route.nbytes, enqueued_at_s=enqueued, done_event=done, start_event=start, keepalive=list(keepalive),
+            deferred_host_writes=deferred,
+        )
+
     def is_device_resident(self, t: torch.Tensor) -> bool:
         return self.device.is_resident(t)
 
@@ -374,7 +514,8 @@ class StreamCopier:
 
     def copy_on_training_stream(self, destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
         with self.device.stream_context(self.training_stream):
-            self.device.copy_(destinations, [s.detach() for s in sources])
+            # Undetached: the device copies without autograd, and a TensorRun keeps its per-tensor work.
+            self.device.copy_(destinations, sources)
 
     def device_free_bytes(self) -> int | None:
         return self.device.mem_get_info()[0]
