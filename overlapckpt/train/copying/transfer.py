@@ -52,6 +52,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ...errors import InternalError
 from .device import StreamDevice, TensorRun, align_up
 
 # Device tensors below this size are gathered into one device scratch buffer and
@@ -359,47 +360,13 @@ class StreamCopier:
         keepalive: Sequence[torch.Tensor] = (),
         route: CopyRoute | None = None,
     ) -> CopyTicket:
-        if route is not None:
-            return self._copy_routed(sources, route, keepalive)
-        dev = self.device
-        enqueued = time.perf_counter()
-        resident = [dev.is_resident(s) for s in sources]
-        on_device = [k for k, r in enumerate(resident) if r]
-        on_host = [k for k, r in enumerate(resident) if not r]
-        dev_src = [sources[k].detach() for k in on_device]
-        dev_dst = [destinations[k] for k in on_device]
-        # Fence 1: the side stream must not read the state before the optimizer step
-        # queued on the training stream has written it.
-        dev.wait_stream(self.side_stream, self.training_stream)
-        with dev.stream_context(self.side_stream):
-            start = dev.record_event(self.side_stream)
-            self.after_side_stream_wait()
-            packed, rest = plan_packed_copy(dev_src, dev_dst)
-            if packed is not None:
-                # Allocated on the side stream and dropped right after: the allocator hands
-                # its memory to later work on this stream only, which runs after this copy.
-                scratch = dev.empty(packed.span.numel())
-                dev.copy_(views_of(scratch, packed.scratch_offsets, packed.sources), packed.sources)
-                dev.copy_([packed.span], [scratch])
-                del scratch
-            dev.copy_([dev_dst[k] for k in rest], [dev_src[k] for k in rest])
-            done = dev.record_event(self.side_stream)
-        deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
-        now: list[int] = []
-        for k in on_host:
-            if packed is not None and packed.covers(destinations[k]):
-                # The span's DMA writes these bytes too, later: keep the value of this
-                # version and write it once the DMA has landed (``_mark_landed``).
-                deferred.append((destinations[k], sources[k].detach().clone()))
-            else:
-                now.append(k)
-        # Host-resident state is written by the host in program order: exact now.
-        copy_on_host([sources[k] for k in now], [destinations[k] for k in now])
-        nbytes = sum(tensor_nbytes(d) for d in destinations)
-        return CopyTicket(
-            nbytes=nbytes, enqueued_at_s=enqueued, done_event=done, start_event=start, keepalive=list(keepalive),
-            deferred_host_writes=deferred,
-        )
+        if route is None:
+            # A route for this copy only: its scratch is dropped with it right after, on the side
+            # stream it was allocated on, so the allocator hands that memory to later work there only.
+            route = self._make_route(sources, destinations, keep_sources=False, scratch_limit_bytes=None)
+            if route is None:
+                raise InternalError("a copy route without a scratch limit was refused")
+        return self._copy_routed(sources, route, keepalive)
 
     def route(
         self, sources: Sequence[torch.Tensor], destinations: Sequence[torch.Tensor], keep_sources: bool = False
@@ -407,7 +374,17 @@ class StreamCopier:
         """Work out once what ``copy_async`` would per copy; the scratch is allocated here, on the side stream.
 
         ``keep_sources``: the caller copies these same tensors every time (they are held by the route).
+        None where the packed span is larger than a route may keep (``ROUTE_SCRATCH_MAX_BYTES``).
         """
+        return self._make_route(sources, destinations, keep_sources, scratch_limit_bytes=ROUTE_SCRATCH_MAX_BYTES)
+
+    def _make_route(
+        self,
+        sources: Sequence[torch.Tensor],
+        destinations: Sequence[torch.Tensor],
+        keep_sources: bool,
+        scratch_limit_bytes: int | None,
+    ) -> CopyRoute | None:
         dev = self.device
         device_indices = tuple(k for k, s in enumerate(sources) if dev.is_resident(s))
         host_indices = [k for k in range(len(sources)) if k not in set(device_indices)]
@@ -418,7 +395,7 @@ class StreamCopier:
         scratch_views: list[torch.Tensor] = []
         packed_indices: tuple[int, ...] = ()
         if packed is not None:
-            if packed.span.numel() > ROUTE_SCRATCH_MAX_BYTES:
+            if scratch_limit_bytes is not None and packed.span.numel() > scratch_limit_bytes:
                 return None  # too large to keep: copies without a route take their scratch per copy
             rest_set = set(rest)
             packed_indices = tuple(device_indices[j] for j in range(len(device_indices)) if j not in rest_set)
