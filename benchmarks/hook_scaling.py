@@ -107,8 +107,6 @@ def measure_one(tensors: int, mode: str, cycles: int, every: int) -> dict[str, A
                     optimizer.step()
                     ckpt.step()
                     this_cycle.append(ckpt.hook_host_s - counted)
-                    if os.environ.get("HOOK_SCALING_TRACE"):
-                        print(cycle, ckpt.step_count, round(this_cycle[-1] * 1e3, 2), file=sys.stderr)
                     launches.append(CountingDevice.launches - launched)
                     carried.append(CountingDevice.tensors_copied - copied)
                 ckpt.wait()

@@ -194,13 +194,10 @@ class CopyRoute:
     are device-resident, which destinations pack into one span, the scratch views.
     """
 
-    destinations: TensorRun
     nbytes: int
-    device_indices: tuple[int, ...]  # sources copied through the device, in order
     packed_indices: tuple[int, ...]  # of those, the ones gathered into the scratch
     every_source_packed: bool  # packed_indices is every source, in order: pass the sources as they come
-    span: torch.Tensor | None  # the host bytes the scratch lands in (one DMA)
-    scratch: torch.Tensor | None  # device memory laid out like the span, allocated on the side stream
+    scratch: torch.Tensor | None  # device memory laid out like the span (the host bytes it lands in), on the side stream
     scratch_views: TensorRun  # where each packed source goes inside the scratch
     rest_indices: tuple[int, ...]  # device sources copied one by one
     rest_destinations: TensorRun
@@ -213,7 +210,7 @@ class CopyRoute:
     sources: TensorRun | None = None
     packed_sources: TensorRun | None = None  # of those, the ones gathered into the scratch
     rest_sources: TensorRun | None = None  # and the ones copied one by one
-    span_run: TensorRun = field(default_factory=TensorRun)  # [span] and [scratch], as runs: the DMA's views once
+    span_run: TensorRun = field(default_factory=TensorRun)  # [span] and [scratch], as runs: the span's one DMA
     scratch_run: TensorRun = field(default_factory=TensorRun)
 
     def kept_sources(self, sources: Sequence[torch.Tensor]) -> bool:
@@ -387,7 +384,8 @@ class StreamCopier:
     ) -> CopyRoute | None:
         dev = self.device
         device_indices = tuple(k for k, s in enumerate(sources) if dev.is_resident(s))
-        host_indices = [k for k in range(len(sources)) if k not in set(device_indices)]
+        on_device = set(device_indices)
+        host_indices = [k for k in range(len(sources)) if k not in on_device]
         dev_src = [sources[k].detach() for k in device_indices]
         dev_dst = [destinations[k] for k in device_indices]
         packed, rest = plan_packed_copy(dev_src, dev_dst)
@@ -405,14 +403,12 @@ class StreamCopier:
                 scratch = dev.empty(packed.span.numel())
             scratch_views = views_of(scratch, packed.scratch_offsets, packed.sources)
         deferred = [k for k in host_indices if packed is not None and packed.covers(destinations[k])]
-        now = [k for k in host_indices if k not in set(deferred)]
+        deferred_set = set(deferred)
+        now = [k for k in host_indices if k not in deferred_set]
         return CopyRoute(
-            destinations=TensorRun(destinations),
             nbytes=sum(tensor_nbytes(d) for d in destinations),
-            device_indices=device_indices,
             packed_indices=packed_indices,
             every_source_packed=packed_indices == tuple(range(len(sources))),
-            span=None if packed is None else packed.span,
             scratch=scratch,
             scratch_views=TensorRun(scratch_views),
             rest_indices=tuple(device_indices[j] for j in rest),
