@@ -6,6 +6,12 @@ raw bytes lie, so that a load can check them against the manifest before anythin
 is unpickled, and ``data.pkl`` is then unpickled with torch's weights-only unpickler,
 its one storage being the bytes already read. One read, no copy.
 
+A large blob can also be located from its two ends only (``locate_from_ends``): the
+framing before the data and the zip directory after it. A load then reads the data
+straight into the tensor it restores, and never holds the blob in a buffer of its own
+(``blob_reader.py``); ``decode_meta`` says what that tensor must be (dtype, shape),
+without any of its bytes.
+
 Anything else than the plain form torch.save writes for one tensor (compression, more
 than one storage, big-endian data) returns None, and the caller uses ``torch.load``.
 """
@@ -15,8 +21,9 @@ from __future__ import annotations
 import io
 import struct
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -24,10 +31,42 @@ _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # a zip local file header: 30 by
 _LOCAL_SIGNATURE = b"PK\x03\x04"
 
 
+class Bytes(Protocol):
+    """What ``locate`` reads a blob through: its length, and its bytes by slice."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, span: slice, /) -> Any: ...
+
+
+class BlobEnds:
+    """A blob of ``length`` bytes of which only the first ``len(head)`` and the last ``len(tail)`` were read.
+
+    A slice inside either end is served; one reaching into the middle raises ValueError,
+    which ``locate`` takes as "not the plain form" (the caller then reads the whole blob).
+    """
+
+    def __init__(self, head: memoryview, tail: memoryview, length: int) -> None:
+        self.head, self.tail, self.length = head, tail, length
+        self.tail_start = length - len(tail)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, span: slice) -> memoryview:
+        start, stop, _ = span.indices(self.length)
+        stop = max(start, stop)
+        if stop <= len(self.head):
+            return self.head[start:stop]
+        if start >= self.tail_start:
+            return self.tail[start - self.tail_start : stop - self.tail_start]
+        raise ValueError(f"bytes {start}..{stop} of the blob lie between its two ends, which are all that was read")
+
+
 class ViewReader(io.RawIOBase):
     """A read-only, seekable file over a memoryview, with no copy of it (``io.BytesIO`` copies a memoryview)."""
 
-    def __init__(self, view: memoryview) -> None:
+    def __init__(self, view: Bytes) -> None:
         self._view = view
         self._position = 0
 
@@ -62,7 +101,7 @@ class TensorRecord:
     pickle_bytes: bytes  # data.pkl: what the tensor is (dtype, shape, strides), read from the zip
 
 
-def locate(view: memoryview) -> TensorRecord | None:
+def locate(view: Bytes) -> TensorRecord | None:
     """The record's layout, from the zip's directory only; None if it is not torch.save's plain form of one tensor.
 
     Members are read through their local headers, not ``ZipFile.read``: the writer turns
@@ -90,7 +129,15 @@ def locate(view: memoryview) -> TensorRecord | None:
     return TensorRecord(start, end, bytes(view[pickle_start:pickle_end]))
 
 
-def _member_span(view: memoryview, info: zipfile.ZipInfo) -> tuple[int, int] | None:
+def locate_from_ends(ends: BlobEnds) -> TensorRecord | None:
+    """``locate`` from a blob's two ends; None also when the framing before or after the data is not all in them."""
+    record = locate(ends)
+    if record is None or record.data_start > len(ends.head) or record.data_end < ends.tail_start:
+        return None
+    return record
+
+
+def _member_span(view: Bytes, info: zipfile.ZipInfo) -> tuple[int, int] | None:
     """Where a stored member's bytes lie: after its local header, its name and its extra field."""
     header = bytes(view[info.header_offset : info.header_offset + _LOCAL_HEADER.size])
     if len(header) != _LOCAL_HEADER.size:
@@ -109,13 +156,28 @@ def decode_in_place(buffer: Any, record: TensorRecord) -> torch.Tensor | None:
     ``buffer`` must be writable and stay alive as long as the tensor (it does: the tensor
     holds it). None if the pickle is not one plain tensor over exactly that storage.
     """
-    from torch._weights_only_unpickler import Unpickler
-
     view = memoryview(buffer)
     nbytes = record.data_end - record.data_start
     region = (
         torch.frombuffer(view[record.data_start : record.data_end], dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
     )
+    tensor = _unpickle_one_tensor(record, lambda: region.untyped_storage())
+    if tensor is None or (nbytes and tensor.data_ptr() != region.data_ptr()):
+        return None
+    return tensor
+
+
+def decode_meta(record: TensorRecord) -> torch.Tensor | None:
+    """What the record's tensor is (dtype, shape, strides), as a tensor on the meta device: none of its bytes are needed."""
+    nbytes = record.data_end - record.data_start
+    return _unpickle_one_tensor(record, lambda: torch.UntypedStorage(nbytes, device="meta"))
+
+
+def _unpickle_one_tensor(record: TensorRecord, storage: Callable[[], torch.UntypedStorage]) -> torch.Tensor | None:
+    """``data.pkl`` with the weights-only unpickler, its one storage being ``storage()``; None unless one plain tensor over all of it."""
+    from torch._weights_only_unpickler import Unpickler
+
+    nbytes = record.data_end - record.data_start
     used: list[Any] = []
 
     def persistent_load(saved_id: Any) -> Any:
@@ -124,7 +186,7 @@ def decode_in_place(buffer: Any, record: TensorRecord) -> torch.Tensor | None:
         if typename != "storage" or used or int(numel) * torch._utils._element_size(dtype) != nbytes:
             raise ValueError("not the one storage of this record")
         used.append(key)
-        return torch.storage.TypedStorage(wrap_storage=region.untyped_storage(), dtype=dtype, _internal=True)
+        return torch.storage.TypedStorage(wrap_storage=storage(), dtype=dtype, _internal=True)
 
     unpickler = Unpickler(io.BytesIO(record.pickle_bytes))
     unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
@@ -137,7 +199,6 @@ def decode_in_place(buffer: Any, record: TensorRecord) -> torch.Tensor | None:
         or not tensor.is_contiguous()
         or tensor.storage_offset() != 0
         or tensor.numel() * tensor.element_size() != nbytes
-        or (nbytes and tensor.data_ptr() != region.data_ptr())
     ):
         return None
     return tensor

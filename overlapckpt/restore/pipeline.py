@@ -12,6 +12,7 @@ from ..errors import (
     ConfigError,
     OverlapCkptError,
 )
+from ..format.blob_reader import ADOPT, CHECK, PLACE
 from ..format.manifest import CheckpointInfo
 from ..format.verify import read_manifest
 from ..optimizers import torch_optimizers, unwrap_optimizer
@@ -48,12 +49,16 @@ def load(
 
     ``path`` is the checkpoint root (``step=None`` loads the newest committed
     checkpoint) or one checkpoint directory (``CheckpointInfo.path``). The checkpoint
-    is read into host memory and checked first (shapes, then per-item checksums when
-    ``verify``), so a mismatched or corrupt checkpoint raises before any live object
-    changes. With ``verify``, ``.metadata`` and every shard's size are checked first,
-    then every blob read is checked against the manifest's checksums as it arrives,
-    before it is decoded (CorruptCheckpointError naming the file and blob), and each
-    decoded tensor against the checksum of the snapshot it was saved from: one read.
+    is checked first (shapes; with ``verify``, every byte), so a mismatched or corrupt
+    checkpoint raises before any live object changes. With ``verify``, ``.metadata``
+    and every shard's size are checked first, then every blob the load needs against
+    the manifest's checksums, before it is decoded (CorruptCheckpointError naming the
+    file and blob), and each tensor against the checksum of the snapshot it was saved
+    from. From a local directory that check hashes the shards' pages in place, and a
+    second pass reads the tensors straight into the live ones (nothing else is
+    allocated); from object storage, one read into host memory serves both. With
+    ``verify=False`` nothing is checked: a damaged checkpoint can fail halfway, and the
+    error then says that the objects are partly loaded.
     (``overlapckpt verify`` checks every stored byte, blobs this load does not read too.) Storage
     failures raise CheckpointReadError, never CorruptCheckpointError.
 
@@ -90,10 +95,20 @@ def load(
     agree_before_reading(group, failure, name)
     where = store.checkpoint_url(name)  # type: ignore[arg-type]
 
-    host = empty_like_on_cpu(target)
     if name is None:  # every rank agreed above that nothing failed, so the name was resolved
         raise CheckpointNotFoundError(f"no checkpoint under {path!r} to load")
-    read_into(store, name, host, group, manifest if verify else None)
+    if store.is_local:
+        # Local files: a second read comes from the page cache at memory speed. The first pass
+        # reads and checks every blob and changes nothing; the second reads into the live
+        # tensors themselves, which are in memory already. Host tensors of the load's own
+        # would fault in fresh memory, a page per 4 KiB: that made load bimodal (direct_read.py).
+        # The second pass checks again only what changed since the first (it refuses it).
+        checked = read_into(store, name, target, group, manifest, mode=CHECK) if verify else None
+        read_into(store, name, target, group, manifest if verify else None, mode=PLACE, checked_files=checked)
+        host = target
+    else:  # a second read would be a second download: one read, into host tensors of the load's own
+        host = empty_like_on_cpu(target)
+        read_into(store, name, host, group, manifest if verify else None, mode=ADOPT)
 
     extra = per_rank_extra_state(manifest, rank) if per_rank_state == "restore" else {}
     if per_rank_state == "restore":

@@ -18,30 +18,63 @@ from ..errors import (
     SignatureError,
     UnsafeCheckpointError,
 )
-from ..format.blob_reader import ExpectedSums
+from ..format.blob_reader import ADOPT, PLACE, ExpectedSums, FileIdentity
 from ..format.manifest import Manifest
 from ..format.safe_unpickle import SafeLoadPlanner
 from ..format.storage import CheckpointStore, dcp_root_cause, is_storage_error, read_error, translate_read_errors
 
 
 def read_into(
-    store: CheckpointStore, name: str, host: dict[str, Any], process_group: Any = None, manifest: Manifest | None = None
-) -> None:
-    """Fill host tensors from checkpoint ``name`` with DCP (collectively with ``process_group`` when given).
+    store: CheckpointStore,
+    name: str,
+    host: dict[str, Any],
+    process_group: Any = None,
+    manifest: Manifest | None = None,
+    mode: str = ADOPT,
+    checked_files: dict[str, FileIdentity] | None = None,
+) -> dict[str, FileIdentity]:
+    """Fill the tensors of ``host`` from checkpoint ``name`` with DCP (collectively with ``process_group`` when given).
 
     With ``manifest``, every blob is checked as it is read, and every decoded tensor
-    against the snapshot it was saved from (``format/blob_reader.py``).
+    against the snapshot it was saved from (``format/blob_reader.py``). ``mode``: ADOPT
+    (``host`` holds tensors this load allocated: decoded ones take their place), CHECK
+    (read and check only) or PLACE (``host`` holds the live tensors: read into them).
+    ``checked_files``: what a CHECK pass returned; the files it checked, found unchanged,
+    are read without checking their bytes again. Returns the local files read, by name.
     CheckpointReadError if storage fails, CorruptCheckpointError if the bytes are
     damaged or cannot be decoded.
     """
+    reader = store.make_reader(name)
+    try:
+        return _read_into(store, name, reader, host, process_group, manifest, mode, checked_files)
+    except (CorruptCheckpointError, CheckpointReadError) as e:
+        placed = getattr(reader, "tensors_placed", 0)
+        if mode != PLACE or not placed:
+            raise
+        raise type(e)(
+            f"{e}. {placed} tensor(s) had been read into the objects being loaded before this: they are partly "
+            "overwritten, so load a checkpoint into them again before training on"
+        ) from (e.__cause__ or e)
+
+
+def _read_into(
+    store: CheckpointStore,
+    name: str,
+    reader: Any,
+    host: dict[str, Any],
+    process_group: Any,
+    manifest: Manifest | None,
+    mode: str,
+    checked_files: dict[str, FileIdentity] | None,
+) -> dict[str, FileIdentity]:
     import torch.distributed.checkpoint as dcp
 
     where = store.checkpoint_url(name)
-    reader = store.make_reader(name)
     expect = getattr(reader, "expect", None)
     if expect is not None:  # each blob read once, on several threads; checked as it arrives with a manifest
-        expect(None if manifest is None else ExpectedSums.from_manifest(manifest, where))
-    elif manifest is not None:
+        expected = None if manifest is None else ExpectedSums.from_manifest(manifest, where)
+        expect(expected, mode=mode, checked_files=checked_files)
+    elif manifest is not None or mode != ADOPT:
         raise ConfigError(
             f"{type(store).__name__}.make_reader returned a {type(reader).__name__}, which cannot check blobs as it "
             "reads; build it with format.blob_reader.verified_reader_class, or load with verify=False"
@@ -64,6 +97,7 @@ def read_into(
         if is_storage_error(cause):
             raise read_error(f"the checkpoint {where}", cause) from cause
         raise CorruptCheckpointError(f"reading the checkpoint {where} failed: {type(cause).__name__}: {cause}") from cause
+    return dict(getattr(reader, "files_read", {}))
 
 
 def empty_like_on_cpu(value: Any) -> Any:
