@@ -90,10 +90,22 @@ class BlockingOnceStore(BlockingStore):
         return super().make_writer(name, before_commit)
 
 
+RETENTION_GATE_ENV = "OVERLAPCKPT_TEST_RETENTION_GATE"  # a FIFO: retention waits until the test writes a byte to it
+
+
+class GatedRetentionStore(CheckpointStore):
+    """Deleting what retention retired waits until the test opens the gate (a byte written to the FIFO the env names)."""
+
+    def purge_retired(self, retired: str) -> None:
+        with open(os.environ[RETENTION_GATE_ENV], "rb") as gate:
+            gate.read(1)  # blocks until the test writes
+        super().purge_retired(retired)
+
+
 class FailingRetentionStore(CheckpointStore):
     """Raises OSError whenever retention removes a checkpoint: a failure after the commit."""
 
-    def remove_checkpoint(self, name: str) -> None:
+    def retire_checkpoint(self, name: str) -> str:
         raise OSError(5, "Input/output error (injected)", name)
 
 

@@ -51,12 +51,13 @@ class _WriterState:
         self.control_page: torch.Tensor | None = None  # the mapping the watch reads and writes
         self.plans: dict[int, p.SetPlanRequest] = {}
 
-    def persist(self, req: p.PersistRequest, conn: Connection) -> p.CommittedResponse:
+    def persist(self, req: p.PersistRequest, conn: Connection, purge_later: list[str]) -> p.CommittedResponse:
         plan = self.plans[req.plan_id]
         return persist_snapshot(
             self.store, self.group, plan.entries, plan.offsets, plan.global_shapes, self.buffers, req, self.signing_key,
             write_threads=self.threads,
             on_replay=lambda finished: _send(conn, p.ReplayProgressNotice(req.request_id, finished)),
+            purge_later=purge_later,
         )
 
 
@@ -88,9 +89,9 @@ def _persist(conn: Connection, state: _WriterState, req: p.PersistRequest) -> No
         if group is not None and group.was_lost(req.name):
             _send(conn, _error_response(req.request_id, _lost(req.name, group.generation, "the replaced writer's rank lost it")))
             return
+        purge_later: list[str] = []
         try:
-            _send(conn, state.persist(req, conn))
-            return
+            _send(conn, state.persist(req, conn, purge_later))
         except BaseException as e:
             cause = dcp_root_cause(e)
             if group is None:
@@ -104,6 +105,14 @@ def _persist(conn: Connection, state: _WriterState, req: p.PersistRequest) -> No
             group.regroup()
             _send(conn, _error_response(req.request_id, _lost(req.name, group.generation, f"{type(e).__name__}: {e}")))
             return
+        # Answered: the checkpoint is durable and listed, the ones retention retired no longer
+        # are. Their bytes are deleted now, so that unlinking them is not the commit's time.
+        for leftover in purge_later:
+            try:
+                state.store.purge_retired(leftover)
+            except Exception as e:  # noqa: BLE001 - uncommitted already: only space is lost
+                logger.warning("overlapckpt: deleting %s, retired by retention, failed: %s: %s", leftover, type(e).__name__, e)
+        return
 
 
 def _map_sent_memory(fd_sock: socket.socket, nbytes: int) -> torch.Tensor:
