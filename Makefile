@@ -54,9 +54,14 @@ SOAK_TRIALS ?= 200
 soak: install
 	$(PY) tests/workers/soak.py --trials $(SOAK_TRIALS) --jobs 2
 
+# Every figure the README quotes, each with min / median / p90 / max over at least 7 repeats
+# (benchmarks/stats.py): the stall, time to durable against the peers, loads, hooks' host time.
 bench: install
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	$(PY) benchmarks/harness.py --size tiny --out benchmarks/results/cpu
+	$(PY) benchmarks/durable.py --out benchmarks/results/durable
+	$(PY) benchmarks/load.py --out benchmarks/results/load
+	$(PY) benchmarks/hook_scaling.py --tensors 300,3000,30000 --cycles 7 --out benchmarks/results/hook-scaling
 
 # 2 CPU ranks (gloo), DDP then FSDP2: overlapckpt against dcp.async_save, about 6 minutes on 2 cores.
 bench-dist: install

@@ -1,6 +1,6 @@
 """Time to durable, writer memory and load time: overlapckpt against dcp.async_save PROCESS and stock dcp.load.
 
-    python benchmarks/durable.py [--mib 768] [--repeats 3] [--disk DIR] [--tmpfs DIR]
+    python benchmarks/durable.py [--mib 768] [--repeats 7] [--disk DIR] [--tmpfs DIR]
                                  [--scale-mib 205,512,1024,2048] [--writer-threads 1,2]
                                  [--out benchmarks/results/durable]
 
@@ -12,11 +12,16 @@ storage (a directory on the local disk, and one on tmpfs), with fsync on:
   open, as in a job (its writer process and host slot exist already);
 - ``dcp.async_save(..., async_checkpointer_type=PROCESS)``: the call to its future's
   result, DCP's checkpoint process kept between saves as DCP keeps it;
+- the same with ``DefaultStager`` (shared memory; asynchronous staging needs CUDA):
+  the configuration TorchTitan calls its fastest, where this torch has it;
+- ``torch_checkpointing``'s asynchronous saver, TorchTitan 0.3's second checkpoint
+  manager, where it is installed (``benchmarks/peer_torch_checkpointing.py``);
 - the raw figure: one file of the same bytes written and fsynced.
 
-The three alternate per repeat. The first checkpoint of each method is reported apart
+They alternate per repeat. The first checkpoint of each method is reported apart
 ("cold": it starts the helper process and allocates its memory). Reported: the median
-of the later ones, the share of the raw write's bandwidth, the writer's and DCP's
+of the later ones with min / p90 / max (``stats.py``: at least 7 repeats), the share of
+the raw write's bandwidth, the writer's and DCP's
 process peak RSS (``VmHWM``), and the training process's RSS added by the Checkpointer.
 
 Then, on disk: loads of the same checkpoint with a warm page cache, alternated:
@@ -40,6 +45,7 @@ from typing import Any
 import torch
 from harness import init_single_rank_group
 from measure import machine_description
+from stats import MIN_REPEATS, spread, spread_text
 from torch import nn
 
 MIB = 2**20
@@ -117,6 +123,53 @@ def _dcp_save_s(model: nn.Module, opt: torch.optim.Optimizer, path: str) -> floa
     return time.perf_counter() - started
 
 
+class _DcpWithStager:
+    """``dcp.async_save`` PROCESS with ``DefaultStager`` in shared memory (pinned and asynchronous staging need CUDA)."""
+
+    label = "dcp.async_save PROCESS + DefaultStager"
+
+    def __init__(self) -> None:
+        from methods import _stager_closes_itself
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.options = StagingOptions(use_pinned_memory=False, use_shared_memory=True, use_async_staging=False, use_non_blocking_copy=False)
+        self.per_save = _stager_closes_itself()  # torch 2.11's stager closes itself after one save
+        self.stager: Any = DefaultStager(self.options)
+
+    @staticmethod
+    def available() -> bool:
+        import inspect
+
+        import torch.distributed.checkpoint as dcp
+
+        try:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: F401
+        except ImportError:
+            return False
+        return "async_stager" in inspect.signature(dcp.async_save).parameters
+
+    def save_s(self, model: nn.Module, opt: torch.optim.Optimizer, path: str) -> float:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.staging import DefaultStager
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        opt.step()
+        msd, osd = get_state_dict(model, opt)
+        if self.per_save:
+            self.stager = DefaultStager(self.options)
+        started = time.perf_counter()
+        response = dcp.async_save(
+            {"model": msd, "optimizer": osd}, checkpoint_id=path, async_checkpointer_type=_async_checkpointer_type().PROCESS,
+            async_stager=self.stager,
+        )
+        upload = getattr(response, "upload_completion", response)
+        upload.result()
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        self.stager.close()
+
+
 def _dcp_daemon_pid() -> int | None:
     """DCP's checkpoint process (torch keeps one per training process), where this torch names it."""
     try:
@@ -142,27 +195,44 @@ def _median(values: list[float]) -> float:
 
 
 def _storage_run(model: nn.Module, opt: torch.optim.Optimizer, base: str, repeats: int, writer_threads: int | None) -> dict[str, Any]:
-    """Cold and steady times to durable of the three methods on one storage, alternated."""
+    """Cold and steady times to durable of every method on one storage, alternated."""
     nbytes = _state_bytes(model)
     shutil.rmtree(base, ignore_errors=True)
     os.makedirs(base)
     ours = _Overlapckpt(model, opt, os.path.join(base, "ours"), writer_threads)
+    staged = _DcpWithStager() if _DcpWithStager.available() else None
+    titan2 = _torch_checkpointing(os.path.join(base, "tc"))
     steady: dict[str, list[float]] = {"overlapckpt window=1": [], "dcp.async_save PROCESS": [], "raw write": []}
+    if staged is not None:
+        steady[staged.label] = []
+    if titan2 is not None:
+        steady[titan2.label] = []
     dcp_cold = None
     dcp_was_running = _dcp_daemon_pid() is not None  # DCP keeps its process: only the run's first save starts it
     try:
         for i in range(repeats + 1):
             dcp_s = _dcp_save_s(model, opt, os.path.join(base, f"dcp-{i}"))
             shutil.rmtree(os.path.join(base, f"dcp-{i - 1}"), ignore_errors=True)  # keep one, as ours keeps two
+            staged_s = None if staged is None else staged.save_s(model, opt, os.path.join(base, f"staged-{i}"))
+            shutil.rmtree(os.path.join(base, f"staged-{i - 1}"), ignore_errors=True)
+            titan2_s = None if titan2 is None else titan2.save_s(model, opt, i)
             raw_s = _raw_write_s(nbytes, os.path.join(base, "raw"))
             if i == 0:
                 dcp_cold = None if dcp_was_running else dcp_s
                 continue
             steady["overlapckpt window=1"].append(ours.save_s())
             steady["dcp.async_save PROCESS"].append(dcp_s)
+            if staged is not None and staged_s is not None:
+                steady[staged.label].append(staged_s)
+            if titan2 is not None and titan2_s is not None:
+                steady[titan2.label].append(titan2_s)
             steady["raw write"].append(raw_s)
     finally:
         writer_peak = ours.close()
+        if staged is not None:
+            staged.close()
+        if titan2 is not None:
+            titan2.close()
     return {
         "state_bytes": nbytes,
         "writer_threads": writer_threads,
@@ -174,27 +244,24 @@ def _storage_run(model: nn.Module, opt: torch.optim.Optimizer, base: str, repeat
     }
 
 
+def _torch_checkpointing(directory: str) -> Any:
+    """torch_checkpointing's asynchronous saver where it can run here, else None (the report says why)."""
+    try:
+        import peer_torch_checkpointing as peer
+    except ImportError:
+        return None
+    if peer.available() is not None:
+        return None
+    return peer.TorchCheckpointingAsync(directory)
+
+
 def _load_run(root: str, mib: int, repeats: int) -> dict[str, list[float]]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    """Loads as ``benchmarks/load.py`` measures them: fresh objects per load, methods rotated."""
+    from load import measure
 
-    from overlapckpt import list_checkpoints, load
+    from overlapckpt import list_checkpoints
 
-    path = list_checkpoints(root)[-1].path
-    loads: dict[str, list[float]] = {"load(verify=True)": [], "load(verify=False)": [], "stock dcp.load": []}
-    fresh, fresh_opt = _model(mib)
-    load(path, fresh, fresh_opt)  # warms the page cache
-    for _ in range(repeats):
-        for verify in (True, False):
-            started = time.perf_counter()
-            load(path, fresh, fresh_opt, verify=verify)
-            loads[f"load(verify={verify})"].append(time.perf_counter() - started)
-        started = time.perf_counter()
-        msd, osd = get_state_dict(fresh, fresh_opt)
-        dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=path)
-        set_state_dict(fresh, fresh_opt, model_state_dict=msd, optim_state_dict=osd)
-        loads["stock dcp.load"].append(time.perf_counter() - started)
-    return loads
+    return {name: figures["s"] for name, figures in measure(list_checkpoints(root)[-1].path, mib, repeats).items()}
 
 
 def _replay_run(model: nn.Module, opt: torch.optim.Optimizer, base: str, window: int) -> dict[str, Any]:
@@ -344,19 +411,27 @@ def _report(result: dict[str, Any]) -> str:
         f"# Time to durable ({machine['date_utc']}, {machine['cpu_count']} CPUs, torch {machine['torch']}, "
         f"{result['mib']} MiB of AdamW state, commit {machine.get('commit')})"
     )
+    lines += ["", f"`{result.get('command', '')}`"]
     for storage, run in result["storages"].items():
         raw = _median(run["steady_s"]["raw write"])
         lines += ["", f"## {storage} ({run['dir']}), writer threads {run['writer_threads'] or 'default'}", ""]
-        lines += ["| method | request→durable, median (min–max) | share of raw bandwidth | first checkpoint (cold) |", "|---|---|---|---|"]
+        lines += [
+            "| method | request→durable: median (min / p90 / max) | share of raw bandwidth, median | first checkpoint (cold) |",
+            "|---|---|---|---|",
+        ]
         for name, ts in run["steady_s"].items():
             cold = run["cold_s"].get(name)
             cold_text = "–" if cold is None else f"{cold:.2f} s"
-            lines.append(f"| {name} | {_median(ts):.2f} s ({min(ts):.2f}–{max(ts):.2f}) | {raw / _median(ts):.0%} | {cold_text} |")
-        ratio = _median(run["steady_s"]["overlapckpt window=1"]) / _median(run["steady_s"]["dcp.async_save PROCESS"])
+            lines.append(f"| {name} | {spread_text(ts)} | {raw / _median(ts):.0%} | {cold_text} |")
+        ours = _median(run["steady_s"]["overlapckpt window=1"])
+        peers = {k: _median(v) for k, v in run["steady_s"].items() if k not in ("overlapckpt window=1", "raw write") and v}
+        strongest = min(peers, key=lambda k: peers[k])
+        ratios = ", ".join(f"{ours / v:.2f}× {k}" for k, v in peers.items())
         state_mib = run["state_bytes"] / MIB
         lines += [
             "",
-            f"overlapckpt / dcp.async_save: {ratio:.2f}×. Peak RSS: overlapckpt's writer {run['writer_peak_rss_mib']:.0f} MiB "
+            f"overlapckpt's median against each peer's: {ratios}; against the strongest ({strongest}): {ours / peers[strongest]:.2f}× "
+            f"(goal ≤ 0.5×). Share of the raw write's bandwidth: {raw / ours:.0%} (goal ≥ 50%). Peak RSS: overlapckpt's writer {run['writer_peak_rss_mib']:.0f} MiB "
             f"({run['writer_peak_rss_mib'] / state_mib:.2f}× the state; the goal 1.2× + 512 MiB is "
             f"{1.2 * state_mib + 512:.0f} MiB), DCP's checkpoint process {run['dcp_daemon_peak_rss_mib']:.0f} MiB; "
             f"the training process gained {run['trainer_extra_rss_mib']:.0f} MiB with the Checkpointer (its host slot).",
@@ -364,10 +439,14 @@ def _report(result: dict[str, Any]) -> str:
     for threads, figures in result.get("writer_threads_sweep", {}).items():
         lines.append(f"\nwriter_threads={threads}: " + ", ".join(f"{k} {v:.2f} s" for k, v in figures.items()))
     loads = result["loads_s"]
-    lines += ["", "## Loads (page cache warm, local disk)", "", "| load | median (min–max) | × stock dcp.load |", "|---|---|---|"]
-    stock = _median(loads["stock dcp.load"])
+    lines += [
+        "", "## Loads (page cache warm, local disk, fresh objects per load: benchmarks/load.py)", "",
+        "| load | median (min / p90 / max) | × stock dcp.load, median | × stock, p90 |", "|---|---|---|---|",
+    ]
+    stock = spread(loads["stock dcp.load"])
     for name, ts in loads.items():
-        lines.append(f"| {name} | {_median(ts):.2f} s ({min(ts):.2f}–{max(ts):.2f}) | {_median(ts) / stock:.2f}× |")
+        s = spread(ts)
+        lines.append(f"| {name} | {spread_text(ts)} | {s['median'] / stock['median']:.2f}× | {s['p90'] / stock['p90']:.2f}× |")
     lines.append(
         f"\nThe cost of verification: {_median(loads['load(verify=True)']) - _median(loads['load(verify=False)']):+.2f} s "
         "(verify=True minus verify=False)."
@@ -409,7 +488,7 @@ def _report(result: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=int, default=768)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=MIN_REPEATS)
     parser.add_argument("--disk", default=None, help="a directory on the local disk (default: the system's temporary directory)")
     parser.add_argument("--tmpfs", default="/dev/shm", help="a directory on tmpfs ('' skips it)")
     parser.add_argument("--scale-mib", default="205,512,1024,2048", help="state sizes of the scale run ('' skips it)")
@@ -419,6 +498,9 @@ def main() -> None:
     parser.add_argument("--replay-window", type=int, default=8, help="replay's share of time to durable at this window (1 skips it)")
     parser.add_argument("--out", default="benchmarks/results/durable")
     args = parser.parse_args()
+    if args.repeats < MIN_REPEATS:
+        parser.error(f"--repeats {args.repeats} is below {MIN_REPEATS}: a spread needs at least {MIN_REPEATS} repeats")
+    torch.set_num_threads(1)  # the trainer's thread: the writer and DCP's process get the other core
 
     init_single_rank_group()  # DCP's PROCESS checkpointer needs one even for one rank; overlapckpt then sees one rank
     model, opt = _model(args.mib)
@@ -426,7 +508,11 @@ def main() -> None:
     storages = {"local disk": disk}
     if args.tmpfs:
         storages["tmpfs"] = tempfile.mkdtemp(dir=args.tmpfs, prefix="durable-")
-    result: dict[str, Any] = {"machine": machine_description(torch.device("cpu")), "mib": args.mib, "storages": {}}
+    import sys
+
+    result: dict[str, Any] = {
+        "machine": machine_description(torch.device("cpu")), "mib": args.mib, "storages": {}, "command": "python " + " ".join(sys.argv),
+    }
     try:
         for storage, base in storages.items():
             run = _storage_run(model, opt, os.path.join(base, "run"), args.repeats, None)

@@ -34,10 +34,11 @@ sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 from measure import HostMemory, StepTimer, machine_description, pinned_copy_peak_bytes_per_s  # noqa: E402
 from methods import CheckpointRecord, Method, all_methods  # noqa: E402
 from report import markdown_table, plot_timeline, summarize_method, targets  # noqa: E402
+from stats import MIN_REPEATS  # noqa: E402
 from workload import SIZES, Workload  # noqa: E402
 
-# Where no --steps is given: enough checkpoints to average, few enough for the budget.
-DEFAULT_CHECKPOINTS = 3
+# Checkpoints per method and phase: the spread of each figure needs at least 7 (stats.py).
+DEFAULT_CHECKPOINTS = MIN_REPEATS
 FIRST_CHECKPOINT_STEP = 2  # timed steps before the first request, so its steps stand against a settled loop
 
 

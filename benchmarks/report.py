@@ -5,6 +5,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from stats import spread_text
+
 MIB = 1 << 20
 
 
@@ -186,6 +188,21 @@ def markdown_table(result: dict[str, Any]) -> str:
             f"{run['memory']['rss_peak_extra_bytes'] / MIB:.0f} | {run['memory']['children_rss_peak_bytes'] / MIB:.0f} | "
             f"{'–' if dev is None else f'{dev / MIB:.0f}'} | {x['throughput_vs_baseline'] * 100:.1f}% |"
         )
+    lines += [
+        "",
+        "Per checkpoint timed alone, median (min / p90 / max, and whether the max is within 1.5× of the median):",
+        "",
+        "| method | stall / ckpt ms | blocking / ckpt ms | request→commit s |",
+        "|---|---|---|---|",
+    ]
+    for _name, run in result["methods"].items():
+        x = run["metrics"]
+        cells = [
+            spread_text(x["stall_per_checkpoint_s"], "", 1000.0, 1) if x["blocking_s"] else "–",
+            spread_text(x["blocking_s"], "", 1000.0, 1) if x["blocking_s"] else "–",
+            spread_text(x["request_to_commit_s"], "", 1.0, 2) if x["request_to_commit_s"] else "–",
+        ]
+        lines.append(f"| {run['label']} | " + " | ".join(cells) + " |")
     if result.get("failed"):
         lines += ["", "Failed: " + "; ".join(f"{k}: {v.splitlines()[0]}" for k, v in result["failed"].items())]
     if result.get("skipped"):

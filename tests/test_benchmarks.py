@@ -305,3 +305,35 @@ def test_a_gpu_test_that_hangs_loses_itself_and_the_outcomes_are_written_as_they
     outcomes = [json.loads(line) for line in results.read_text().splitlines()]
     assert [(o["test"].split("::")[1], o["outcome"]) for o in outcomes] == [("test_hangs", "failed"), ("test_after", "passed")]
     assert "ran past --per-test-timeout-s=2.0" in proc.stdout
+
+
+def test_spread_reports_the_quantiles_and_whether_the_max_holds():
+    from stats import spread, spread_text
+
+    values = [1.0, 1.1, 0.9, 1.2, 1.0, 1.05, 2.0]
+    s = spread(values)
+    assert (s["min"], s["median"], s["p90"], s["max"], s["n"]) == (0.9, 1.05, 1.2, 2.0, 7)
+    assert s["within_1_5x"] is False  # 2.0 > 1.5 × 1.05
+    assert spread(values[:-1])["within_1_5x"] is True
+    assert spread_text(values, "ms", 1000.0, 0) == "1050 ms (900 / 1200 / 2000, n=7, max 1.9× median)"
+    with pytest.raises(ValueError, match="measured nothing"):
+        spread([])
+
+
+def test_the_load_benchmark_runs_each_method_on_fresh_objects(tmp_path):
+    out = tmp_path / "load"
+    subprocess.run(
+        [sys.executable, os.path.join(REPO, "benchmarks", "load.py"), "--mib", "4", "--repeats", "7", "--dir", str(tmp_path), "--out", str(out)],
+        check=True, cwd=REPO, capture_output=True, timeout=300,
+    )
+    with open(out / "load.json") as f:
+        result = json.load(f)
+    assert set(result["loads"]) == {"load(verify=True)", "load(verify=False)", "stock dcp.load"}
+    for figures in result["loads"].values():
+        assert len(figures["s"]) == 7 and all(t > 0 for t in figures["s"])
+    report = (out / "load.md").read_text()
+    assert "| load(verify=True) |" in report and "n=7" in report
+    too_few = subprocess.run(
+        [sys.executable, os.path.join(REPO, "benchmarks", "load.py"), "--repeats", "3"], cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert too_few.returncode == 2 and "--repeats 3 is below 7" in too_few.stderr

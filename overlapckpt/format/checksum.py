@@ -3,9 +3,10 @@
 The manifest records which algorithm a checkpoint was written with, so a reader
 uses the same one whatever is installed where it runs. Measured on one core of the
 2-core build VM (``benchmarks/checksum_speed.py``): the ``crc32c`` package hashes
-12.9 GB/s (hardware CRC32C), ``zlib.crc32`` 4.0 GB/s. CRC32C is also the checksum
-S3 can verify on upload. ``zlib.crc32`` is the fallback because it needs nothing
-beyond the standard library (the GPU machine has no ``crc32c`` package).
+8-13 GB/s (hardware CRC32C), ``zlib.crc32`` 1.6-4 GB/s. CRC32C is also the checksum
+S3 can verify on upload. ``crc32c`` is a dependency, so an installed overlapckpt
+uses it; ``zlib.crc32`` is the fallback of a source checkout run without it (the GPU
+machine has no ``crc32c`` package), since it needs nothing beyond the standard library.
 
 Both are 32-bit CRCs: every single-bit error, and every burst up to 32 bits, in a
 blob changes its checksum.
