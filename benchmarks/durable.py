@@ -84,6 +84,7 @@ class _Overlapckpt:
         self.opt = opt
         rss_before = _status_mib("self", "VmRSS")
         self.ckpt = Checkpointer(model, opt, root, lease=False, keep=2, writer_threads=writer_threads)
+        self.splits: list[dict[str, float]] = []  # per save: where its time to durable went
         self.cold_s = self.save_s()
         self.trainer_extra_rss_mib = _status_mib("self", "VmRSS") - rss_before  # the host slot, mostly
 
@@ -94,7 +95,19 @@ class _Overlapckpt:
         self.ckpt.request()
         self.ckpt.step()
         self.ckpt.wait(timeout_s=900)
-        return time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        last = self.ckpt.stats[-1]
+        split = {"copy (trainer: state into the host slot)": last["copy_s"]}
+        split.update({f"writer: {k}": v for k, v in last["persist_phases_s"].items() if not k.startswith("write.")})
+        parts = {k: v for k, v in last["persist_phases_s"].items() if k.startswith("write.")}
+        split.update({f"writer: {k}": v for k, v in parts.items()})
+        if "write" in last["persist_phases_s"]:
+            split["writer: write.the rest (serialization, DCP's planning)"] = last["persist_phases_s"]["write"] - sum(parts.values())
+        laps = sum(v for k, v in last["persist_phases_s"].items() if not k.startswith("write."))
+        split["the rest (request to writer, answer, hooks)"] = elapsed - last["copy_s"] - laps
+        split["request→durable"] = elapsed
+        self.splits.append(split)
+        return elapsed
 
     def close(self) -> float:
         peak = _status_mib(self.ckpt.writer_pid, "VmHWM")
@@ -239,6 +252,7 @@ def _storage_run(model: nn.Module, opt: torch.optim.Optimizer, base: str, repeat
         "steady_s": steady,
         "cold_s": {"overlapckpt window=1": ours.cold_s, "dcp.async_save PROCESS": dcp_cold},
         "writer_peak_rss_mib": writer_peak,
+        "split_s": ours.splits[1:],  # the steady saves' (the first is the cold one)
         "trainer_extra_rss_mib": ours.trainer_extra_rss_mib,
         "dcp_daemon_peak_rss_mib": _status_mib(_dcp_daemon_pid() or "none", "VmHWM"),
     }
@@ -436,6 +450,20 @@ def _report(result: dict[str, Any]) -> str:
             f"{1.2 * state_mib + 512:.0f} MiB), DCP's checkpoint process {run['dcp_daemon_peak_rss_mib']:.0f} MiB; "
             f"the training process gained {run['trainer_extra_rss_mib']:.0f} MiB with the Checkpointer (its host slot).",
         ]
+        splits = run.get("split_s") or []
+        if splits:
+            lines += [
+                "",
+                "Where overlapckpt's time to durable went (median of the steady saves; `write.*` are parts of the writer's "
+                "write, summed over its threads; `Checkpointer.stats`' `persist_phases_s`):",
+                "",
+                "| phase | seconds, median | share |",
+                "|---|---|---|",
+            ]
+            total = _median([sp["request→durable"] for sp in splits])
+            for phase in splits[0]:
+                value = _median([sp.get(phase, 0.0) for sp in splits])
+                lines.append(f"| {phase} | {value:.3f} | {value / total:.0%} |")
     for threads, figures in result.get("writer_threads_sweep", {}).items():
         lines.append(f"\nwriter_threads={threads}: " + ", ".join(f"{k} {v:.2f} s" for k, v in figures.items()))
     loads = result["loads_s"]

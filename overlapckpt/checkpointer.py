@@ -306,7 +306,14 @@ class Checkpointer:
 
     @property
     def stats(self) -> list[dict[str, Any]]:
-        """Per committed checkpoint: step, bytes, copy time, device-side waits, time to commit, ledger."""
+        """Per committed checkpoint: step, bytes, copy time, device-side waits, time to commit, ledger.
+
+        ``persist_phases_s`` splits the writer's ``persist_s``: agreeing and replaying, the
+        snapshot's checksums, the write (with its parts ``write.to_storage``,
+        ``write.checksums``, ``write.writeback_hints`` and ``write.fsync``, summed over the
+        shard files and their threads), the manifest and the commit (on the rank that
+        commits: the coordinator of a distributed run).
+        """
         return [asdict(s) for s in self._engine.stats]
 
     @property

@@ -154,6 +154,8 @@ class CommittedResponse:
     committed_at: float  # UNIX time
     persist_s: float
     removed: list[str] = field(default_factory=list)  # names deleted by retention
+    # Where persist_s went (PhaseClock's laps, and the write's parts "write.*": StreamTimings).
+    phases_s: dict[str, float] = field(default_factory=dict)
     # Failures after the commit (updating latest, retention): the checkpoint is committed all the same.
     warnings: list[str] = field(default_factory=list)
     agreed_next_window: int | None = None  # window="auto": the window every rank uses next

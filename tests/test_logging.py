@@ -34,6 +34,16 @@ def test_commit_info_merged_request_warning_and_on_commit(tmp_path, caplog):
     assert merged[0].endswith("; the requests after step(s) [5] were merged into it")
     assert [f["step"] for f in figures] == [5, 6]
     assert all(f["time_to_commit_s"] > 0 and f["state_bytes"] > 0 for f in figures)
+    # The writer's split of persist_s (issue 29: where time to durable goes), flat for metrics sinks.
+    laps = ["agree_and_replay", "snapshot_checksums", "write", "manifest", "commit"]
+    parts = ["write_to_storage", "write_checksums", "write_writeback_hints", "write_fsync"]
+    for f in figures:
+        split = {k: v for k, v in f.items() if k.startswith("persist_") and k != "persist_s" and k != "persist_phases_s"}
+        assert set(split) == {f"persist_{name}_s" for name in laps + parts}, split
+        assert all(v >= 0 for v in split.values())
+        assert sum(split[f"persist_{name}_s"] for name in laps) <= f["persist_s"]  # consecutive laps inside it
+        assert split["persist_write_fsync_s"] > 0  # DCP fsynced the shard, and the stream saw it
+    assert all(set(s["persist_phases_s"]) == set(laps) | {p.replace("write_", "write.", 1) for p in parts} for s in ckpt.stats)
 
 
 def test_a_deferred_request_at_a_version_already_held_is_answered_by_it(tmp_path, caplog):

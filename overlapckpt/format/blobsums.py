@@ -31,6 +31,7 @@ import os
 import posixpath
 import re
 import threading
+import time
 from collections.abc import Callable, Generator, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -66,6 +67,32 @@ class FileSegments:
 
     nbytes: int = 0
     spans: dict[tuple[int, int], int] = field(default_factory=dict)  # (start, end) -> checksum
+    timings: StreamTimings = field(default_factory=lambda: StreamTimings())
+
+
+@dataclass
+class StreamTimings:
+    """Where a written file's time went, in seconds: the split ``Checkpointer.stats`` reports (``persist_phases_s``)."""
+
+    write_s: float = 0.0  # handing bytes to storage (into the page cache, for a local file)
+    checksum_s: float = 0.0  # hashing them
+    writeback_hint_s: float = 0.0  # asking the disk to start writing them (writeback.py)
+    sync_s: float = 0.0  # from the fsync's request for the descriptor to the file's close: the fsync
+
+    def as_phases(self) -> dict[str, float]:
+        """Named as ``persist_phases_s`` names the parts of its ``write`` phase."""
+        return {
+            "write.to_storage": self.write_s,
+            "write.checksums": self.checksum_s,
+            "write.writeback_hints": self.writeback_hint_s,
+            "write.fsync": self.sync_s,
+        }
+
+    def add(self, other: StreamTimings) -> None:
+        self.write_s += other.write_s
+        self.checksum_s += other.checksum_s
+        self.writeback_hint_s += other.writeback_hint_s
+        self.sync_s += other.sync_s
 
 
 class ChecksummingStream:
@@ -94,6 +121,7 @@ class ChecksummingStream:
         # from C++, which loses the exception and later fails on its own ("unexpected pos 704
         # vs 598"); create_stream raises this one instead.
         self.storage_error: OSError | None = None
+        self._sync_started: float | None = None
 
     def _remember(self, error: OSError) -> None:
         if self.storage_error is None:
@@ -103,6 +131,8 @@ class ChecksummingStream:
         view = memoryview(data)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
+        timings = self.segments.timings
+        started = time.perf_counter()
         try:
             written = self._raw.write(view)
         except OSError as e:
@@ -110,14 +140,19 @@ class ChecksummingStream:
             raise
         if written is None:  # a raw stream that does not report: it wrote everything or raised
             written = view.nbytes
+        wrote = time.perf_counter()
         # The bytes handed to storage, read in place: no copy of the tensor.
         self._running = self._update(view[:written], self._running)
         self._position += written
+        hashed = time.perf_counter()
+        timings.write_s += wrote - started
+        timings.checksum_s += hashed - wrote
         if self._fd is not None and self._position - self._written_back_to >= WRITEBACK_EVERY_BYTES:
             self.flush()  # the bytes must be in the page cache for their writeback to start
             assert start_writeback is not None
             start_writeback(self._fd, self._written_back_to, self._position - self._written_back_to)
             self._written_back_to = self._position
+            timings.writeback_hint_s += time.perf_counter() - hashed
         return written
 
     def _close_span(self) -> None:
@@ -139,10 +174,18 @@ class ChecksummingStream:
             raise
 
     def fileno(self) -> int:
+        # DCP asks for the descriptor to fsync it: what follows, to the close, is the fsync.
+        self._sync_started = time.perf_counter()
         return int(self._raw.fileno())
 
     def writable(self) -> bool:
         return True
+
+    def note_end_of_writes(self) -> None:
+        """The writer is done with this stream (DCP's body ended, its fsync with it): time the fsync."""
+        if self._sync_started is not None:
+            self.segments.timings.sync_s += time.perf_counter() - self._sync_started
+            self._sync_started = None
 
     def close(self) -> None:
         self._close_span()
@@ -177,6 +220,14 @@ class ChecksummingFileSystem:
         self._lock = threading.Lock()  # DCP may write several files from several threads
         self.files: dict[str, FileSegments] = {}
 
+    def timings(self) -> StreamTimings:
+        """The sum over the files written so far (their threads' times add up)."""
+        total = StreamTimings()
+        with self._lock:
+            for segments in self.files.values():
+                total.add(segments.timings)
+        return total
+
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[Any, None, None]:
         if not any(ch in mode for ch in "wa+"):
@@ -197,6 +248,7 @@ class ChecksummingFileSystem:
                 stream = ChecksummingStream(raw, self._algorithm)
                 yield stream
                 stream.tell()  # closes the last span
+                stream.note_end_of_writes()
                 with self._lock:
                     self.files[name] = stream.segments
         except Exception as e:

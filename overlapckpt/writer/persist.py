@@ -20,7 +20,7 @@ import torch
 from .. import protocol as p
 from ..errors import CheckpointExistsError, CheckpointWriteError
 from ..format.attempts import Attempt, already_committed, new_attempt_id
-from ..format.blobsums import StoredChecksums
+from ..format.blobsums import StoredChecksums, StreamTimings
 from ..format.checksum import default_algorithm
 from ..format.entries import TensorEntry, build_state_dict
 from ..format.extra_state import encode
@@ -91,6 +91,8 @@ def persist_snapshot(
         replay_to_version(entries, tensors, req.replay, buffers[req.replay.grad_buffer_id])
         if on_replay is not None:
             on_replay(True)
+    phases = PhaseClock(started)
+    phases.lap("agree_and_replay")
     # Per local part: the checksum of the host snapshot, checked against what DCP decodes at
     # load. The same algorithm as the stored bytes' (the storage writer's default_algorithm()).
     algorithm = default_algorithm()
@@ -103,6 +105,7 @@ def persist_snapshot(
         )
         for e, t in zip(entries, tensors)
     }
+    phases.lap("snapshot_checksums")
     section = RankSection(
         rank=0 if group is None else group.rank,
         nbytes=sum(e.nbytes for e in entries),
@@ -133,7 +136,9 @@ def persist_snapshot(
         ).to_json()
         if signing_key is not None:
             sign(document, checksums.metadata_bytes, signing_key)
+        phases.lap("write")  # serialization, stored-byte checksums, page cache, writeback, fsync: split below
         store.write_manifest(attempt.directory, dump_manifest(document))
+        phases.lap("manifest")
 
     # The torchtitan layout saves the stateful objects as DCP items too, for TorchTitan's own manager.
     stateful = req.extra_state.get("stateful", {}) if req.key_layout == TORCHTITAN else None
@@ -142,7 +147,7 @@ def persist_snapshot(
         if req.export_formats:  # one process only (the Checkpointer refuses it distributed): whole tensors
             written = write_exports(store, attempt.directory, req.export_formats, state_dict, req.extra_state)
             exports.update({name: ExportRecord(**sums) for name, sums in written.items()})
-        _save(store, attempt.directory, state_dict, write_manifest, global_shapes, group, signing_key is not None, write_threads)
+        streams = _save(store, attempt.directory, state_dict, write_manifest, global_shapes, group, signing_key is not None, write_threads)
         if group is None or group.is_coordinator:
             attempt.publish()  # the commit: every rank's shards are in place (DCP's finish ran after them)
     except BaseException:
@@ -156,6 +161,7 @@ def persist_snapshot(
         warnings = _write_latest(store, req)
         removed, retention_warnings = _retire_old(store, req, purge_later if purge_later is not None else [])
         warnings += retention_warnings
+    phases.lap("commit")
     agreed_window = group.agree_window(req.proposed_next_window) if group is not None else req.proposed_next_window
     if group is not None:
         group.forget(sequence)  # agree_window was a collective: every rank is past the wait on these keys
@@ -164,6 +170,7 @@ def persist_snapshot(
         info=CheckpointInfo.from_manifest(manifest, store.checkpoint_url(req.name)),
         committed_at=committed_at,
         persist_s=time.perf_counter() - started,
+        phases_s={**phases.laps, **({} if streams is None else streams.as_phases())},
         removed=removed,
         warnings=warnings,
         agreed_next_window=agreed_window,
@@ -324,7 +331,8 @@ def _save(
     group: WriterGroup | None,
     wants_metadata_bytes: bool = False,
     write_threads: int = 1,
-) -> None:
+) -> StreamTimings | None:
+    """DCP's save of ``state_dict`` into ``name``; where the shards' time went, when the store's writer says."""
     import torch.distributed.checkpoint as dcp
 
     # Only a signature needs .metadata's bytes, and only more than one thread a thread count;
@@ -341,4 +349,19 @@ def _save(
             dcp.save(state_dict, storage_writer=writer, planner=planner, no_dist=True)
     else:
         dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=group.group)
+    timings = getattr(getattr(writer, "fs", None), "timings", None)
+    return timings() if callable(timings) else None
+
+
+class PhaseClock:
+    """Consecutive phases of a persist, in seconds: each ``lap`` ends one, named, and starts the next."""
+
+    def __init__(self, started: float) -> None:
+        self.laps: dict[str, float] = {}
+        self._last = started
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = self.laps.get(name, 0.0) + now - self._last
+        self._last = now
 

@@ -245,6 +245,7 @@ class PersistDispatcher:
             stats.time_to_commit_s = response.committed_at - sent.snapshot.requested_wall_s
             stats.committed_at_unix_s = response.committed_at
             stats.persist_s = response.persist_s
+            stats.persist_phases_s = dict(response.phases_s)
             stats.ledger = sent.snapshot.ledger.to_json()
             stats.path = response.info.path
             if response.agreed_next_window is not None:
@@ -316,6 +317,8 @@ def commit_figures(stats: SnapshotStats) -> dict[str, Any]:
         "waited_for_slot_s": stats.waited_for_slot_s,
         "deferred": stats.deferred,
         "persist_s": stats.persist_s,
+        # The writer's split of persist_s, flat: persist_write_s, persist_write_fsync_s, ...
+        **{f"persist_{phase.replace('.', '_')}_s": seconds for phase, seconds in stats.persist_phases_s.items()},
         "time_to_commit_s": stats.time_to_commit_s,
         "committed_at_unix_s": stats.committed_at_unix_s,
         "writer_restarts": stats.writer_restarts,

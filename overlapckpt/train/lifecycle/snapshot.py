@@ -80,6 +80,7 @@ class SnapshotStats:
     time_to_commit_s: float | None = None
     committed_at_unix_s: float | None = None
     persist_s: float | None = None
+    persist_phases_s: dict[str, float] = field(default_factory=dict)  # where persist_s went, by phase (the writer's)
     path: str | None = None
     ledger: dict[str, Any] | None = None
 
