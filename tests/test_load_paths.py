@@ -109,13 +109,18 @@ def test_a_local_load_reads_each_large_tensor_straight_into_the_live_tensor(root
     store = RecordingStore(str(root))
     store.landed = []
     monkeypatch.setattr(pipeline, "checkpoint_at", lambda path, step, options: (store, STEP))
-    model, opt = _fresh()
+    model, opt, sched, sampler = make_run(seed=7)
+    train_step(model, opt, sched, sampler)  # the moments exist before the load, as in a job that trained
     live = {name: (p.data_ptr(), p.numel() * p.element_size()) for name, p in model.named_parameters()}
+    moments = {id(t): t._version for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim()}
     load(str(root), model, opt)
     assert_state_equal(*written[1], model, opt)
     for name, (address, nbytes) in live.items():
         assert (address, nbytes) in store.landed, f"{name}'s bytes were not read into its own memory"
         assert model.get_parameter(name).data_ptr() == address  # the live tensor kept, not replaced
+    # Written through memory, counted as an in-place write all the same (autograd's version counter).
+    after = {id(t): t._version for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim()}
+    assert moments and all(after[k] > v for k, v in moments.items() if k in after)
 
 
 def test_a_shard_rewritten_between_the_check_and_the_read_is_refused_before_anything_changes(root, monkeypatch):

@@ -46,7 +46,7 @@ from ..cores import usable_cores
 from ..errors import CorruptCheckpointError
 from .checksum import CRC32, hex32, updater
 from .crc_combine import combine
-from .direct_read import DIRECT_MIN_BYTES, fill, read_ends, takes_data_as_is, tensor_bytes
+from .direct_read import DIRECT_MIN_BYTES, fill, mark_written, read_ends, takes_data_as_is, tensor_bytes
 from .manifest import DATA_FILE_RE, Manifest, tensor_checksum
 from .tensor_decode import BlobEnds, TensorRecord, ViewReader, decode_in_place, decode_meta, locate, locate_from_ends
 
@@ -514,6 +514,9 @@ def _place_direct(
     data = tensor_bytes(target)
     stream.seek(int(info.offset) + record.data_start)
     got = fill(stream, data)
+    # Written behind autograd's back: bump the version as copy_ would, so a graph that saved
+    # this tensor refuses to use it, as it would after any in-place write.
+    mark_written(target)
     if got < len(data):
         raise _cut_short(relative_path, info, record.data_start + got, key, expected)
     if expected is not None:

@@ -76,3 +76,10 @@ def tensor_bytes(target: torch.Tensor) -> memoryview:
     """A contiguous CPU tensor's memory as a writable byte view (the tensor must outlive it)."""
     nbytes = target.numel() * target.element_size()
     return memoryview((ctypes.c_char * nbytes).from_address(target.data_ptr())).cast("B")
+
+
+def mark_written(target: torch.Tensor) -> None:
+    """Bump ``target``'s autograd version counter, as an in-place op does (its bytes were written through memory)."""
+    increment = getattr(torch.autograd.graph, "increment_version", None)
+    if increment is not None:
+        increment(target)
