@@ -105,7 +105,7 @@ class GatedRetentionStore(CheckpointStore):
 class FailingRetentionStore(CheckpointStore):
     """Raises OSError whenever retention removes a checkpoint: a failure after the commit."""
 
-    def retire_checkpoint(self, name: str) -> str:
+    def retire_checkpoint(self, name: str, run_tag: str = "") -> str:
         raise OSError(5, "Input/output error (injected)", name)
 
 

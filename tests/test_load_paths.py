@@ -210,4 +210,37 @@ def test_a_load_without_verification_that_fails_halfway_says_the_objects_are_par
         load(str(root), model, opt, verify=False)
     message = str(excinfo.value)
     assert f"bytes {last.offset}..{last.offset + last.length} of {SHARD}" in message
-    assert "had been read into the objects being loaded before this: they are partly overwritten" in message
+    assert "of the objects being loaded were being read into, or had been, before this: they are partly overwritten" in message
+
+
+def test_a_stateful_object_the_checkpoint_lacks_is_refused_before_any_tensor_is_read(root):
+    # The reads write into the live tensors: every check that can refuse runs before them.
+    from overlapckpt import CheckpointMismatchError
+
+    from helpers import StatefulSampler
+
+    model, opt = _fresh()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointMismatchError, match=r"stateful objects \['sampler'\] are not in .*; pass the same stateful names"):
+        load(str(root), model, opt, stateful={"sampler": StatefulSampler()})
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} changed"
+
+
+def test_a_retired_directory_a_dead_writer_left_is_swept_by_the_next_commit(tmp_path):
+    # Retention renames a retired checkpoint out of the listing, then deletes it after answering;
+    # a writer killed in between leaves it. The next attempt under the lease removes it.
+    root = tmp_path / "ckpts"
+    leftover = root / ".retired-step-000000001-0badc0de-0123abcd"
+    (leftover / "sub").mkdir(parents=True)
+    (leftover / "__0_0.distcp").write_bytes(b"x" * 1024)
+    other = root / ".retired-notacheckpoint"
+    other.mkdir()
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, root) as ckpt:
+        train_step(model, opt, sched, sampler)
+        ckpt.step()
+        ckpt.request()
+        ckpt.wait(timeout_s=120)
+    assert not leftover.exists()
+    assert other.exists()  # not a name retention makes: left alone

@@ -43,6 +43,8 @@ from .storage import CheckpointStore
 ATTEMPT_MARK = ".attempt-"
 CLAIM_NAME = ".overlapckpt-attempt"
 _ATTEMPT_RE = re.compile(r"((?:step|checkpoint)-[0-9]+(?:-[0-9a-f]{8})?)\.attempt-([0-9a-f]{8})-([0-9a-f]{8})", re.ASCII)
+# A checkpoint directory retention retired (CheckpointStore.retire_checkpoint): the run's tag in group 1.
+_RETIRED_RE = re.compile(r"\.retired-(?:step|checkpoint)-.+-([0-9a-z]+)-[0-9a-f]{8}")
 log = logging.getLogger("overlapckpt.attempts")
 
 
@@ -196,6 +198,12 @@ class Attempt:
         except FileNotFoundError:
             return
         for entry in entries:
+            retired = _RETIRED_RE.fullmatch(entry)
+            if retired is not None:  # retention's leftover: a writer died before deleting it
+                if retired.group(1) == self.run_id[:8] or self.root_leased:
+                    log.info("removing %s, retired by retention and left by a writer that died", self.store.checkpoint_url(entry))
+                    self.store.purge_retired(entry)
+                continue
             match = _ATTEMPT_RE.fullmatch(entry)
             if match is None or step_of_name(match.group(1)) is None:
                 continue

@@ -48,6 +48,7 @@ from .checksum import CRC32, hex32, updater
 from .crc_combine import combine
 from .direct_read import DIRECT_MIN_BYTES, fill, mark_written, read_ends, takes_data_as_is, tensor_bytes
 from .manifest import DATA_FILE_RE, Manifest, tensor_checksum
+from .safe_unpickle import load_byte_item
 from .tensor_decode import BlobEnds, TensorRecord, ViewReader, decode_in_place, decode_meta, locate, locate_from_ends
 
 # Threads that read and check blobs in a load: training is not running then, so up to 8,
@@ -154,7 +155,7 @@ def verified_reader_class(base: type) -> type:
             self._mode = mode
             self._checked_files = checked_files
             self.files_read: dict[str, FileIdentity] = {}
-            self.tensors_placed = 0  # PLACE: tensors of the live objects written so far (a failure after one leaves them partly loaded)
+            self.tensors_placed = 0  # PLACE: tensors of the live objects being written, or written (a failure leaves them partly loaded)
 
         def read_data(self, plan: Any, planner: Any) -> Any:
             if not self._active:
@@ -222,7 +223,12 @@ def verified_reader_class(base: type) -> type:
                     in_map = None if mapped is None else mapped[int(info.offset) : int(info.offset) + int(info.length)]
                     if reads[0].type == LoadItemType.BYTE_IO:
                         blob = _checked_blob(stream, relative_path, info, expected, in_map)
-                        if mode != CHECK:
+                        if mode == CHECK:
+                            # Decoded and dropped: a refusal (the allowlist) or a damaged pickle
+                            # must come before the placing pass writes any live tensor.
+                            for read_item in reads:
+                                load_byte_item(io.BytesIO(blob), read_item.dest_index.fqn)
+                        else:
                             _decode_bytes(blob, reads, planner, lock)
                     elif in_map is not None:  # CHECK, of a local file
                         _checked_bytes(in_map, relative_path, info, reads[0].storage_index, expected)
@@ -232,12 +238,12 @@ def verified_reader_class(base: type) -> type:
                         tensor = _checked_tensor(stream, relative_path, info, reads[0].storage_index, expected, fresh=True)
                         _place(tensor, reads, planner, lock, adopt=True)
                     else:
+                        with lock:  # counted before any byte of them is written: a failure may leave them partly written
+                            self.tensors_placed += len(reads)
                         if not _place_direct(stream, relative_path, info, reads, planner, lock, expected):
                             # A view of this thread's buffer: copied into every target before its next read.
                             tensor = _checked_tensor(stream, relative_path, info, reads[0].storage_index, expected, fresh=False)
                             _place(tensor, reads, planner, lock, adopt=False)
-                        with lock:
-                            self.tensors_placed += len(reads)
 
     VerifiedReader.__name__ = VerifiedReader.__qualname__ = f"Verified{base.__name__}"
     return VerifiedReader

@@ -66,6 +66,8 @@ def takes_data_as_is(target: torch.Tensor, saved: torch.Tensor) -> bool:
         type(target) is torch.Tensor
         and target.device.type == "cpu"
         and target.is_contiguous()
+        and not target.is_conj()
+        and not target.is_neg()
         and target.dtype == saved.dtype
         and tuple(target.shape) == tuple(saved.shape)
         and target.numel() > 0

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import posixpath
+import secrets
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -351,19 +352,21 @@ class CheckpointStore:
         """Delete a committed checkpoint: first its commit marker, then the rest."""
         self.purge_retired(self.retire_checkpoint(name))
 
-    def retire_checkpoint(self, name: str) -> str:
+    def retire_checkpoint(self, name: str, run_tag: str = "") -> str:
         """Uncommit ``name`` (its marker first: never a half-deleted checkpoint listed) and take it out of the root's
         listing; the directory left to delete with ``purge_retired``. Fast: no byte of its shards is touched.
 
-        A local directory is renamed to ``.retired-<name>-<pid>``; on object storage,
-        where a rename copies every object, it keeps its name (uncommitted, never listed).
+        A local directory is renamed to ``.retired-<name>-<run_tag>-<random>``; on object
+        storage, where a rename copies every object, it keeps its name (uncommitted, never
+        listed). A retired directory a dead writer left is removed by the next attempt's
+        sweep (``attempts.py``), under the same rule as a dead attempt's.
         """
         marker = self._join(name, METADATA_NAME)
         if self.fs.exists(marker):
             self.fs.rm_file(marker)
         if not self.is_local:
             return name
-        retired = f"{RETIRED_PREFIX}{name}-{os.getpid()}"
+        retired = f"{RETIRED_PREFIX}{name}-{run_tag or 'run'}-{secrets.token_hex(4)}"
         try:
             os.rename(self._join(name), self._join(retired))
         except FileNotFoundError:

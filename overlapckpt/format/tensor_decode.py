@@ -118,15 +118,18 @@ def locate(view: Bytes) -> TensorRecord | None:
     orders = [i for i in infos if i.filename.endswith("/byteorder")]
     if len(data) != 1 or len(pickles) != 1 or any(i.compress_type != zipfile.ZIP_STORED for i in infos):
         return None
-    spans = [_member_span(view, i) for i in (data[0], pickles[0], *orders[:1])]
-    if any(span is None for span in spans):
-        return None
-    (start, end), (pickle_start, pickle_end) = spans[0], spans[1]  # type: ignore[misc]
-    if orders:
-        order_start, order_end = spans[2]  # type: ignore[misc]
-        if bytes(view[order_start:order_end]) != b"little":
+    try:  # a member outside the bytes read (a blob read at its two ends only): not the plain form
+        spans = [_member_span(view, i) for i in (data[0], pickles[0], *orders[:1])]
+        if any(span is None for span in spans):
             return None
-    return TensorRecord(start, end, bytes(view[pickle_start:pickle_end]))
+        (start, end), (pickle_start, pickle_end) = spans[0], spans[1]  # type: ignore[misc]
+        if orders:
+            order_start, order_end = spans[2]  # type: ignore[misc]
+            if bytes(view[order_start:order_end]) != b"little":
+                return None
+        return TensorRecord(start, end, bytes(view[pickle_start:pickle_end]))
+    except ValueError:
+        return None
 
 
 def locate_from_ends(ends: BlobEnds) -> TensorRecord | None:

@@ -77,6 +77,7 @@ def load(
     target: dict[str, Any] = {}
     failure: BaseException | None = None
     name: str | None = None
+    extra: dict[str, Any] = {}
     try:
         store, name = checkpoint_at(path, step, storage_options)
 
@@ -90,6 +91,9 @@ def load(
         if optimizer is not None:
             check_optimizer_matches(manifest, unwrap_optimizer(optimizer), store.checkpoint_url(name))
         check_items_stored(manifest, target, store.checkpoint_url(name))
+        if per_rank_state == "restore":  # before reading: the reads write into the live tensors
+            extra = per_rank_extra_state(manifest, rank)
+            check_stateful_names(extra, stateful or {}, store.checkpoint_url(name))
     except OverlapCkptError as e:  # raised on every rank below, before any rank reads
         failure = e
     agree_before_reading(group, failure, name)
@@ -110,9 +114,7 @@ def load(
         host = empty_like_on_cpu(target)
         read_into(store, name, host, group, manifest if verify else None, mode=ADOPT)
 
-    extra = per_rank_extra_state(manifest, rank) if per_rank_state == "restore" else {}
     if per_rank_state == "restore":
-        check_stateful_names(extra, stateful or {}, where)
         warn_of_stateful_not_given(extra, stateful or {}, where)
     model_sd, optim_sd = unnamed(manifest.key_layout, host, osd)
     apply_state_dicts(model, optimizers, model_sd, optim_sd)

@@ -52,8 +52,8 @@ def read_into(
         if mode != PLACE or not placed:
             raise
         raise type(e)(
-            f"{e}. {placed} tensor(s) had been read into the objects being loaded before this: they are partly "
-            "overwritten, so load a checkpoint into them again before training on"
+            f"{e}. {placed} tensor(s) of the objects being loaded were being read into, or had been, before this: they are "
+            "partly overwritten, so load a checkpoint into them again before training on"
         ) from (e.__cause__ or e)
 
 

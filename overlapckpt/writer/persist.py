@@ -77,7 +77,7 @@ def persist_snapshot(
     if group is None and store.is_committed(req.name):
         # Persisted again by the successor of a writer that died after the commit (the rename)
         # and before it answered: this run's own checkpoint of this step is a success.
-        return _committed_already(store, req, started)
+        return _committed_already(store, req, started, purge_later)
     slot = buffers[req.buffer_id]
     # Exact-storage views: DCP writes them in place instead of cloning each (hostbuf.exact_view).
     tensors = [exact_view(slot, off, e.dtype, e.shape) for e, off in zip(entries, offsets)]
@@ -148,6 +148,8 @@ def persist_snapshot(
             written = write_exports(store, attempt.directory, req.export_formats, state_dict, req.extra_state)
             exports.update({name: ExportRecord(**sums) for name, sums in written.items()})
         streams = _save(store, attempt.directory, state_dict, write_manifest, global_shapes, group, signing_key is not None, write_threads)
+        if "write" not in phases.laps:  # a rank that does not write the manifest: its write ends here
+            phases.lap("write")
         if group is None or group.is_coordinator:
             attempt.publish()  # the commit: every rank's shards are in place (DCP's finish ran after them)
     except BaseException:
@@ -199,14 +201,16 @@ def _retire_old(store: CheckpointStore, req: p.PersistRequest, purge_later: list
     retired: list[str] = []
     try:
         for name in select_for_retention(store, req.name, req.run_id, req.keep):
-            purge_later.append(store.retire_checkpoint(name))
+            purge_later.append(store.retire_checkpoint(name, run_tag=req.run_id[:8]))
             retired.append(name)
     except Exception as e:
         return retired, [f"checkpoint {req.name} committed, but retention (keep={req.keep}) failed: {type(e).__name__}: {e}"]
     return retired, []
 
 
-def _committed_already(store: CheckpointStore, req: p.PersistRequest, started: float) -> p.CommittedResponse:
+def _committed_already(
+    store: CheckpointStore, req: p.PersistRequest, started: float, purge_later: list[str] | None
+) -> p.CommittedResponse:
     """The answer for a checkpoint this run committed already (a writer died before answering); else refused."""
     where = store.checkpoint_url(req.name)
     try:
@@ -215,12 +219,15 @@ def _committed_already(store: CheckpointStore, req: p.PersistRequest, started: f
         raise already_committed(store, req.name) from None
     if manifest.run_id != req.run_id or manifest.step != req.step:
         raise already_committed(store, req.name)
+    warnings = _write_latest(store, req)
+    removed, retention_warnings = _retire_old(store, req, purge_later if purge_later is not None else [])
     return p.CommittedResponse(
         request_id=req.request_id,
         info=CheckpointInfo.from_manifest(manifest, where),
         committed_at=manifest.created_at,
         persist_s=time.perf_counter() - started,
-        warnings=_write_latest(store, req),
+        removed=removed,
+        warnings=warnings + retention_warnings,
         agreed_next_window=req.proposed_next_window,
     )
 

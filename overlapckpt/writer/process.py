@@ -105,14 +105,19 @@ def _persist(conn: Connection, state: _WriterState, req: p.PersistRequest) -> No
             group.regroup()
             _send(conn, _error_response(req.request_id, _lost(req.name, group.generation, f"{type(e).__name__}: {e}")))
             return
-        # Answered: the checkpoint is durable and listed, the ones retention retired no longer
-        # are. Their bytes are deleted now, so that unlinking them is not the commit's time.
-        for leftover in purge_later:
-            try:
-                state.store.purge_retired(leftover)
-            except Exception as e:  # noqa: BLE001 - uncommitted already: only space is lost
-                logger.warning("overlapckpt: deleting %s, retired by retention, failed: %s: %s", leftover, type(e).__name__, e)
+        finally:
+            # Retired before the answer (uncommitted, out of the listing), deleted now, whatever
+            # happened after: unlinking them is not the commit's time, and never skipped.
+            _purge(state.store, purge_later)
         return
+
+
+def _purge(store: CheckpointStore, retired: list[str]) -> None:
+    for leftover in retired:
+        try:
+            store.purge_retired(leftover)
+        except Exception as e:  # noqa: BLE001 - uncommitted already: only space is lost, until the next sweep
+            logger.warning("overlapckpt: deleting %s, retired by retention, failed: %s: %s", leftover, type(e).__name__, e)
 
 
 def _map_sent_memory(fd_sock: socket.socket, nbytes: int) -> torch.Tensor:
