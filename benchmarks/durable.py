@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 from harness import init_single_rank_group
+from load import build_model
 from measure import machine_description
 from stats import MIN_REPEATS, spread, spread_text
 from torch import nn
@@ -52,12 +53,8 @@ MIB = 2**20
 
 
 def _model(mib: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    width = int((mib * MIB / 4 / 3 / 8) ** 0.5)  # 8 square layers, fp32, parameter + 2 AdamW moments
-    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(8)])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model(torch.randn(2, width)).sum().backward()
-    opt.step()  # the moments exist; the gradients stay, so each later step changes every byte
-    return model, opt
+    # The moments exist; the gradients stay, so each later step changes every byte.
+    return build_model(mib)
 
 
 def _state_bytes(model: nn.Module) -> int:

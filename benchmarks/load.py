@@ -44,7 +44,10 @@ MIB = 2**20
 
 
 def build_model(mib: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """About ``mib`` MiB of AdamW state, every byte touched by one step (a job's objects before it resumes)."""
+    """About ``mib`` MiB of AdamW state, every byte touched by one step (a job's objects before it resumes).
+
+    The gradients stay: each later ``opt.step()`` changes every byte of the state (durable.py saves after one).
+    """
     width = int((mib * MIB / 4 / 3 / 8) ** 0.5)  # 8 square layers, fp32, parameter + 2 AdamW moments
     model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(8)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
