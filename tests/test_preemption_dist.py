@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,8 +43,7 @@ def _launch(out: str, window: int) -> tuple[subprocess.Popen, dict[int, int], st
         while len(pids) < 2:
             line = read_child_line(agent, timeout_s=LAUNCH_TIMEOUT_S)
             lines.append(line)
-            if "READY " in line:
-                rank, pid = line.split("READY ", 1)[1].split()[:2]
+            for rank, pid in re.findall(r"READY (\d+) (\d+)", line):
                 pids[int(rank)] = int(pid)
     except BaseException:
         os.killpg(agent.pid, signal.SIGKILL)

@@ -49,6 +49,12 @@ def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.
     return out
 
 
+def say(line: str) -> None:
+    """One line to the job's shared output in one write: print() writes the text and its newline apart, and
+    the other rank's line could land between them ("READY 1 28702FORGED_REFUSED 3")."""
+    os.write(sys.stdout.fileno(), (line + "\n").encode())
+
+
 def forge_store_values(ckpt: Checkpointer) -> None:
     """Write what another client of the job's store could, and wait until the watch refused each signal."""
     spec = ckpt._distributed.writer_spec
@@ -66,7 +72,7 @@ def forge_store_values(ckpt: Checkpointer) -> None:
                 raise RuntimeError(f"rank 0's preemption watch did not refuse the forged signal {value!r} within 60 s")
             time.sleep(0.01)
     preempt.delete_key("signal")
-    print(f"FORGED_REFUSED {page.read(FORGED)}", flush=True)
+    say(f"FORGED_REFUSED {page.read(FORGED)}")
 
 
 def main() -> None:
@@ -111,7 +117,7 @@ def main() -> None:
         if step == 3:
             if rank == 0:
                 forge_store_values(ckpt)
-            print(f"READY {rank} {os.getpid()}", flush=True)
+            say(f"READY {rank} {os.getpid()}")
     ckpt.close()
 
 
