@@ -411,7 +411,6 @@ def _checked_tensor(
 def _checked_bytes(buffer: Any, relative_path: str, info: Any, index: Any, expected: ExpectedSums | None) -> torch.Tensor:
     """``_checked_tensor`` on a blob's bytes in memory (``buffer``: writable, as long as the blob); the tensor views them."""
     key, checksum = _blob_sums(relative_path, info, expected)
-    length = int(info.length)
     view = memoryview(buffer)
     record = locate(view)  # the zip's directory only: nothing is unpickled before the checksum matched
     data_sum: str | None = None
@@ -420,7 +419,7 @@ def _checked_bytes(buffer: Any, relative_path: str, info: Any, index: Any, expec
         if record is not None and record.data_end - record.data_start >= SPLIT_MIN_BYTES:
             start, end = record.data_start, record.data_end
             data = update(view[start:end], 0)
-            whole = combine(expected.algorithm, combine(expected.algorithm, update(view[:start], 0), data, end - start), update(view[end:], 0), length - end)
+            whole = _blob_checksum(expected.algorithm, view[:start], data, end - start, view[end:])
             data_sum = hex32(data)
         else:
             whole = update(view, 0)
@@ -432,9 +431,8 @@ def _checked_bytes(buffer: Any, relative_path: str, info: Any, index: Any, expec
     if tensor is None:
         # Weights only, as DCP's own reader: no code from the checkpoint runs.
         tensor = torch.load(cast(IO[bytes], ViewReader(memoryview(buffer))), map_location="cpu", weights_only=True)
-    offset = tuple(int(o) for o in (index.offset or ())) or (0,) * tensor.dim()
-    saved = None if expected is None else expected.tensors.get((index.fqn, offset))
-    if saved is not None and tuple(tensor.shape) == saved.shape:
+    saved = None if expected is None else _snapshot_of(expected, index, tensor.shape)
+    if saved is not None:
         assert expected is not None
         if in_place and data_sum is not None and saved.algorithm == expected.algorithm:
             matches = data_sum == saved.checksum  # the tensor is these very bytes
@@ -469,13 +467,20 @@ def _layout_from_ends(stream: Any, info: Any) -> tuple[BlobEnds, TensorRecord, t
     return ends, record, saved
 
 
-def _algorithms(expected: ExpectedSums, index: Any, saved: torch.Tensor) -> tuple[str, TensorSum | None]:
-    """The data's checksums to compute: the blobs' algorithm, and the snapshot's sum of this tensor where there is one."""
-    offset = tuple(int(o) for o in (index.offset or ())) or (0,) * saved.dim()
+def _snapshot_of(expected: ExpectedSums, index: Any, shape: torch.Size) -> TensorSum | None:
+    """The host snapshot's checksum of the tensor stored at ``index``, of this ``shape``; None where there is none.
+
+    None also for another shape: a part of a tensor, which the blob's own checksum covers.
+    """
+    offset = tuple(int(o) for o in (index.offset or ())) or (0,) * len(shape)
     snapshot = expected.tensors.get((index.fqn, offset))
-    if snapshot is not None and snapshot.shape != tuple(saved.shape):
-        snapshot = None  # a part of a tensor: the blob's own checksum covers it
-    return expected.algorithm, snapshot
+    return snapshot if snapshot is not None and snapshot.shape == tuple(shape) else None
+
+
+def _blob_checksum(algorithm: str, before: Any, data_sum: int, data_nbytes: int, after: Any) -> int:
+    """A blob's checksum from its data's and the framing's around it (``crc_combine.py``): the data is hashed once."""
+    update = updater(algorithm)
+    return combine(algorithm, combine(algorithm, update(before, 0), data_sum, data_nbytes), update(after, 0), len(after))
 
 
 def _check_data_sums(
@@ -483,10 +488,9 @@ def _check_data_sums(
     ends: BlobEnds, record: TensorRecord, data_sums: dict[str, int], index: Any, snapshot: TensorSum | None,
 ) -> None:
     """The blob against the manifest (its framing's sums combined with the data's), then the data against the snapshot."""
-    algorithm, update = expected.algorithm, updater(expected.algorithm)
-    after = ends.tail[record.data_end - ends.tail_start :]
-    before_and_data = combine(algorithm, update(ends.head[: record.data_start], 0), data_sums[algorithm], record.data_end - record.data_start)
-    if hex32(combine(algorithm, before_and_data, update(after, 0), len(after))) != checksum:
+    algorithm = expected.algorithm
+    before, after = ends.head[: record.data_start], ends.tail[record.data_end - ends.tail_start :]
+    if hex32(_blob_checksum(algorithm, before, data_sums[algorithm], record.data_end - record.data_start, after)) != checksum:
         raise _mismatch(relative_path, info, key, expected)
     if snapshot is not None and hex32(data_sums[snapshot.algorithm]) != snapshot.checksum:
         raise _serialization_fault(expected, index.fqn)
@@ -526,8 +530,8 @@ def _place_direct(
     if got < len(data):
         raise _cut_short(relative_path, info, record.data_start + got, key, expected)
     if expected is not None:
-        algorithm, snapshot = _algorithms(expected, read_item.storage_index, saved)
-        names = {algorithm} | ({snapshot.algorithm} if snapshot is not None else set())
+        snapshot = _snapshot_of(expected, read_item.storage_index, saved.shape)
+        names = {expected.algorithm} | ({snapshot.algorithm} if snapshot is not None else set())
         sums = {name: updater(name)(data, 0) for name in names}
         _check_data_sums(relative_path, info, key, checksum, expected, ends, record, sums, read_item.storage_index, snapshot)
     with lock:
