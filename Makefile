@@ -22,6 +22,8 @@ $(VENV)/.installed: $(PY) pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH_PIN)
 	$(PY) -m pip install --quiet -e '.[test]'
 	$(PY) -m pip install --quiet --no-deps $(TITAN_TEST_PKGS)
+	@# The optional native helper (csrc/): built ahead where a C compiler exists, else the Python twin runs.
+	$(PY) -c 'from overlapckpt.train.copying.native import build; print("native helper:", build() or "not built (the Python twin runs)")'
 	touch $@
 
 install: $(VENV)/.installed

@@ -10,8 +10,9 @@ and per parameter exp_avg, exp_avg_sq and step). Gradients are set once; the loo
 model's forward.
 
 Each configuration runs in a fresh process (a fresh Checkpointer, as a user's job meets
-it) on the default copier of the CPU: the emulated CUDA device, whose side stream is a
-worker thread, so the copies run beside the hooks as they would on a GPU. A cycle is
+it) on the emulated CUDA device, whose side stream is a worker thread, so the copies run
+beside the hooks as they would on a GPU, with tensors placed as CUDA places them
+(``torch_cuda_placement``: AdamW's step counters in host memory, the rest on the device). A cycle is
 ``--every`` steps ending at a scheduled checkpoint (``every=``, so a window opens its W-1
 steps early, as in a real run); between cycles the loop waits, untimed, for the commit (the writer's persist is not the hooks' cost). Per step it reads
 ``Checkpointer.hook_host_s``: host time inside our hooks, ``step()`` and ``request()``,
@@ -19,7 +20,11 @@ which is what the training loop waits for on our account (on a GPU the copies ar
 asynchronous; this time is not).
 
 Reported per configuration: the added host time per step, mean and worst over all
-measured steps, the per-cycle mean as min / median / p90 / max over ``--cycles`` cycles
+measured steps, three ways: as the loop waits for it (wall time in our hooks); less the
+device work the emulated device runs on the host (a copy on the training stream, a fence's
+wait: on a GPU a kernel and a stream wait, not host time); and the hooks' own CPU time on
+the training thread (``Checkpointer.hook_cpu_s``: without the time lost to the emulated
+stream's thread and the writer process sharing this machine's two cores). Then the per-cycle mean as min / median / p90 / max over ``--cycles`` cycles
 (and whether max is within 1.5x of the median), and the copy launches per step (calls
 that enqueue copies on the device: one grouped ``_foreach_copy_`` each) with the tensors
 they carry.
@@ -62,20 +67,40 @@ def measure_one(tensors: int, mode: str, cycles: int, every: int) -> dict[str, A
     from torch import nn
 
     from overlapckpt.seams import Checkpointer
-    from overlapckpt.train.copying.emulated_device import EmulatedDevice
+    from overlapckpt.train.copying.emulated_device import EmulatedDevice, torch_cuda_placement
     from overlapckpt.train.copying.transfer import StreamCopier
 
     class CountingDevice(EmulatedDevice):
-        """The emulated device, counting the copy launches it is asked for and the tensors in each."""
+        """The emulated device, counting the copy launches it is asked for, the tensors in each, and the
+        device work it runs on the host: a copy queued on the training stream (stage mode's clones) and a
+        wait on it (a fence) run at the call here, where on a GPU they are a kernel and a stream wait."""
 
         launches = 0
         tensors_copied = 0
+        device_on_host_s = 0.0
 
         def copy_(self, destinations: Any, sources: Any) -> None:
             if sources:
                 CountingDevice.launches += 1
                 CountingDevice.tensors_copied += len(sources)
-            super().copy_(destinations, sources)
+            if self.current_stream() is not self.host_stream:
+                super().copy_(destinations, sources)
+                return
+            started = time.perf_counter()
+            try:
+                super().copy_(destinations, sources)
+            finally:
+                CountingDevice.device_on_host_s += time.perf_counter() - started
+
+        def wait_event(self, stream: Any, event: Any) -> None:
+            if stream is not self.host_stream:
+                super().wait_event(stream, event)
+                return
+            started = time.perf_counter()
+            try:
+                super().wait_event(stream, event)
+            finally:
+                CountingDevice.device_on_host_s += time.perf_counter() - started
 
     torch.set_num_threads(1)  # the trainer on one thread; the writer and the copy thread take the other core
     torch.manual_seed(0)
@@ -94,24 +119,32 @@ def measure_one(tensors: int, mode: str, cycles: int, every: int) -> dict[str, A
         optimizer.step()
         baseline.append(time.perf_counter() - started)
     per_step: list[float] = []
+    per_step_cpu: list[float] = []
+    per_step_host_only: list[float] = []
     cycle_means: list[float] = []
     launches: list[int] = []
     carried: list[int] = []
     with tempfile.TemporaryDirectory() as root:
-        copier = StreamCopier(CountingDevice())
+        # Placed as CUDA places them: AdamW's step counters stay in host memory (copied by the host).
+        copier = StreamCopier(CountingDevice(host_resident=torch_cuda_placement(optimizer)))
         with Checkpointer(model, optimizer, root, every=every, keep=1, copier=copier, **MODES[mode]) as ckpt:  # type: ignore[arg-type]
             for cycle in range(cycles + 1):  # the first cycle warms up (allocation, plan)
-                this_cycle = []
+                this_cycle, this_cpu, this_host_only = [], [], []
                 for _ in range(every):
-                    counted, launched, copied = ckpt.hook_host_s, CountingDevice.launches, CountingDevice.tensors_copied
+                    counted, counted_cpu = ckpt.hook_host_s, ckpt.hook_cpu_s
+                    launched, copied, on_host = CountingDevice.launches, CountingDevice.tensors_copied, CountingDevice.device_on_host_s
                     optimizer.step()
                     ckpt.step()
                     this_cycle.append(ckpt.hook_host_s - counted)
+                    this_cpu.append(ckpt.hook_cpu_s - counted_cpu)
+                    this_host_only.append(this_cycle[-1] - (CountingDevice.device_on_host_s - on_host))
                     launches.append(CountingDevice.launches - launched)
                     carried.append(CountingDevice.tensors_copied - copied)
                 ckpt.wait()
                 if cycle:
                     per_step += this_cycle
+                    per_step_cpu += this_cpu
+                    per_step_host_only += this_host_only
                     cycle_means.append(statistics.mean(this_cycle))
                 else:
                     launches.clear()
@@ -120,6 +153,8 @@ def measure_one(tensors: int, mode: str, cycles: int, every: int) -> dict[str, A
         "tensors_requested": tensors, "state_tensors": state_tensors, "mode": mode, "every": every,
         "optimizer_step_ms_median": statistics.median(baseline) * 1e3,
         "added_mean_ms": statistics.mean(per_step) * 1e3, "added_worst_ms": max(per_step) * 1e3,
+        "cpu_mean_ms": statistics.mean(per_step_cpu) * 1e3, "cpu_worst_ms": max(per_step_cpu) * 1e3,
+        "host_only_mean_ms": statistics.mean(per_step_host_only) * 1e3, "host_only_worst_ms": max(per_step_host_only) * 1e3,
         "cycle_mean_ms": {k: (v * 1e3 if isinstance(v, float) else v) for k, v in spread(cycle_means).items()},
         "launches_per_step_mean": statistics.mean(launches), "launches_per_step_max": max(launches),
         "tensors_per_launch_mean": (sum(carried) / sum(launches)) if sum(launches) else 0.0,
@@ -128,14 +163,16 @@ def measure_one(tensors: int, mode: str, cycles: int, every: int) -> dict[str, A
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     out = [
-        "| state tensors | mode | added mean ms | added worst ms | cycle mean ms min / median / p90 / max (n) | within 1.5x | "
+        "| state tensors | mode | added mean / worst ms | less emulated device work, mean / worst ms | "
+        "hooks' CPU mean / worst ms | cycle mean ms min / median / p90 / max (n) | within 1.5x | "
         "launches per step mean / max | tensors per launch | optimizer.step ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         c = r["cycle_mean_ms"]
         out.append(
-            f"| {r['state_tensors']:,} | {r['mode']} | {r['added_mean_ms']:.2f} | {r['added_worst_ms']:.1f} | "
+            f"| {r['state_tensors']:,} | {r['mode']} | {r['added_mean_ms']:.2f} / {r['added_worst_ms']:.1f} | "
+            f"{r['host_only_mean_ms']:.2f} / {r['host_only_worst_ms']:.1f} | {r['cpu_mean_ms']:.2f} / {r['cpu_worst_ms']:.1f} | "
             f"{c['min']:.2f} / {c['median']:.2f} / {c['p90']:.2f} / {c['max']:.2f} ({c['n']}) | "
             f"{'yes' if c['within_1_5x'] else 'no'} | {r['launches_per_step_mean']:.2f} / {r['launches_per_step_max']} | "
             f"{r['tensors_per_launch_mean']:.0f} | {r['optimizer_step_ms_median']:.1f} |"
@@ -178,9 +215,14 @@ def main() -> None:
     print(table)
     goal = [r for r in rows if r["tensors_requested"] == GOAL_AT_TENSORS]
     for r in goal:
-        met = r["added_mean_ms"] <= GOAL_MEAN_MS and r["added_worst_ms"] <= GOAL_WORST_MS
-        print(f"goal at {GOAL_AT_TENSORS:,} tensors, {r['mode']}: mean <= {GOAL_MEAN_MS} ms and worst <= {GOAL_WORST_MS} ms: "
-              f"{'met' if met else 'missed'} ({r['added_mean_ms']:.2f} / {r['added_worst_ms']:.1f} ms)")
+        for what, mean_key, worst_key in (
+            ("added (wall)", "added_mean_ms", "added_worst_ms"),
+            ("less emulated device work", "host_only_mean_ms", "host_only_worst_ms"),
+            ("hooks' CPU", "cpu_mean_ms", "cpu_worst_ms"),
+        ):
+            met = r[mean_key] <= GOAL_MEAN_MS and r[worst_key] <= GOAL_WORST_MS
+            print(f"goal at {GOAL_AT_TENSORS:,} tensors, {r['mode']}, {what}: mean <= {GOAL_MEAN_MS} ms and worst <= "
+                  f"{GOAL_WORST_MS} ms: {'met' if met else 'missed'} ({r[mean_key]:.2f} / {r[worst_key]:.1f} ms)")
     if args.out:
         import torch
         from measure import machine_description  # benchmarks/ on the path when run as a script

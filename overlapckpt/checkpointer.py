@@ -331,6 +331,15 @@ class Checkpointer:
         return self._engine.state.hook_host_total_s
 
     @property
+    def hook_cpu_s(self) -> float:
+        """The CPU time the training thread spent in those same hooks (``time.thread_time``).
+
+        ``hook_host_s`` less what the thread waited for (a slot, a fence the device runs on the
+        host in the emulated device) or lost to other threads and processes on a busy machine.
+        """
+        return self._engine.state.hook_cpu_total_s
+
+    @property
     def step_count(self) -> int:
         """Optimizer steps taken, continued from the restored checkpoint after ``restore()``."""
         return self._engine.step_count

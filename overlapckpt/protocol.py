@@ -46,14 +46,21 @@ class GradientStep:
 
 
 @dataclass
+class ReplayTables:
+    """What a replay plan implies, the same for every snapshot under it: sent once, with the plan."""
+
+    grad_offsets: dict[tuple[int, str], int]  # (window step index i, fqn) -> offset in the grad buffer
+    grad_nbytes: int  # the gradient buffer a full window logs into
+    param_group_of: dict[str, int]  # fqn -> index of its param_group
+    copy_group_of: dict[str, int]  # fqn -> index of the copy group that holds it
+
+
+@dataclass
 class ReplayLog:
-    """Everything the writer needs to roll each group forward to the target version."""
+    """What one snapshot's window logged: with its plan's ``ReplayTables``, all the writer needs to roll each group forward."""
 
     optimizer_class: tuple[str, str]
     grad_buffer_id: int
-    grad_offsets: dict[tuple[int, str], int]  # (window step index i, fqn) -> offset in the grad buffer
-    param_group_of: dict[str, int]  # fqn -> index of its param_group
-    copy_group_of: dict[str, int]  # fqn -> index of the copy group that holds it
     base_step: int  # the step s at which the snapshot was requested
     group_versions: list[int | None] = field(default_factory=list)
     steps: list[GradientStep] = field(default_factory=list)
@@ -102,6 +109,8 @@ class SetPlanRequest:
     offsets: tuple[int, ...]
     # Every tensor of the checkpoint across all ranks, by DCP key: the coverage the writers check.
     global_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # A window of 2 or more: the tables its replay snapshots use (thousands of entries; sent once, not per snapshot).
+    replay_tables: ReplayTables | None = None
 
 
 EXPORT_FORMATS = ("hf_trainer",)  # framework files the writer can write next to DCP's (writer/exports.py)

@@ -14,9 +14,9 @@ from overlapckpt import load
 from overlapckpt.errors import UnsupportedOptimizerError
 from overlapckpt.seams import Checkpointer
 from overlapckpt.train.consistency.autowindow import AUTO_FILL_FRACTION, HostGapTimer, WindowTuner
-from overlapckpt.train.consistency.gradlog import GradientLogger
 from overlapckpt.train.copying.layout import build_layout
 from overlapckpt.train.copying.plan import make_plan
+from overlapckpt.train.copying.replay_tables import gradient_layout
 from overlapckpt.train.copying.transfer import CopyTicket, CpuCopier
 
 LAYERS = 24
@@ -269,7 +269,8 @@ def test_a_wider_window_reuses_the_preallocated_gradient_buffer_and_both_checkpo
     assert ckpt.stats[1]["ledger"]["window_choice"]["reason"].startswith("smallest window whose copies fit")
     assert [s["step"] for s in ckpt.stats] == [3 + 4 - 1, 27 + 6 - 1]
     assert ckpt._engine.slots.slots == []  # released at close
-    w8_nbytes = GradientLogger.buffer_nbytes(make_plan(build_layout(model, opt).entries, 8), build_layout(model, opt))
+    layout = build_layout(model, opt)
+    w8_nbytes = gradient_layout(make_plan(layout.entries, 8), layout)[1]
     assert w6_buffer is w4_buffer and w4_buffer.nbytes == w8_nbytes
     for stats in ckpt.stats:
         version = stats["step"]

@@ -176,15 +176,17 @@ class SlowEnqueueCopier(StreamCopier):
     def __init__(self) -> None:
         super().__init__(EmulatedDevice())
         self.enqueue_s = 0.0
+        self.enqueue_cpu_s = 0.0
 
     def copy_async(self, sources, destinations, keepalive=(), route=None):
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         try:
             return super().copy_async(sources, destinations, keepalive, route)
         finally:
             while time.perf_counter() - started < self.ENQUEUE_HOLD_S:
                 pass
             self.enqueue_s += time.perf_counter() - started
+            self.enqueue_cpu_s += time.thread_time() - started_cpu
 
 
 @pytest.mark.parametrize("consistency", ["replay", "stage"])
@@ -192,15 +194,19 @@ def test_hook_host_time_counts_every_enqueue_made_in_a_hook(tmp_path, consistenc
     model, opt, sched, sampler = make_run()
     copier = SlowEnqueueCopier()
     with Checkpointer(model, opt, tmp_path, window=3, consistency=consistency, copier=copier) as ckpt:
-        assert ckpt.hook_host_s == 0.0  # nothing ran yet
+        assert ckpt.hook_host_s == 0.0 and ckpt.hook_cpu_s == 0.0  # nothing ran yet
         train_step(model, opt, sched, sampler)
         ckpt.step()
         ckpt.request()
         for _ in range(4):
             # Per step: every enqueue this step made (pre-hook, post-hook, step()) is in the counter's growth.
             counted_before, enqueued_before = ckpt.hook_host_s, copier.enqueue_s
+            cpu_before, enqueued_cpu_before = ckpt.hook_cpu_s, copier.enqueue_cpu_s
             train_step(model, opt, sched, sampler)
             ckpt.step()
             assert ckpt.hook_host_s - counted_before >= copier.enqueue_s - enqueued_before
+            # The same for the thread's CPU time, which the enqueues' busy hold spends on this thread.
+            assert ckpt.hook_cpu_s - cpu_before >= copier.enqueue_cpu_s - enqueued_cpu_before
         ckpt.wait()
         assert copier.enqueue_s >= 3 * SlowEnqueueCopier.ENQUEUE_HOLD_S  # the window's copies ran through it
+        assert ckpt.hook_cpu_s >= copier.enqueue_cpu_s > 0

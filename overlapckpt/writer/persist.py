@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .. import protocol as p
-from ..errors import CheckpointExistsError, CheckpointWriteError
+from ..errors import CheckpointExistsError, CheckpointWriteError, InternalError
 from ..format.attempts import Attempt, already_committed, new_attempt_id
 from ..format.blobsums import StoredChecksums, StreamTimings
 from ..format.checksum import default_algorithm
@@ -62,6 +62,7 @@ def persist_snapshot(
     write_threads: int = 1,
     on_replay: Callable[[bool], None] | None = None,
     purge_later: list[str] | None = None,
+    replay_tables: p.ReplayTables | None = None,
 ) -> p.CommittedResponse:
     """Persist one snapshot and commit it; the answer for the training side.
 
@@ -88,7 +89,9 @@ def persist_snapshot(
         # version: a successor of a writer killed in between must not replay it again.
         if on_replay is not None:
             on_replay(False)
-        replay_to_version(entries, tensors, req.replay, buffers[req.replay.grad_buffer_id])
+        if replay_tables is None:
+            raise InternalError(f"the snapshot of step {req.step} needs replay, but its plan {req.plan_id} came without replay tables")
+        replay_to_version(entries, tensors, req.replay, replay_tables, buffers[req.replay.grad_buffer_id])
         if on_replay is not None:
             on_replay(True)
     phases = PhaseClock(started)

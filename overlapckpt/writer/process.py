@@ -56,6 +56,7 @@ class _WriterState:
         return persist_snapshot(
             self.store, self.group, plan.entries, plan.offsets, plan.global_shapes, self.buffers, req, self.signing_key,
             write_threads=self.threads,
+            replay_tables=plan.replay_tables,
             on_replay=lambda finished: _send(conn, p.ReplayProgressNotice(req.request_id, finished)),
             purge_later=purge_later,
         )

@@ -17,7 +17,7 @@ import torch
 
 from ..format.entries import ROLE_OPTIM, ROLE_PARAM, TensorEntry
 from ..hostbuf import view_bytes
-from ..protocol import ReplayLog
+from ..protocol import ReplayLog, ReplayTables
 from ..qualname import import_qualified
 
 
@@ -42,7 +42,7 @@ def replay_hyperparameters(h: dict[str, Any]) -> dict[str, Any]:
 
 
 def replay_to_version(
-    entries: list[TensorEntry], tensors: list[torch.Tensor], log: ReplayLog, grad_buffer: torch.Tensor
+    entries: list[TensorEntry], tensors: list[torch.Tensor], log: ReplayLog, tables: ReplayTables, grad_buffer: torch.Tensor
 ) -> None:
     """Apply the logged steps to each group's tensors in place."""
     optimizer_cls = _import(log.optimizer_class)
@@ -57,14 +57,15 @@ def replay_to_version(
         if version is None:
             continue
         steps = [s for s in log.steps if s.step > version and group_index in s.groups]
-        fqns = [fqn for fqn, j in log.copy_group_of.items() if j == group_index]
+        fqns = [fqn for fqn, j in tables.copy_group_of.items() if j == group_index]
         if steps and fqns:
-            _replay_group(optimizer_cls, log, fqns, params, state, steps, grad_buffer)
+            _replay_group(optimizer_cls, log, tables, fqns, params, state, steps, grad_buffer)
 
 
 def _replay_group(
     optimizer_cls: type,
     log: ReplayLog,
+    tables: ReplayTables,
     fqns: list[str],
     params: dict[str, torch.Tensor],
     state: dict[str, dict[str, torch.Tensor]],
@@ -73,7 +74,7 @@ def _replay_group(
 ) -> None:
     groups_fqns: dict[int, list[str]] = {}
     for fqn in fqns:
-        groups_fqns.setdefault(log.param_group_of[fqn], []).append(fqn)
+        groups_fqns.setdefault(tables.param_group_of[fqn], []).append(fqn)
     first = steps[0]
     param_groups = [
         {**replay_hyperparameters(first.hyperparameters[g]), "params": [params[f] for f in names]}
@@ -93,7 +94,7 @@ def _replay_group(
                 if f in record.grad_none:
                     p.grad = None
                 else:
-                    p.grad = view_bytes(grad_buffer, log.grad_offsets[(i, f)], p.dtype, tuple(p.shape))
+                    p.grad = view_bytes(grad_buffer, tables.grad_offsets[(i, f)], p.dtype, tuple(p.shape))
         optimizer.step()
     for p in params.values():
         p.grad = None

@@ -122,7 +122,8 @@ def resolve_values(value: Any) -> Any:
 def resolve_boundary(boundary: BoundaryState) -> tuple[dict[str, Any], dict[str, Any]]:
     """(optimizer small state, extra state) as the writer stores them."""
     small_state = {
-        "param_groups": resolve_values(boundary.param_groups),
+        # "params" are the FQNs listed at capture (strings, thousands of them): nothing in them to resolve.
+        "param_groups": [{k: v if k == "params" else resolve_values(v) for k, v in g.items()} for g in boundary.param_groups],
         "small_optim": resolve_values(boundary.optimizer_scalars),
     }
     extra_state = {"stateful": resolve_values(boundary.stateful), "rng": boundary.rng}

@@ -24,6 +24,8 @@ window waits for: for groups of equal size, (W-1)/2 times the parameter bytes.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,23 +36,10 @@ from ...optimizers import OptimizerGroup, describe_optimizer, update_rule_class
 from ...protocol import GradientStep, ReplayLog
 from ..copying.layout import StateLayout, optimizer_shape_signature
 from ..copying.ownership import local_tensor
-from ..copying.plan import CopyPlan, align_bytes
+from ..copying.plan import CopyPlan
+from ..copying.replay_tables import gradient_layout
 from ..copying.slots import HostSlot
 from ..copying.transfer import Copier, CopyTicket, copy_values_to_host
-
-
-def gradient_layout(plan: CopyPlan, layout: StateLayout) -> tuple[dict[tuple[int, str], int], int]:
-    """Offsets of every gradient a full window logs: step i (1..W-1) holds groups 0..i-1."""
-    shapes = dict(zip(layout.param_fqns, layout.param_locals))
-    offsets: dict[tuple[int, str], int] = {}
-    cursor = 0
-    for i in range(1, plan.window_steps):
-        for group in plan.groups[:i]:
-            for fqn in group.param_fqns:
-                p = shapes[fqn]
-                offsets[(i, fqn)] = cursor
-                cursor += align_bytes(p.numel() * p.element_size())
-    return offsets, max(cursor, align_bytes(1))
 
 
 def capture_hyperparameters(
@@ -72,6 +61,23 @@ def capture_hyperparameters(
     return groups, ticket
 
 
+_grad_of = operator.attrgetter("grad")
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "_local_tensor")
+
+
+@dataclass(eq=False)
+class _LogTargets:
+    """What one window step logs: its parameters in order, and their views in the gradient buffer."""
+
+    fqns: list[str]
+    params: list[torch.Tensor]
+    destinations: list[torch.Tensor]
+    all_plain: bool  # no DTensor among them: a gradient is its own local part
+
+
 @dataclass
 class LoggedGradients:
     """One step's gradient copy, and the fence it needs (the engine places fences)."""
@@ -89,23 +95,17 @@ class GradientLogger:
         self.copier = copier
         # Gradient views into a slot's gradient buffer, per (buffer id, layout fingerprint, window).
         self._views: dict[tuple[int, int, int], tuple[dict[tuple[int, str], int], dict[tuple[int, str], torch.Tensor]]] = {}
-
-    @staticmethod
-    def buffer_nbytes(plan: CopyPlan, layout: StateLayout) -> int:
-        return gradient_layout(plan, layout)[1]
+        self._targets_by_key: dict[tuple[int, ...], _LogTargets] = {}
 
     def open(self, slot: HostSlot, plan: CopyPlan, layout: StateLayout, base_step: int) -> ReplayLog:
         """The replay log of a snapshot started at ``base_step``, writing into ``slot``'s gradient buffer."""
-        offsets, _ = self._slot_views(slot, plan, layout)
+        self._slot_views(slot, plan, layout)
         rule = update_rule_class(self.optimizer)
         if rule is None:  # options.check_optimizer_for_mode refuses replay for such a group
             raise InternalError(f"replay of {describe_optimizer(self.optimizer)}: its optimizers differ")
         return ReplayLog(
             optimizer_class=(rule.__module__, rule.__qualname__),
             grad_buffer_id=slot.grad_buffer_id,  # type: ignore[arg-type]
-            grad_offsets=offsets,
-            param_group_of={fqn: gi for gi, fqns in enumerate(layout.group_param_fqns) for fqn in fqns},
-            copy_group_of=plan.group_of_param(),
             base_step=base_step,
             group_versions=[None] * len(plan.groups),
         )
@@ -133,17 +133,17 @@ class GradientLogger:
         i = step - log.base_step
         if i < 1 or copied_groups == 0:
             return None
-        _, views = self._slot_views(slot, plan, layout)
-        by_fqn = dict(zip(layout.param_fqns, layout.params))
-        sources, destinations, none = [], [], []
-        for group in plan.groups[:copied_groups]:
-            for fqn in group.param_fqns:
-                grad = by_fqn[fqn].grad
-                if grad is None:
-                    none.append(fqn)
-                    continue
-                sources.append(local_tensor(grad))
-                destinations.append(views[(i, fqn)])
+        targets = self._targets(slot, plan, layout, i, copied_groups)
+        # .grad is read every step: zero_grad(set_to_none=True) gives each backward new gradient tensors.
+        grads = list(map(_grad_of, targets.params))
+        if any(map(operator.is_, grads, itertools.repeat(None))):  # by identity: == on a tensor is Python
+            none = [f for f, g in zip(targets.fqns, grads) if g is None]
+            sources = [local_tensor(g) for g in grads if g is not None]
+            destinations = [d for d, g in zip(targets.destinations, grads) if g is not None]
+        else:
+            none = []
+            sources = grads if targets.all_plain else [local_tensor(g) for g in grads]
+            destinations = targets.destinations
         hyperparameters, hp_ticket = capture_hyperparameters(self.optimizer, self.copier)
         log.steps.append(
             GradientStep(step=step, groups=list(range(copied_groups)), hyperparameters=hyperparameters, grad_none=none)
@@ -165,9 +165,24 @@ class GradientLogger:
             out.fence_after_step = ticket
         return out
 
+    def _targets(self, slot: HostSlot, plan: CopyPlan, layout: StateLayout, i: int, copied_groups: int) -> _LogTargets:
+        """The parameters step ``i`` logs and their views, gathered once per slot buffer, plan, step and group count."""
+        key = (int(slot.grad_buffer_id or 0), plan.fingerprint, plan.window_steps, i, copied_groups)
+        targets = self._targets_by_key.get(key)
+        if targets is None:
+            _, views = self._slot_views(slot, plan, layout)
+            by_fqn = dict(zip(layout.param_fqns, layout.params))
+            fqns = [fqn for group in plan.groups[:copied_groups] for fqn in group.param_fqns]
+            params = [by_fqn[f] for f in fqns]
+            targets = _LogTargets(fqns, params, [views[(i, f)] for f in fqns], not any(map(_is_dtensor, params)))
+            self._targets_by_key = {k: v for k, v in self._targets_by_key.items() if k[0] != key[0] or k[:3] == key[:3]}  # this buffer's older plans go
+            self._targets_by_key[key] = targets
+        return targets
+
     def release(self) -> None:
         """Drop the views into gradient buffers, so releasing a buffer unmaps it."""
         self._views = {}
+        self._targets_by_key = {}
 
     def state_grew(self, layout: StateLayout) -> bool:
         """The optimizer gained state or parameters that ``layout`` lacks (a parameter unfrozen)."""

@@ -28,14 +28,17 @@ training (no training kernel touches the region).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ...errors import ConfigError, InternalError
 from ...hostbuf import view_bytes
 from ..copying.device import TensorRun
+from ..copying.host_values import HostValues
 from ..copying.layout import StateLayout
 from ..copying.plan import CopyPlan, align_bytes
-from ..copying.transfer import Copier, CopyTicket, copy_on_host
+from ..copying.transfer import Copier, CopyTicket
 
 
 def staged_entry_indices(plan: CopyPlan) -> list[int]:
@@ -48,6 +51,24 @@ def _region_nbytes(entry_nbytes: list[int]) -> int:
     return sum(align_bytes(n) for n in entry_nbytes)
 
 
+@dataclass(eq=False)
+class _PreparedStage:
+    """One plan's staging, worked out on its first snapshot: no later snapshot does work per tensor."""
+
+    plan: CopyPlan
+    layout: StateLayout
+    on_device: list[int]  # entry indices cloned into the region
+    on_host: list[int]  # entry indices copied to the host slot at once
+    device_sources: TensorRun
+    host_sources: TensorRun
+    region_nbytes: int
+    staged: list[torch.Tensor | None]  # what stage() returns, per entry
+    region: torch.Tensor | None = None  # the region the views below view
+    region_views: TensorRun = field(default_factory=TensorRun)
+    # Per host slot (its views list, by id): the host copies into it.
+    host_values: dict[int, tuple[list[torch.Tensor], HostValues | None]] = field(default_factory=dict)
+
+
 class StagingArea:
     """The one staging region, its budget, and the drains that still read it."""
 
@@ -56,8 +77,7 @@ class StagingArea:
         self.budget_bytes = budget_bytes
         self.region: torch.Tensor | None = None
         self._drains: list[CopyTicket] = []  # drain copies that read the region and may not have landed
-        # (key, layout, entry indices, region views, live sources) of the last plan staged: reused while it holds.
-        self._views: tuple[tuple[int, int, int, int], StateLayout, list[int], TensorRun, TensorRun] | None = None
+        self._plan: _PreparedStage | None = None  # what staging the last plan takes: reused while it holds
 
     def needed_bytes(self, plan: CopyPlan, layout: StateLayout) -> int:
         """Bytes the region needs for ``plan``: the entries of groups 1..W-1 that live on the device."""
@@ -86,7 +106,9 @@ class StagingArea:
                 "window, consistency='replay' (no device memory), or free device memory"
             )
         self.region = None  # freed first, so the old and the new region are never both held
-        self._views = None  # they view the old region
+        if self._plan is not None:
+            self._plan.region = None  # its views view the old region
+            self._plan.region_views = TensorRun()
         self.region = self.copier.allocate_on_training_stream(needed_bytes)
 
     def stage(self, plan: CopyPlan, layout: StateLayout, host_views: list[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -94,18 +116,20 @@ class StagingArea:
 
         Returns, per entry, the staged tensor its drain copies from; None where the
         entry was copied to ``host_views`` at once (host-resident state) or is in group 0.
+        The list is the same object for every snapshot of this plan and region (callers
+        do not change it), so what is derived from it can be kept too.
         The caller enqueued every drain still reading the region first.
         """
-        staged: list[torch.Tensor | None] = [None] * len(layout.entries)
-        later = staged_entry_indices(plan)
-        if not later:
-            return staged
-        resident = [self.copier.is_device_resident(layout.live_tensors[i]) for i in later]
-        on_device = [i for i, r in zip(later, resident) if r]
-        on_host = [i for i, r in zip(later, resident) if not r]
-        copy_on_host([layout.live_tensors[i] for i in on_host], [host_views[i] for i in on_host])
-        if not on_device:
-            return staged
+        prepared = self._prepared(plan, layout)
+        host = prepared.host_values.get(id(host_views))
+        if host is None or host[0] is not host_views:
+            on_host = prepared.on_host
+            host = (host_views, HostValues([layout.live_tensors[i] for i in on_host], [host_views[i] for i in on_host]) if on_host else None)
+            prepared.host_values[id(host_views)] = host
+        if host[1] is not None:
+            host[1].copy_now(prepared.host_sources)
+        if not prepared.on_device:
+            return prepared.staged
         for ticket in self._drains:
             # Fence 4: the earlier snapshot's drains read this region on the side stream;
             # the training stream must not overwrite it, nor reuse its memory once freed
@@ -113,26 +137,45 @@ class StagingArea:
             self.copier.fence_compute(ticket)
         self._drains = []
         # Held since construction or the first step; only a state that grew reallocates here.
-        self.reserve(_region_nbytes([layout.entries[i].nbytes for i in on_device]), plan.window_steps, layout.nbytes)
+        self.reserve(prepared.region_nbytes, plan.window_steps, layout.nbytes)
         region = self.region
         if region is None:
             raise InternalError("stage mode found no staging region after reserving it")
-        key = (region.data_ptr(), id(layout), plan.fingerprint, plan.window_steps)
-        if self._views is None or self._views[0] != key or self._views[1] is not layout:
+        if prepared.region is not region:
+            # Views and sources are the same tensors for every snapshot of this plan and region:
+            # made once (TensorRuns, so the device keeps its per-tensor work for them too).
             cursor = 0
             region_views = TensorRun()
-            for i in on_device:
+            for i in prepared.on_device:
                 e = layout.entries[i]
                 region_views.append(view_bytes(region, cursor, e.dtype, e.shape))
                 cursor += align_bytes(e.nbytes)
-            # Views and sources are the same tensors for every snapshot of this plan: made once
-            # (a TensorRun, so the device keeps its per-tensor work for them too).
-            self._views = (key, layout, on_device, region_views, TensorRun(layout.live_tensors[i] for i in on_device))
-        _, _, indices, region_views, sources = self._views
-        for i, view in zip(indices, region_views):
-            staged[i] = view
-        self.copier.copy_on_training_stream(region_views, sources)
-        return staged
+            staged: list[torch.Tensor | None] = [None] * len(layout.entries)
+            for i, view in zip(prepared.on_device, region_views):
+                staged[i] = view
+            prepared.region, prepared.region_views, prepared.staged = region, region_views, staged
+        self.copier.copy_on_training_stream(prepared.region_views, prepared.device_sources)
+        return prepared.staged
+
+    def _prepared(self, plan: CopyPlan, layout: StateLayout) -> _PreparedStage:
+        """What staging ``plan`` takes, worked out once per plan (which entries live where, their sources)."""
+        prepared = self._plan
+        if prepared is None or prepared.plan is not plan or prepared.layout is not layout:
+            later = staged_entry_indices(plan)
+            resident = [self.copier.is_device_resident(layout.live_tensors[i]) for i in later]
+            on_device = [i for i, r in zip(later, resident) if r]
+            on_host = [i for i, r in zip(later, resident) if not r]
+            prepared = self._plan = _PreparedStage(
+                plan=plan,
+                layout=layout,
+                on_device=on_device,
+                on_host=on_host,
+                device_sources=TensorRun(layout.live_tensors[i] for i in on_device),
+                host_sources=TensorRun(layout.live_tensors[i] for i in on_host),
+                region_nbytes=_region_nbytes([layout.entries[i].nbytes for i in on_device]),
+                staged=[None] * len(layout.entries),
+            )
+        return prepared
 
     def note_drain(self, ticket: CopyTicket) -> None:
         self._drains.append(ticket)
@@ -143,5 +186,5 @@ class StagingArea:
 
     def release(self) -> None:
         self._drains = []
-        self._views = None
+        self._plan = None
         self.region = None

@@ -386,12 +386,26 @@ class EmulatedDevice:
         view.set_(block.backing.untyped_storage(), offset // t.element_size(), t.size(), t.stride())
         return view
 
+    def _device_views(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``_device_view`` of each; the blocks are looked up in C, as most tensors are in none (host memory, gradients)."""
+        storages = list(map(torch.UntypedStorage.data_ptr, map(torch.Tensor.untyped_storage, tensors)))
+        with self._lock:
+            blocks = list(map(self._live.get, storages))
+        if not any(blocks):
+            return list(tensors)  # read under no_grad on the stream (copy_): nothing to detach
+        return [t if b is None else self._device_view(t) for t, b in zip(tensors, blocks)]
+
     def copy_(self, destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
         if not sources:
             return
         dsts, host_ranges = self._run_views(destinations, with_host_ranges=True)
         srcs, _ = self._run_views(sources, with_host_ranges=False)
-        self.current_stream().enqueue(lambda: torch._foreach_copy_(dsts, srcs), host_ranges)
+
+        def run() -> None:
+            with torch.no_grad():  # a stream's worker thread starts with autograd on: a copy records nothing
+                torch._foreach_copy_(dsts, srcs)
+
+        self.current_stream().enqueue(run, host_ranges)
 
     def _run_views(
         self, tensors: Sequence[torch.Tensor], with_host_ranges: bool
@@ -404,7 +418,7 @@ class EmulatedDevice:
         cached = self._runs.get(tensors) if isinstance(tensors, TensorRun) else None
         if cached is not None and (cached[1] is not None or not with_host_ranges):
             return cached[0], cached[1] or ()
-        views = cached[0] if cached is not None else [self._device_view(t) for t in tensors]
+        views = cached[0] if cached is not None else self._device_views(tensors)
         host_ranges: tuple[tuple[int, int], ...] | None = None
         if with_host_ranges:
             with self._lock:
@@ -477,18 +491,28 @@ def torch_cuda_placement(optimizer: torch.optim.Optimizer, host_tensors: Sequenc
     from ...optimizers import OptimizerGroup
 
     host_addresses = {t.data_ptr() for t in host_tensors}
+    optimizers = optimizer.optimizers if isinstance(optimizer, OptimizerGroup) else (optimizer,)
+    gathered: dict[str, Any] = {"signature": None, "addresses": set()}
+
+    def step_addresses() -> set[int]:
+        # Asked per tensor while routes are made (tens of thousands): the step counters' addresses
+        # are gathered again only when an optimizer's state mapping was replaced or gained entries.
+        signature = tuple((id(opt.state), len(opt.state), len(opt.param_groups)) for opt in optimizers)
+        if signature != gathered["signature"]:
+            found = set()
+            for opt in optimizers:
+                for group in opt.param_groups:
+                    if group.get("fused") or group.get("capturable"):
+                        continue
+                    for p in group["params"]:
+                        step = opt.state[p].get("step") if p in opt.state else None
+                        if isinstance(step, torch.Tensor):
+                            found.add(step.data_ptr())
+            gathered["signature"], gathered["addresses"] = signature, found
+        return gathered["addresses"]
 
     def host_resident(t: torch.Tensor) -> bool:
-        if t.data_ptr() in host_addresses:
-            return True
-        for opt in optimizer.optimizers if isinstance(optimizer, OptimizerGroup) else (optimizer,):
-            for group in opt.param_groups:
-                if group.get("fused") or group.get("capturable"):
-                    continue
-                for p in group["params"]:
-                    step = opt.state[p].get("step") if p in opt.state else None
-                    if isinstance(step, torch.Tensor) and step.data_ptr() == t.data_ptr():
-                        return True
-        return False
+        ptr = t.data_ptr()
+        return ptr in host_addresses or ptr in step_addresses()
 
     return host_resident

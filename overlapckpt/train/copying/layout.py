@@ -14,6 +14,7 @@ to.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,7 @@ from torch import nn
 from ...errors import ConfigError
 from ...format.entries import ROLE_BUFFER, ROLE_OPTIM, ROLE_PARAM, TensorEntry
 from ...format.key_layout import GET_STATE_DICT, model_path
+from .live_identity import LiveIdentity, new_generation
 from .ownership import OwnershipUnit, TensorPlacement, local_tensor, owned_units, placement_of
 
 
@@ -50,12 +52,14 @@ class StateLayout:
     global_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # Non-tensor leaves of optimizer.state, as (fqn, key) pairs read at capture time.
     small_optim_keys: list[tuple[str, str]] = field(default_factory=list)
+    # This layout's generation (new_generation()): the key its plans, views and routes are cached under.
     fingerprint: int = 0
+    identity: LiveIdentity | None = None  # what it was built from: PlanCache rebuilds it when that no longer matches
     shape_signature: tuple[int, int, int] = (0, 0, 0)  # optimizer_shape_signature() when built
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self.entries)
+        return sum(e.nbytes for e in self.entries)  # once per layout: its entries never change
 
 
 def optimizer_shape_signature(optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
@@ -67,36 +71,9 @@ def optimizer_shape_signature(optimizer: torch.optim.Optimizer) -> tuple[int, in
     """
     # optimizer.state is a defaultdict: reading state[p] anywhere adds an empty entry, which
     # is not state; counting it would restart a window for nothing, at every step.
-    with_state = entries = 0
-    for st in optimizer.state.values():
-        if st:
-            with_state += 1
-            entries += len(st)
-    return with_state, entries, sum(len(g["params"]) for g in optimizer.param_groups)
-
-
-def live_fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """A cheap identity of every tracked tensor: it changes when a layout must be rebuilt.
-
-    It reads identities only (no tensor data), so it costs microseconds per hundred
-    tensors; it changes when a parameter, buffer or optimizer state tensor is
-    replaced (``load_state_dict``, a lazily created state, a reassigned buffer).
-    """
-    parts: list[object] = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            parts.append(id(p))
-            st = optimizer.state.get(p)
-            if st:
-                for k, v in st.items():
-                    if isinstance(v, torch.Tensor):
-                        parts.append((k, id(v), local_tensor(v).data_ptr()))
-                    else:
-                        parts.append(k)
-    for t in model.state_dict(keep_vars=True).values():
-        if isinstance(t, torch.Tensor):
-            parts.append((local_tensor(t).data_ptr(), t.dtype, tuple(t.shape)))
-    return hash(tuple(parts))
+    # Counted in C: it runs at every step of a replay window, over every parameter.
+    states = optimizer.state.values()
+    return sum(map(bool, states)), sum(map(len, states)), sum(len(g["params"]) for g in optimizer.param_groups)
 
 
 def check_optimizer_matches_model(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -202,7 +179,8 @@ def build_layout(
         group_param_fqns=group_fqns,
         global_shapes={e.key: e.global_shape for e, _, _, _ in candidates},
         small_optim_keys=[(f, k) for f, k in small_keys if f in owned],
-        fingerprint=live_fingerprint(model, optimizer),
+        fingerprint=new_generation(),
+        identity=LiveIdentity.capture(model, optimizer),
         shape_signature=optimizer_shape_signature(optimizer),
     )
 

@@ -44,6 +44,17 @@ from .transfer import Copier, CopyRoute, CopyTicket
 _PREALLOCATE_TIMEOUT_S = 600.0
 
 
+@dataclass(eq=False)
+class GroupTensors:
+    """One copy group's tensors, in the order its copy takes them."""
+
+    indices: tuple[int, ...]  # entry indices
+    sources: list[torch.Tensor]  # live tensors (or staged views) of those entries
+    destinations: list[torch.Tensor]  # their views in the slot
+    buffer_positions: tuple[int, ...]  # positions in sources of buffers, which are cloned before each copy
+    staged_from: list[torch.Tensor | None] | None = None  # the staged views the sources were taken from
+
+
 @dataclass
 class HostSlot:
     """Host memory for one snapshot, reused for every checkpoint that lands in it."""
@@ -61,6 +72,9 @@ class HostSlot:
     # The copy routes into this slot (per copy group, per logged gradient step), for the cached views'
     # plan: they hold views of this slot's buffers, so they go when the views or a buffer go.
     routes: dict[tuple[object, ...], CopyRoute | None] = field(default_factory=dict)
+    # Each copy group's sources and destinations under the cached views' plan, per route key:
+    # gathered on the group's first copy, so that later copies do no Python per tensor.
+    group_tensors: dict[tuple[object, ...], GroupTensors] = field(default_factory=dict)
 
     def entry_views(self, plan: CopyPlan, layout: StateLayout) -> list[torch.Tensor]:
         """Where each entry of ``layout`` lands in this slot under ``plan``."""
@@ -68,8 +82,13 @@ class HostSlot:
         if self.views_key != key or len(self.views) != len(layout.entries):
             self.views = [self.buffer.view(off, e.dtype, e.shape) for e, off in zip(layout.entries, plan.offsets)]
             self.views_key = key
-            self.routes = {}
+            self.forget_routes()
         return self.views
+
+    def forget_routes(self) -> None:
+        """Drop what holds views of this slot's buffers for the cached plan (its views or a buffer changed)."""
+        self.routes = {}
+        self.group_tensors = {}
 
     def route(
         self,
@@ -236,7 +255,7 @@ class SlotPool:
         slot.pending = []
         self.slots.remove(slot)
         slot.views = []
-        slot.routes = {}
+        slot.forget_routes()
         self._release_gradient_buffer(slot)
         slot.buffer.release()
         self._tell_writer(p.ReleaseBufferRequest(slot.buffer_id))
@@ -253,7 +272,7 @@ class SlotPool:
     def _release_gradient_buffer(self, slot: HostSlot) -> None:
         if slot.grad_buffer is None:
             return
-        slot.routes = {}  # some hold views of the gradient buffer
+        slot.forget_routes()  # some hold views of the gradient buffer
         slot.grad_buffer.release()
         slot.grad_buffer = None
         if slot.grad_buffer_id is not None:

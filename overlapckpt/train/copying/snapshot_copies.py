@@ -17,6 +17,7 @@ from ..consistency.boundary import capture_boundary
 from ..consistency.gradlog import GradientLogger
 from ..consistency.stage_area import StagingArea
 from ..lifecycle.snapshot import Snapshot, SnapshotMode, SnapshotState
+from .slots import GroupTensors
 from .transfer import Copier, CopyTicket, FenceResult
 
 
@@ -68,30 +69,27 @@ class SnapshotCopies:
         snap.tickets.extend(tickets)
 
     def enqueue_group(self, snap: Snapshot, j: int, step: int, hook: int) -> None:
-        plan, layout = snap.plan, snap.layout
-        idx = plan.groups[j].entry_indices
-        views = snap.slot.entry_views(plan, layout)
+        views = snap.slot.entry_views(snap.plan, snap.layout)  # first: a new plan drops the slot's cached groups
         from_staging = snap.mode == SnapshotMode.STAGE and j > 0
+        key = ("group", j, from_staging)
+        group = snap.slot.group_tensors.get(key)
+        if group is None or (from_staging and group.staged_from is not snap.staged_views):
+            group = self._gather(snap, j, from_staging, views)
+            snap.slot.group_tensors[key] = group
+            snap.slot.routes.pop(key, None)  # a route kept for another region's views would hold that region
+        src, dst = group.sources, group.destinations
         keepalive: list[torch.Tensor] = []
-        if from_staging:
-            # Host-resident entries were copied at stage time; the rest drain from the region.
-            idx = tuple(i for i in idx if snap.staged_views[i] is not None)
-            src = [snap.staged_views[i] for i in idx]
-        else:
-            src = [layout.live_tensors[i] for i in idx]
-            buffers = [k for k, i in enumerate(idx) if layout.entries[i].role == ROLE_BUFFER]
-            if buffers:
-                # Fence 3: the next forward mutates buffers (BatchNorm running stats)
-                # before any fence of ours runs: copy clones made now, in order.
-                clones = self.copier.stage([src[k] for k in buffers])
-                for k, c in zip(buffers, clones):
-                    src[k] = c
-                keepalive = clones
-        # The per-tensor work of this group's copy, done on its first copy into this slot under this plan.
-        dst = [views[i] for i in idx]
-        # The live tensors are the same on every copy under this plan (clones of buffers are not, and
-        # staged views belong to the stage area, which may replace its region): the route keeps them.
-        route = snap.slot.route(self.copier, ("group", j, from_staging), src, dst, keep_sources=not (from_staging or keepalive))
+        if group.buffer_positions:
+            # Fence 3: the next forward mutates buffers (BatchNorm running stats)
+            # before any fence of ours runs: copy clones made now, in order.
+            src = list(src)
+            clones = self.copier.stage([src[k] for k in group.buffer_positions])
+            for k, c in zip(group.buffer_positions, clones):
+                src[k] = c
+            keepalive = clones
+        # The live tensors (or the region's staged views) are the same on every copy under this plan
+        # (clones of buffers are not): the route keeps them, and is dropped above with a new region.
+        route = snap.slot.route(self.copier, key, src, dst, keep_sources=not keepalive)
         ticket = self.copier.copy_async(src, dst, keepalive=keepalive, route=route)
         ticket.group_index = j
         snap.tickets.append(ticket)
@@ -105,6 +103,19 @@ class SnapshotCopies:
         if snap.replay_log is not None:
             snap.replay_log.group_versions[j] = version
         snap.next_group = j + 1
+
+    @staticmethod
+    def _gather(snap: Snapshot, j: int, from_staging: bool, views: list[torch.Tensor]) -> GroupTensors:
+        """Group ``j``'s tensors, gathered once per slot and plan (the per-tensor work of its copy)."""
+        plan, layout = snap.plan, snap.layout
+        idx = plan.groups[j].entry_indices
+        if from_staging:
+            # Host-resident entries were copied at stage time; the rest drain from the region.
+            idx = tuple(i for i in idx if snap.staged_views[i] is not None)
+            src = [snap.staged_views[i] for i in idx]
+            return GroupTensors(idx, src, [views[i] for i in idx], (), staged_from=snap.staged_views)
+        buffers = tuple(k for k, i in enumerate(idx) if layout.entries[i].role == ROLE_BUFFER)
+        return GroupTensors(idx, [layout.live_tensors[i] for i in idx], [views[i] for i in idx], buffers)
 
     def log_gradients(self, snap: Snapshot, step: int, hook: int) -> None:
         """The update point of ``step`` inside a replay window: copy the gradients it will consume."""

@@ -54,6 +54,7 @@ import torch
 
 from ...errors import InternalError
 from .device import StreamDevice, TensorRun, align_up
+from .host_values import HostValues, copy_on_host
 
 # Device tensors below this size are gathered into one device scratch buffer and
 # copied to the host in one transfer: each copy costs a few microseconds of launch
@@ -86,8 +87,8 @@ class CopyTicket:
     start_event: Any = None
     # Temporaries (clones) the copy still reads; dropped once it landed, so they are freed then.
     keepalive: list[torch.Tensor] = field(default_factory=list)
-    # Host-resident values inside a packed span: (slot view, value at the call), written once the span's DMA landed.
-    deferred_host_writes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # Host-resident values inside a packed span, read at the call: written once the span's DMA landed.
+    deferred_host_writes: tuple[tuple[HostValues, torch.Tensor | list[torch.Tensor]], ...] = ()
     group_index: int | None = None  # the copy group this ticket carries, None for gradients
     fence_after_hook: int = -1  # the hook that enqueued it: hooks after that one fence it
 
@@ -158,12 +159,6 @@ def tensor_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def copy_on_host(sources: Sequence[torch.Tensor], destinations: Sequence[torch.Tensor]) -> None:
-    if sources:
-        with torch.no_grad():
-            torch._foreach_copy_(list(destinations), [s.detach() for s in sources])
-
-
 @dataclass(frozen=True)
 class PackedSpan:
     """Small copies whose destinations lie in one host buffer, gathered into one transfer.
@@ -202,9 +197,11 @@ class CopyRoute:
     rest_indices: tuple[int, ...]  # device sources copied one by one
     rest_destinations: TensorRun
     host_now_indices: tuple[int, ...]  # host-resident sources copied at the call
-    host_now_destinations: list[torch.Tensor]
+    host_now: HostValues | None
     host_deferred_indices: tuple[int, ...]  # host-resident sources inside the span: written after its DMA
-    host_deferred_destinations: list[torch.Tensor]
+    host_deferred: HostValues | None
+    host_now_sources: TensorRun | None = None  # the kept sources of the host copies
+    host_deferred_sources: TensorRun | None = None
     # The first copy's sources, when the caller's sources are the same tensors on every copy
     # (the plan's live tensors): passed instead, so a device keeps their per-tensor work too.
     sources: TensorRun | None = None
@@ -414,9 +411,11 @@ class StreamCopier:
             rest_indices=tuple(device_indices[j] for j in rest),
             rest_destinations=TensorRun(dev_dst[j] for j in rest),
             host_now_indices=tuple(now),
-            host_now_destinations=[destinations[k] for k in now],
+            host_now=HostValues([sources[k] for k in now], [destinations[k] for k in now]) if now else None,
             host_deferred_indices=tuple(deferred),
-            host_deferred_destinations=[destinations[k] for k in deferred],
+            host_deferred=HostValues([sources[k] for k in deferred], [destinations[k] for k in deferred]) if deferred else None,
+            host_now_sources=TensorRun(sources[k] for k in now) if keep_sources else None,
+            host_deferred_sources=TensorRun(sources[k] for k in deferred) if keep_sources else None,
             sources=TensorRun(sources) if keep_sources else None,
             packed_sources=TensorRun(sources[k] for k in packed_indices) if keep_sources else None,
             rest_sources=TensorRun(sources[device_indices[j]] for j in rest) if keep_sources else None,
@@ -448,8 +447,14 @@ class StreamCopier:
             done = dev.record_event(self.side_stream)
         # Host-resident state is written by the host in program order: exact now, or kept
         # now and written once the span's DMA (which covers its bytes) has landed.
-        deferred = [(d, sources[k].detach().clone()) for d, k in zip(route.host_deferred_destinations, route.host_deferred_indices)]
-        copy_on_host([sources[k] for k in route.host_now_indices], route.host_now_destinations)
+        # Grouped (host_values.py): no work per tensor, whatever the count (an optimizer has a step counter per parameter).
+        deferred: tuple[tuple[HostValues, torch.Tensor | list[torch.Tensor]], ...] = ()
+        if route.host_deferred is not None:
+            later = route.host_deferred_sources if kept and route.host_deferred_sources is not None else [sources[k] for k in route.host_deferred_indices]
+            deferred = ((route.host_deferred, route.host_deferred.read(later)),)
+        if route.host_now is not None:
+            now = route.host_now_sources if kept and route.host_now_sources is not None else [sources[k] for k in route.host_now_indices]
+            route.host_now.copy_now(now)
         return CopyTicket(
             nbytes=route.nbytes, enqueued_at_s=enqueued, done_event=done, start_event=start, keepalive=list(keepalive),
             deferred_host_writes=deferred,
@@ -532,8 +537,9 @@ class StreamCopier:
         ticket.landed_at_s = time.perf_counter()
         ticket.copy_s = self.device.elapsed_s(ticket.start_event, ticket.done_event)
         # The span's DMA is done: the host-resident values it wrote over go back in.
-        copy_on_host([v for _, v in ticket.deferred_host_writes], [d for d, _ in ticket.deferred_host_writes])
-        ticket.deferred_host_writes = []
+        for host_values, values in ticket.deferred_host_writes:
+            host_values.write(values)
+        ticket.deferred_host_writes = ()
         ticket.keepalive.clear()
 
 

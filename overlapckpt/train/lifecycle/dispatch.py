@@ -23,6 +23,7 @@ from ...errors import InternalError, OverlapCkptError, WriterDiedError, WritersR
 from ...format.key_layout import GET_STATE_DICT
 from ...format.manifest import CheckpointInfo
 from ..consistency.boundary import resolve_boundary, resolve_values
+from ..copying.replay_tables import replay_tables
 from ..copying.slots import SlotPool
 from ..run.lineage import Lineage
 from ..writer_client.client import WriterClient, writer_error
@@ -221,7 +222,8 @@ class PersistDispatcher:
                 sent.replay = ReplayProgress.NOT_STARTED
             sent.stats.writer_restarts = self.link.restarts.count
             sent.request.stats["writer_restarts"] = self.link.restarts.count  # what its manifest records
-            writer.send(p.SetPlanRequest(snap.plan_id, snap.layout.entries, snap.plan.offsets, snap.layout.global_shapes))
+            tables = replay_tables(snap.plan, snap.layout) if snap.plan.window_steps > 1 else None  # a new writer: rare
+            writer.send(p.SetPlanRequest(snap.plan_id, snap.layout.entries, snap.plan.offsets, snap.layout.global_shapes, tables))
             writer.send(sent.request)
 
     def drop_all(self) -> None:

@@ -71,11 +71,12 @@ def _counts_host_time(hook: Callable[..., None]) -> Callable[..., None]:
 
     @functools.wraps(hook)
     def timed(self: SnapshotEngine, *args: Any) -> None:
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         try:
             hook(self, *args)
         finally:
             self.state.hook_host_total_s += time.perf_counter() - started
+            self.state.hook_cpu_total_s += time.thread_time() - started_cpu
 
     return timed
 

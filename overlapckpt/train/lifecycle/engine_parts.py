@@ -62,6 +62,7 @@ class EngineState:
     dead: WriterDiedError | None = None  # set once a writer death has been raised
     snapshots_dropped: int = 0  # incomplete snapshots lost with a dead writer
     hook_host_total_s: float = 0.0  # host time in the step hooks, ckpt.step() and request(), since construction
+    hook_cpu_total_s: float = 0.0  # of which the training thread ran (time.thread_time: no waits, no preemption)
     slot_wait_s: float = 0.0  # hook time the next snapshot waited for a free slot (in its stats)
     starting_pending: bool = False  # inside start_pending: a replaced writer does not start it again
     prepared_fingerprint: int | None = None  # the layout the host slots were sized for

@@ -13,7 +13,6 @@ import time
 from typing import TYPE_CHECKING
 
 from ...errors import ConfigError, WriterDiedError
-from ..consistency.gradlog import GradientLogger
 from .snapshot import Snapshot, SnapshotMode
 
 log = logging.getLogger("overlapckpt.requests")
@@ -40,7 +39,7 @@ class SnapshotStarts:
         widest = self.p.windows.widest_window
         plan = self.p.plans.plan(layout, widest)
         replay_possible = self.p.consistency == SnapshotMode.REPLAY and widest > 1
-        grad_nbytes = GradientLogger.buffer_nbytes(plan, layout) if replay_possible else 0
+        grad_nbytes = self._grad_nbytes(layout, plan) if replay_possible else 0
         if self.p.consistency == SnapshotMode.STAGE and widest > 1:
             # Outside any checkpoint's hooks: an over-budget or unallocatable staging area
             # is known now, and no checkpoint allocates device memory inside optimizer.step().
@@ -103,7 +102,7 @@ class SnapshotStarts:
             if scheduled is not None:
                 window = self._window_landing_on(scheduled, window)
             plan, plan_id = self.p.plans.registered(layout, window)
-            grad_nbytes = GradientLogger.buffer_nbytes(plan, layout) if self.p.windows.mode_for(window) == SnapshotMode.REPLAY else 0
+            grad_nbytes = self._grad_nbytes(layout, plan) if self.p.windows.mode_for(window) == SnapshotMode.REPLAY else 0
             slot = self.p.slots.free_slot(plan.slot_nbytes, grad_nbytes)
         if slot is None:
             self.p.requests.no_free_slot(self.busy_reason())
@@ -115,6 +114,10 @@ class SnapshotStarts:
             return
         version = self.s.step_count + window - 1 if self.p.windows.mode_for(window) == SnapshotMode.REPLAY else self.s.step_count
         self._start_snapshot(slot, self.p.requests.take(self.s.step_count, version), layout, plan, plan_id, choice)
+
+    def _grad_nbytes(self, layout: StateLayout, plan: CopyPlan) -> int:
+        tables = self.p.plans.tables(layout, plan)
+        return tables.grad_nbytes if tables is not None else 0
 
     def lead_steps(self) -> int:
         """How many steps before its version a scheduled snapshot's window opens: W-1 for replay, else 0.
