@@ -83,24 +83,21 @@ def measure_one(tensors: int, mode: str, cycles: int, every: int) -> dict[str, A
             if sources:
                 CountingDevice.launches += 1
                 CountingDevice.tensors_copied += len(sources)
-            if self.current_stream() is not self.host_stream:
-                super().copy_(destinations, sources)
-                return
-            started = time.perf_counter()
-            try:
-                super().copy_(destinations, sources)
-            finally:
-                CountingDevice.device_on_host_s += time.perf_counter() - started
+            on_host = self.current_stream() is self.host_stream
+            self._timed(on_host, lambda: super(CountingDevice, self).copy_(destinations, sources))
 
         def wait_event(self, stream: Any, event: Any) -> None:
-            if stream is not self.host_stream:
-                super().wait_event(stream, event)
-                return
+            self._timed(stream is self.host_stream, lambda: super(CountingDevice, self).wait_event(stream, event))
+
+        @staticmethod
+        def _timed(on_host: bool, run: Any) -> None:
+            """Run it; on the host's (synchronous) stream, count its time as device work run on the host."""
             started = time.perf_counter()
             try:
-                super().wait_event(stream, event)
+                run()
             finally:
-                CountingDevice.device_on_host_s += time.perf_counter() - started
+                if on_host:
+                    CountingDevice.device_on_host_s += time.perf_counter() - started
 
     torch.set_num_threads(1)  # the trainer on one thread; the writer and the copy thread take the other core
     torch.manual_seed(0)

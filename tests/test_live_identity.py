@@ -139,3 +139,21 @@ def test_a_checkpoint_after_the_optimizer_loaded_a_state_dict_holds_the_loaded_s
     for index, state in live_optim[4].items():
         for name, t in state.items():
             assert torch.equal(fresh_optimizer.state_dict()["state"][index][name], t), (index, name)
+
+
+def test_an_optimizer_container_matches_until_one_of_its_optimizers_loads_a_state_dict():
+    """TorchTitan's OptimizersContainer lists its optimizers' groups anew at each read: no rebuild for that."""
+    from overlapckpt.optimizers import OptimizerGroup
+
+    torch.manual_seed(0)
+    model = Net()
+    inner = [torch.optim.AdamW([model.lin.weight], lr=1e-2), torch.optim.SGD([model.lin.bias], lr=0.1, momentum=0.9)]
+    model(torch.randn(5, 4)).sum().backward()
+    for o in inner:
+        o.step()
+    group = OptimizerGroup(inner[0], inner)
+    identity = LiveIdentity.capture(model, group)  # type: ignore[arg-type]
+    assert group.param_groups is not group.param_groups  # a new list per read
+    assert identity.matches() and identity.matches()
+    inner[1].load_state_dict(inner[1].state_dict())
+    assert not identity.matches()

@@ -83,7 +83,7 @@ class LiveIdentity:
 
     optimizer: torch.optim.Optimizer
     state_mapping: dict[Any, Any]  # optimizer.state itself: load_state_dict replaces it
-    param_groups: list[dict[str, Any]]  # optimizer.param_groups itself
+    param_groups: list[dict[str, Any]]  # optimizer.param_groups' dicts (a container's property builds a new list per read)
     params: list[torch.Tensor]  # every optimized parameter, in optimizer order
     state_keys: list[Any]  # optimizer.state's keys and per-parameter dicts, in its own order
     state_dicts: list[dict[str, Any]]
@@ -128,7 +128,7 @@ class LiveIdentity:
         return cls(
             optimizer=optimizer,
             state_mapping=state,
-            param_groups=optimizer.param_groups,
+            param_groups=list(optimizer.param_groups),
             params=params,
             state_keys=list(state.keys()),
             state_dicts=state_dicts,
@@ -153,7 +153,9 @@ class LiveIdentity:
         """Whether every tracked tensor is still the one captured (no tensor data is read)."""
         optimizer = self.optimizer
         state = optimizer.state
-        if state is not self.state_mapping or optimizer.param_groups is not self.param_groups:
+        # The groups by identity: load_state_dict makes new ones, and a container (TorchTitan's
+        # OptimizersContainer, as an OptimizerGroup) lists its optimizers' groups anew at each read.
+        if state is not self.state_mapping or not _same(optimizer.param_groups, self.param_groups):
             return False
         if not _same(_chain(g["params"] for g in self.param_groups), self.params):
             return False
