@@ -35,7 +35,7 @@ from ...errors import InternalError
 from ...optimizers import OptimizerGroup, describe_optimizer, update_rule_class
 from ...protocol import GradientStep, ReplayLog
 from ..copying.layout import StateLayout, optimizer_shape_signature
-from ..copying.ownership import local_tensor
+from ..copying.ownership import is_dtensor, local_tensor
 from ..copying.plan import CopyPlan
 from ..copying.replay_tables import gradient_layout
 from ..copying.slots import HostSlot
@@ -62,10 +62,6 @@ def capture_hyperparameters(
 
 
 _grad_of = operator.attrgetter("grad")
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return hasattr(t, "_local_tensor")
 
 
 @dataclass(eq=False)
@@ -174,7 +170,7 @@ class GradientLogger:
             by_fqn = dict(zip(layout.param_fqns, layout.params))
             fqns = [fqn for group in plan.groups[:copied_groups] for fqn in group.param_fqns]
             params = [by_fqn[f] for f in fqns]
-            targets = _LogTargets(fqns, params, [views[(i, f)] for f in fqns], not any(map(_is_dtensor, params)))
+            targets = _LogTargets(fqns, params, [views[(i, f)] for f in fqns], not any(map(is_dtensor, params)))
             self._targets_by_key = {k: v for k, v in self._targets_by_key.items() if k[0] != key[0] or k[:3] == key[:3]}  # this buffer's older plans go
             self._targets_by_key[key] = targets
         return targets

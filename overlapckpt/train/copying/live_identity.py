@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .ownership import is_dtensor
+
 _generations = itertools.count(1)
 _chain = itertools.chain.from_iterable
 
@@ -61,10 +63,6 @@ def _picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ..
         only = positions[0]
         return lambda seq: (seq[only],)
     return operator.itemgetter(*positions)
-
-
-def _is_dtensor(t: object) -> bool:
-    return isinstance(t, torch.Tensor) and hasattr(t, "_local_tensor")
 
 
 @dataclass(eq=False)
@@ -123,8 +121,8 @@ class LiveIdentity:
             picker = _picker([k for k, n in enumerate(names) if n not in skipped])
             partial.append(_PartialBuffers(module._buffers, names, picker, picker(list(module._buffers.values()))))
         params = list(_chain(g["params"] for g in optimizer.param_groups))
-        plain = [p for p in params if not _is_dtensor(p)]
-        dtensors = [t for t in params + [values[k] for k in tensor_positions] if _is_dtensor(t)]
+        plain = [p for p in params if not is_dtensor(p)]
+        dtensors = [t for t in params + [values[k] for k in tensor_positions] if is_dtensor(t)]
         return cls(
             optimizer=optimizer,
             state_mapping=state,

@@ -43,6 +43,11 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a DTensor (it holds a local shard), told without importing torch.distributed."""
+    return isinstance(t, torch.Tensor) and hasattr(t, "_local_tensor")
+
+
 def placement_of(t: torch.Tensor, rank: int, world_size: int, holders: tuple[int, ...] | None = None) -> TensorPlacement:
     """The placement of ``t`` on this rank (``rank`` of ``world_size`` in the checkpointing group).
 
