@@ -101,6 +101,7 @@ def run_method(method: Method, workload: Workload, plan: dict[str, int], root: s
         workload.forward_backward()
         method.before_optimizer_step()
         workload.optimizer_step()
+        method.after_optimizer_step()
         if save and not baseline:
             method.save(workload.iteration)
             phases.append(phase)

@@ -73,6 +73,9 @@ class Method:
     def before_optimizer_step(self) -> None:
         pass
 
+    def after_optimizer_step(self) -> None:
+        pass
+
     def save(self, step: int) -> None:
         pass
 
@@ -298,6 +301,79 @@ class DcpAsyncSave(Method):
         super().close()
 
 
+class TorchCheckpointingAsync(Method):
+    """torch_checkpointing's asynchronous saver, as TorchTitan 0.3 builds it (``peer_torch_checkpointing``).
+
+    Its staging copies the state in a background thread under a read-write lock; the
+    library asks the loop to run ``optimizer.step()`` under ``manager.lock()``, which
+    waits only while a capture is in progress. That wait is this method's blocking time,
+    with the ``save`` call and the wait for the previous write (one in flight, as for DCP).
+    """
+
+    name = "torch_checkpointing_async"
+    label = "torch_checkpointing async"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._peer: Any = None
+        self._write: Future | None = None
+        self._step_lock: Any = None
+
+    def start(self, workload: Workload, directory: str) -> None:
+        import peer_torch_checkpointing as peer
+
+        super().start(workload, directory)
+        self._peer = peer.TorchCheckpointingAsync(directory)
+        self.notes["direct_io"] = self._peer.direct_io
+
+    def before_optimizer_step(self) -> None:
+        self._step_lock = self._peer.manager.lock()
+        if self.records:
+            with _Blocking(self.records[-1]):  # waits while the last save's capture runs
+                self._step_lock.__enter__()
+        else:
+            self._step_lock.__enter__()
+
+    def after_optimizer_step(self) -> None:
+        self._step_lock.__exit__(None, None, None)
+        self._step_lock = None
+
+    def save(self, step: int) -> None:
+        rec = CheckpointRecord(step=step)
+        with _Blocking(rec):
+            if self._write is not None:
+                self._write.result()
+            self._write = self._peer.start_save(self.workload.model, self.workload.optimizer, step)
+
+        def committed(_: Future, rec: CheckpointRecord = rec) -> None:
+            if rec.committed_at_unix_s is None:
+                rec.committed_at_unix_s = time.time()
+
+        self._write.add_done_callback(committed)
+        self.records.append(rec)
+
+    def drain(self, timeout_s: float) -> None:
+        if self._write is not None:
+            self._write.result(timeout=timeout_s)
+            last = self.records[-1]
+            if last.committed_at_unix_s is None:  # the done-callback may not have run yet
+                last.committed_at_unix_s = time.time()
+
+    def close(self) -> None:
+        if self._peer is not None:
+            self._peer.close()
+        super().close()
+
+
+def torch_checkpointing_unavailable() -> str | None:
+    """None if torch_checkpointing's asynchronous saver can run here, else why not."""
+    try:
+        import peer_torch_checkpointing as peer
+    except ImportError as error:
+        return f"benchmarks/peer_torch_checkpointing.py did not import: {error}"
+    return peer.available()
+
+
 class Overlapckpt(Method):
     def __init__(self, window: int | str, consistency: str = "replay") -> None:
         super().__init__()
@@ -383,6 +459,8 @@ def all_methods(cuda: bool, windows: tuple[int, ...] = (2, 4, 8)) -> list[Method
     ]
     if cuda:
         methods.append(DcpAsyncSave("PROCESS", overlap_staging=True))
+    if torch_checkpointing_unavailable() is None:
+        methods.append(TorchCheckpointingAsync())
     methods.append(Overlapckpt(1))
     for mode in ("replay", "stage"):
         methods += [Overlapckpt(w, mode) for w in windows]

@@ -137,6 +137,13 @@ def _manager(barrier_port: int, direct_io: bool) -> Any:
     ).build()
 
 
+def _flat_state_dicts(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Model and optimizer state dicts in the flat FQN-keyed form TorchTitan's optimizer container gives."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+
 class TorchCheckpointingAsync:
     """torch_checkpointing's asynchronous saver, configured as TorchTitan 0.3 configures it.
 
@@ -154,28 +161,42 @@ class TorchCheckpointingAsync:
         self.direct_io = _direct_io_writes(directory)  # False: buffered writes, no fsync
         self._manager = _manager(_free_port(), self.direct_io)  # spawns the writer process in the background
 
+    @property
+    def manager(self) -> Any:
+        """The ``CheckpointManager``: ``manager.lock()`` guards the optimizer step against a capture."""
+        return self._manager
+
+    def start_save(self, model: nn.Module, opt: torch.optim.Optimizer, step: int) -> Any:
+        """Start a save of the current state to ``step-<step>``; returns its write future."""
+        return self._save_states(step, *_flat_state_dicts(model, opt))
+
+    def _save_states(self, step: int, model_state: dict[str, Any], optim_state: dict[str, Any]) -> Any:
+        """``CheckpointManager.save`` to ``step-<step>``; the previous checkpoint goes once this one is in place."""
+        path = os.path.join(self.directory, f"{_CHECKPOINT_PREFIX}{step}")
+        shutil.rmtree(path, ignore_errors=True)  # the commit's rename refuses an occupied destination
+        write_future = self._manager.save(path, {"model": model_state, "optimizer": optim_state})
+        previous, self._newest_path = self._newest_path, path
+
+        def keep_newest(_: Any) -> None:
+            if previous is not None and previous != path:
+                shutil.rmtree(previous, ignore_errors=True)
+
+        write_future.add_done_callback(keep_newest)
+        return write_future
+
     def save_s(self, model: nn.Module, opt: torch.optim.Optimizer, step: int) -> float:
         """Seconds from ``CheckpointManager.save`` to its write future's result (files renamed into place).
 
         Untimed first, as ``durable.py``'s other methods do: an optimizer step (under the
         manager's lock, as the library asks), so every byte differs from the last save,
-        and the state dicts, in the flat FQN-keyed form TorchTitan's optimizer container gives.
+        and the state dicts.
         """
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
         with self._manager.lock():
             opt.step()
-        model_state, optim_state = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
-        path = os.path.join(self.directory, f"{_CHECKPOINT_PREFIX}{step}")
-        shutil.rmtree(path, ignore_errors=True)  # the commit's rename refuses an occupied destination
+        states = _flat_state_dicts(model, opt)
         started_s = time.perf_counter()
-        write_future = self._manager.save(path, {"model": model_state, "optimizer": optim_state})
-        write_future.result(timeout=_BARRIER_TIMEOUT_S)
-        elapsed_s = time.perf_counter() - started_s
-        if self._newest_path is not None and self._newest_path != path:
-            shutil.rmtree(self._newest_path, ignore_errors=True)
-        self._newest_path = path
-        return elapsed_s
+        self._save_states(step, *states).result(timeout=_BARRIER_TIMEOUT_S)
+        return time.perf_counter() - started_s
 
     def close(self) -> None:
         """Wait for any write, then stop the staging thread and the writer process."""

@@ -58,7 +58,7 @@ def result(tmp_path_factory):
             os.path.join(REPO, "benchmarks", "harness.py"),
             "--size", "micro",
             "--device", "cpu",
-            "--methods", "dcp_async_thread,overlapckpt_w2_replay",
+            "--methods", "dcp_async_thread,torch_checkpointing_async,overlapckpt_w2_replay",
             "--checkpoints", str(STALL_CHECKPOINTS),
             "--throughput-checkpoints", str(THROUGHPUT_CHECKPOINTS),
             "--every", str(EVERY),
@@ -91,7 +91,7 @@ def test_json_has_machine_workload_and_every_method(result):
     assert result["machine"]["torch"] == torch.__version__
     assert result["machine"]["cpu_count"] >= 1 and result["machine"]["date_utc"].endswith("UTC")
     assert result["workload"]["size"] == "micro" and result["workload"]["parameters"] > 0
-    assert list(result["methods"]) == ["baseline", "dcp_async_thread", "overlapckpt_w2_replay"]
+    assert list(result["methods"]) == ["baseline", "dcp_async_thread", "torch_checkpointing_async", "overlapckpt_w2_replay"]
     assert result["copy_peak"]["bytes_per_s"] > 0
     assert result["state_nbytes"] == _micro_state_nbytes()
     for name, run in result["methods"].items():
@@ -110,7 +110,7 @@ def test_json_has_machine_workload_and_every_method(result):
     assert result["methods"]["baseline"]["records"] == []
 
 
-@pytest.mark.parametrize("name", ["dcp_async_thread", "overlapckpt_w2_replay"])
+@pytest.mark.parametrize("name", ["dcp_async_thread", "torch_checkpointing_async", "overlapckpt_w2_replay"])
 def test_each_checkpoint_committed_with_positive_times(result, name):
     run = result["methods"][name]
     phases = [r["phase"] for r in run["records"]]
