@@ -23,10 +23,11 @@ import torch
 from torch import nn
 
 from .control_page import PAGE_BYTES, OwnedControlPage
-from .errors import InternalError
-from .format.lease import RootLease
+from .errors import ConfigError, InternalError
+from .format.lease import RootLease, sweep_dead_tiers
 from .format.manifest import name_style_for
 from .format.storage import CheckpointStore
+from .format.tiers import default_local_dir
 from .protocol import WatchPreemptionRequest
 from .settings import AUTO_WINDOW, CheckpointerSettings
 from .train.consistency.autowindow import PhaseTimer, make_gap_timer
@@ -34,7 +35,7 @@ from .train.copying.layout import CheckpointScope
 from .train.copying.transfer import Copier, make_copier
 from .train.lifecycle.engine import SnapshotEngine
 from .train.lifecycle.warnings_text import KEEP_STAGING_WARNING
-from .train.run.distributed import DistributedRun, is_distributed, set_up_distributed
+from .train.run.distributed import DistributedRun, hosts_of, is_distributed, set_up_distributed
 from .train.run.lineage import Lineage
 from .train.run.preemption import PreemptionGuard, default_grace_s
 from .train.run.run_identity import agreed_run_id, take_root_lease
@@ -62,6 +63,7 @@ class BuiltCheckpointer:
     control_page: OwnedControlPage | None
     lease: RootLease | None
     teardown: contextlib.ExitStack
+    local_store: CheckpointStore | None = None  # the node-local tier (format/tiers.py), if the run has one
     # How long the writer may take to stop at teardown (close(): 30 s; leaving on an error: exit_timeout_s).
     writer_timeout_s: float = 30.0
 
@@ -97,6 +99,7 @@ def build(
             )
         store = s.storage.store_class(s.storage.path, dict(s.storage.storage_options))
         store.prepare_root()
+        local_store = _local_tier(s, distributed)
         lineage = Lineage(
             agreed_run_id(distributed), names=name_style_for(s.storage.key_layout, s.writer.export_formats), root=s.storage.path
         )
@@ -117,6 +120,7 @@ def build(
                 group=spec,
                 signing_key=signing_key,
                 writer_threads=s.writer.writer_threads,
+                local_root=None if local_store is None else local_store.root,
             )
 
         writer = start_writer()
@@ -155,7 +159,7 @@ def build(
         engine_box.append(engine)
         built = BuiltCheckpointer(
             store=store, lineage=lineage, engine=engine, distributed=distributed, preemption=preemption,
-            control_page=control_page, lease=None, teardown=stack,
+            control_page=control_page, lease=None, teardown=stack, local_store=local_store,
         )
         # The engine goes before the preemption guard and the control page (registered above):
         # the writer, the page's other user, stops first, then the page is released.
@@ -164,11 +168,42 @@ def build(
         lease = take_root_lease(store, lineage.run_id, distributed) if s.storage.lease else None
         if lease is not None:
             lease_box.append(lease)
-        lineage.root_leased = lease is not None
+        local_lease = None
+        if local_store is not None and s.storage.lease:
+            # The local tier is leased as a root is: one job per directory, and a dead job's
+            # attempts there are removed by the next one's. Siblings a dead job left go too.
+            local_lease = take_root_lease(local_store, lineage.run_id, distributed)
+            if local_lease is not None:
+                lease_box.append(local_lease)
+            if distributed is None or distributed.scope.rank == 0:
+                sweep_dead_tiers(local_store.root)
+        lineage.root_leased = lease is not None and (local_store is None or local_lease is not None)
         built.lease = lease
         built.teardown = stack.pop_all()
         return built
     raise InternalError("the builder's ExitStack swallowed an exception")  # it never does: nothing returns True
+
+
+def _local_tier(s: CheckpointerSettings, distributed: DistributedRun | None) -> CheckpointStore | None:
+    """The node-local tier's store (created), or None without ``local_every``.
+
+    Its ranks must share one node: a tier per node needs each node's shards replicated on
+    another node's (peer replicas, not built yet), or a restore could not reach them.
+    """
+    if not s.tier.enabled:
+        return None
+    local_dir = s.tier.local_dir if s.tier.local_dir is not None else default_local_dir(s.storage.path)
+    if distributed is not None:
+        hosts = hosts_of(distributed.group)
+        if len(set(hosts)) > 1:
+            raise ConfigError(
+                f"local_every={s.tier.local_every} needs every rank on one node, but the ranks run on {len(set(hosts))} hosts "
+                f"({', '.join(sorted(set(hosts)))}): a node-local tier across nodes needs peer replicas, which this "
+                "version does not write. Pass local_every=None (checkpoints go to the root only)"
+            )
+    local_store = CheckpointStore(local_dir)
+    local_store.prepare_root()
+    return local_store
 
 
 def _preemption_guard(

@@ -24,6 +24,7 @@ from .optimizers import torch_optimizers, unwrap_optimizer
 from .restore.pipeline import load
 from .restore_marks import take_restore_mark
 from .settings import (
+    DEFAULT_LOCAL_KEEP,
     DEFAULT_MAX_WINDOW,
     DEFAULT_MAX_WRITER_RESTARTS,
     CadenceSettings,
@@ -31,6 +32,7 @@ from .settings import (
     DistributedSettings,
     PreemptionSettings,
     StorageSettings,
+    TierSettings,
     WindowSettings,
     WriterSettings,
     check_export_is_one_process,
@@ -159,11 +161,15 @@ class Checkpointer:
         export_formats: tuple[str, ...] = (),
         writer_threads: int | None = None,
         key_layout: str = GET_STATE_DICT,
+        local_every: int | None = None,
+        local_keep: int = DEFAULT_LOCAL_KEEP,
+        local_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         settings = CheckpointerSettings(
             storage=StorageSettings(check_path(path), dict(storage_options or {}), store_class, key_layout, lease),
             window=WindowSettings(window, consistency, max_window, stage_budget_bytes, keep_staging),
             cadence=CadenceSettings(every, keep, max_inflight),
+            tier=TierSettings(local_every, local_keep, os.fspath(local_dir) if isinstance(local_dir, os.PathLike) else local_dir),
             writer=WriterSettings(max_writer_restarts, writer_threads, float(exit_timeout_s), tuple(export_formats)),
             distributed=DistributedSettings(collective_timeout_s, agreement_timeout_s),
             preemption=PreemptionSettings(tuple(save_on_signal), signal_grace_s),
@@ -214,8 +220,7 @@ class Checkpointer:
         # Resumed with load(): continue that checkpoint's version count and lineage, as restore() does.
         resumed = take_restore_mark(model, optimizer, torch_optimizers(optimizer))
         if resumed is not None:
-            same_root = self._store.checkpoint_url(os.path.basename(resumed.path.rstrip("/"))) == resumed.path
-            self.continued_from(resumed if same_root else resumed.step)
+            self._continue_after_load(resumed)
             log.info("continuing from %s: the next optimizer step makes version %d", resumed.path, resumed.step + 1)
 
     # ---- training loop ---------------------------------------------------------------
@@ -377,9 +382,24 @@ class Checkpointer:
                 self.storage_options,
                 process_group=self.process_group,
                 signing_key=self._signing_key,
+                local_dir=self.local_dir,
             )
-        self.continued_from(info)
+        self._continue_after_load(info)
         return info
+
+    @property
+    def local_dir(self) -> str | None:
+        """The node-local tier's directory (``local_every``), or None without one."""
+        local = self._built.local_store
+        return None if local is None else local.root
+
+    def _continue_after_load(self, info: CheckpointInfo) -> None:
+        """Continue from a loaded checkpoint: its lineage when it is the root's (or the local tier's copy of one), else its count."""
+        name = os.path.basename(info.path.rstrip("/"))
+        in_root = self._store.checkpoint_url(name) == info.path
+        local = self._built.local_store
+        in_local_and_root = local is not None and local.checkpoint_url(name) == info.path and self._store.is_committed(name)
+        self.continued_from(info if in_root or in_local_and_root else info.step)
 
     @property
     def process_group(self) -> Any:

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import sys
 from typing import Any
 
@@ -14,14 +15,16 @@ from .format.lease import live_holder
 from .format.manifest import step_of_name
 from .format.signing import resolve_key
 from .format.storage import CheckpointStore
+from .format.tiers import LOCAL_TIER, ROOT_TIER, default_local_dir
 from .format.verify import read_manifest, verify_checkpoint
 from .restore.locate import list_checkpoints, resolve_checkpoint
 
 HELP = """List, inspect, verify, prune and export overlapckpt checkpoints.
 
-  overlapckpt ls ROOT [--json]
-      committed checkpoints, oldest first: step, requested step, mode, window, ranks, size,
-      run and the checkpoint it continued from (its lineage), commit time, path
+  overlapckpt ls ROOT [--json] [--tier all|root|local] [--local-dir DIR]
+      committed checkpoints, oldest first: tier, step, requested step, mode, window, ranks,
+      size, run and the checkpoint it continued from (its lineage), commit time, path; with
+      --tier all (the default), this node's local tier too, where it exists
   overlapckpt inspect ROOT [--step N | --name DIR] [--json]
       one checkpoint's manifest: versions per group, gradients replayed, the window's choice
   overlapckpt verify ROOT [--step N | --name DIR | --all]
@@ -31,6 +34,8 @@ HELP = """List, inspect, verify, prune and export overlapckpt checkpoints.
   overlapckpt export ROOT OUT [--step N | --name DIR] [--format torch|safetensors] [--model-only]
       one consolidated file: torch.save of the model and optimizer state, or safetensors of the model
 
+--tier local runs any command on this node's local tier (Checkpointer(local_every=...)):
+--local-dir, else the default the Checkpointer derives from ROOT (/dev/shm/overlapckpt-...).
 ROOT is a local directory or an fsspec URL; -o KEY=VALUE passes storage options
 (-o endpoint_url=http://127.0.0.1:9000 -o 'client_kwargs={"region_name": "us-east-1"}').
 Without --step, the newest checkpoint. When two runs hold checkpoints of the same step (a
@@ -137,23 +142,33 @@ def _chosen(store: CheckpointStore, args: argparse.Namespace, skip_damaged: bool
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    _existing_store(args)
-    infos = list_checkpoints(args.root, _storage_options(args.option))
+    listed: list[tuple[str, Any]] = []
+    if args.tier in ("all", ROOT_TIER):
+        _existing_store(args)
+        listed += [(ROOT_TIER, i) for i in list_checkpoints(args.root, _storage_options(args.option))]
+    local = args.local_dir or default_local_dir(args.root)
+    if args.tier == LOCAL_TIER or (args.tier == "all" and os.path.isdir(local)):
+        if not os.path.isdir(local):
+            raise CheckpointNotFoundError(f"no local tier at {local}; pass --local-dir (the Checkpointer's local_dir)")
+        listed += [(LOCAL_TIER, i) for i in list_checkpoints(local)]
     if args.json:
-        for line in json.dumps([dataclasses.asdict(i) for i in infos], indent=1).splitlines():
+        rows = [{"tier": tier, **dataclasses.asdict(i)} for tier, i in listed]
+        for line in json.dumps(rows, indent=1).splitlines():
             _say(line)  # json escapes control characters itself; printable() leaves the lines as they are
         return 0
-    if not infos:
-        _say(f"no committed checkpoint under {args.root}")
+    if not listed:
+        _say(f"no committed checkpoint under {args.root}" + (f" nor in the local tier {local}" if args.tier == "all" else ""))
         return 0
+    # The tier column only where a local tier is listed: a root's listing reads as it always did.
+    tiered = any(tier == LOCAL_TIER for tier, _ in listed)
     _say(
-        f"{'step':>10} {'requested':>10} {'mode':>7} {'window':>6} {'ranks':>5} {'size':>10}  {'run':8}  "
+        ("tier  " if tiered else "") + f"{'step':>10} {'requested':>10} {'mode':>7} {'window':>6} {'ranks':>5} {'size':>10}  {'run':8}  "
         f"{'continued from':24}  committed                path"
     )
-    for i in infos:
+    for tier, i in listed:
         _say(
-            f"{i.step:>10} {i.requested_step:>10} {i.mode:>7} {i.window:>6} {i.world_size:>5} {_size(i.nbytes):>10}  "
-            f"{(i.run_id or '-')[:8]:8}  {i.restored_from or '-':24}  {_when(i.created_at)}  {i.path}"
+            (f"{tier:5} " if tiered else "") + f"{i.step:>10} {i.requested_step:>10} {i.mode:>7} {i.window:>6} {i.world_size:>5} "
+            f"{_size(i.nbytes):>10}  {(i.run_id or '-')[:8]:8}  {i.restored_from or '-':24}  {_when(i.created_at)}  {i.path}"
         )
     return 0
 
@@ -290,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     ):
         p = sub.add_parser(name, help=helptext, description=helptext)
         p.add_argument("root", help="checkpoint root: a directory or an fsspec URL")
+        tiers = ("all", ROOT_TIER, LOCAL_TIER) if name == "ls" else (ROOT_TIER, LOCAL_TIER)
+        p.add_argument("--tier", choices=tiers, default=tiers[0], help="which tier: the root, this node's local tier" + (", or both" if name == "ls" else ""))
+        p.add_argument("--local-dir", default=None, metavar="DIR", help="the local tier's directory (default: derived from ROOT, as the Checkpointer does)")
         if name == "export":
             p.add_argument("out", help="the file to write (written beside, then renamed into place)")
         p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE", help="fsspec storage option")
@@ -309,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--model-only", action="store_true", help="leave the optimizer's state out (torch format)")
         p.set_defaults(fn=fn)
     args = parser.parse_args(argv)
+    if args.command != "ls" and args.tier == LOCAL_TIER:  # the local tier is a root of its own, on this node
+        args.root, args.option = args.local_dir or default_local_dir(args.root), []
     # Exit codes: 0 fine, 1 a checkpoint is corrupt (verify), 2 the command could not run.
     try:
         return args.fn(args)

@@ -75,6 +75,7 @@ class InitRequest:
     group: WriterGroupSpec | None = None  # in a distributed run: the writers' group to join
     signing_key: bytes | None = None  # sign each manifest (format/signing.py); over the local socket pair only
     writer_threads: int | None = None  # the writer's threads (None: writer.process.writer_thread_count())
+    local_root: str | None = None  # the node-local tier's directory (format/tiers.py), if the run has one
 
 
 @dataclass
@@ -139,6 +140,8 @@ class PersistRequest:
     export_formats: tuple[str, ...] = ()  # framework files to write next to DCP's (writer/exports.py)
     key_layout: str = "get_state_dict"  # how the state is named inside DCP (format/key_layout.py)
     optimizer: str | None = None  # the optimizer class(es) by full name, checked when it is loaded
+    tiers: tuple[str, ...] = ("root",)  # where it goes, in order (format/tiers.py): the local tier first
+    local_keep: int | None = None  # the local tier's retention
 
 
 @dataclass
@@ -168,6 +171,8 @@ class CommittedResponse:
     # Failures after the commit (updating latest, retention): the checkpoint is committed all the same.
     warnings: list[str] = field(default_factory=list)
     agreed_next_window: int | None = None  # window="auto": the window every rank uses next
+    # Each tier it committed in, in order, with its directory there (``info`` is the last one's).
+    tier_paths: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,13 @@ from .errors import ConfigError, UnsupportedOptimizerError
 from .format.extra_state import encode
 from .format.key_layout import GET_STATE_DICT, KEY_LAYOUTS
 from .format.storage import CheckpointStore
+from .format.tiers import LOCAL_TIER, ROOT_TIER
 from .optimizers import REPLAYABLE_OPTIMIZERS, describe_optimizer, update_rule_class
 from .protocol import EXPORT_FORMATS
 
 AUTO_WINDOW = "auto"
 DEFAULT_MAX_WINDOW = 8  # window="auto" chooses at most this window
+DEFAULT_LOCAL_KEEP = 2  # local-tier checkpoints kept: a few, as the tier is node memory
 DEFAULT_MAX_WRITER_RESTARTS = 3  # dead writers replaced per hour before the next death is raised
 CONSISTENCY_MODES = ("replay", "stage")
 # Fields each rank may hold on its own: not compared across ranks (the values may be credentials).
@@ -67,6 +69,29 @@ class CadenceSettings:
 
 
 @dataclass(frozen=True)
+class TierSettings:
+    """The node-local tier: a checkpoint every ``local_every`` steps into ``local_dir``, ``local_keep`` kept."""
+
+    local_every: int | None = None  # None: no local tier
+    local_keep: int = DEFAULT_LOCAL_KEEP
+    local_dir: str | None = None  # None: format.tiers.default_local_dir(path)
+
+    @property
+    def enabled(self) -> bool:
+        return self.local_every is not None
+
+    def tiers_for(self, every: int | None, scheduled_version: int | None, on_request: bool) -> tuple[str, ...]:
+        """The tiers a snapshot goes to, the local one first (it is the faster to commit).
+
+        The local tier takes every snapshot; the root the versions of ``every=``, and
+        every ``request()`` (a restart, a preemption, the end of training).
+        """
+        to_root = on_request or scheduled_version is None or (every is not None and scheduled_version % every == 0)
+        tiers = (LOCAL_TIER,) if self.enabled else ()
+        return tiers + ((ROOT_TIER,) if to_root or not self.enabled else ())
+
+
+@dataclass(frozen=True)
 class WriterSettings:
     """The writer process, and what it writes besides DCP's files."""
 
@@ -99,6 +124,7 @@ class CheckpointerSettings:
     storage: StorageSettings
     window: WindowSettings = field(default_factory=WindowSettings)
     cadence: CadenceSettings = field(default_factory=CadenceSettings)
+    tier: TierSettings = field(default_factory=TierSettings)
     writer: WriterSettings = field(default_factory=WriterSettings)
     distributed: DistributedSettings = field(default_factory=DistributedSettings)
     preemption: PreemptionSettings = field(default_factory=PreemptionSettings)
@@ -112,6 +138,7 @@ class CheckpointerSettings:
         check_positive_int("max_window", w.max_window, "the widest window window='auto' may choose", allow_none=False)
         check_positive_int("every", c.every, "checkpoint after every N-th optimizer step, or None")
         check_positive_int("keep", c.keep, "the number of newest committed checkpoints to keep, or None")
+        self._check_tier()
         check_positive_int(
             "writer_threads", wr.writer_threads, "the writer process's threads (replay kernels, one shard file each), or None for the default"
         )
@@ -142,6 +169,24 @@ class CheckpointerSettings:
                 raise ConfigError(f"{name}={value!r} is invalid; pass a number of seconds > 0")
         _check_export_formats(wr.export_formats, st.path)
         return self
+
+    def _check_tier(self) -> None:
+        t = self.tier
+        check_positive_int("local_every", t.local_every, "checkpoint into the node-local tier after every N-th optimizer step, or None")
+        check_positive_int("local_keep", t.local_keep, "the number of newest local-tier checkpoints to keep", allow_none=False)
+        if t.local_dir is None:
+            return
+        if not isinstance(t.local_dir, (str, os.PathLike)) or not os.fspath(t.local_dir):
+            raise ConfigError(f"local_dir={t.local_dir!r} is invalid; pass a directory on this node (tmpfs or local NVMe), or None")
+        if "://" in os.fspath(t.local_dir):
+            raise ConfigError(
+                f"local_dir={t.local_dir!r} is a URL; the local tier is a directory on this node (tmpfs or local NVMe): "
+                "pass a local path, and put the URL in path="
+            )
+        if t.local_every is None:
+            raise ConfigError(f"local_dir={t.local_dir!r} is set but local_every is None; pass local_every=N to write the local tier")
+        if os.path.abspath(os.fspath(t.local_dir)) == os.path.abspath(self.storage.path):
+            raise ConfigError(f"local_dir={t.local_dir!r} is the root itself; pass a separate directory on this node")
 
     def agreed(self) -> dict[str, Any]:
         """What the ranks of a distributed run must have in common: ``asdict`` less each rank's own fields.

@@ -248,3 +248,21 @@ class SkewedClockStore(CheckpointStore):
             document.pop("manifest_crc32", None)
             data = dump_manifest(document)
         super().write_manifest(name, data)
+
+
+class DiesInRootWriteStore(CheckpointStore):
+    """The root's store: kills its writer process (SIGKILL) once, as the root's write starts, after the local tier committed.
+
+    Once per BLOCK_ONCE_MARKER_ENV marker: the replacement writer persists normally. The
+    local tier is written through the plain store, so only the root's write dies.
+    """
+
+    def make_writer(self, name, before_commit, **kwargs):
+        import signal
+
+        marker = os.environ.get(BLOCK_ONCE_MARKER_ENV)
+        if marker and not os.path.exists(marker):
+            with open(marker, "w"):
+                pass
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().make_writer(name, before_commit, **kwargs)

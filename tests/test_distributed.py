@@ -112,6 +112,20 @@ def test_ddp_resume_reproduces_the_twin_losses_per_rank(ddp_results):
     assert r0["resumed_losses"][first] != r1["resumed_losses"][first]  # each rank has its own data: per-rank state mattered
 
 
+def test_two_ranks_commit_each_tier_through_one_writers_group_and_restore_from_the_local_one(ddp_results):
+    """every=6 to the root, local_every=2 to a local tier shared by both ranks (one host); the root is then corrupted."""
+    r0, r1 = (r["local_tier"] for r in ddp_results)
+    for r in (r0, r1):
+        assert "crashed" not in r, r
+        assert r["root_versions"] == [6] and r["local_versions"] == [8, 10], r
+        assert r["restored_version"] == 10 and r["restored_path"].endswith("tiered-local/step-000000010"), r
+        assert r["step_count"] == 10
+        compared = sorted(r["resumed_losses"], key=int)
+        assert compared == [str(s) for s in range(11, 14)]
+        assert {s: r["twin_losses"][s] for s in compared} == r["resumed_losses"], r  # bit for bit
+    assert r0["resumed_losses"]["11"] != r1["resumed_losses"]["11"]  # each rank restored its own sampler and RNG
+
+
 def test_ddp_checkpoint_reshards_into_fsdp2(ddp_results):
     for r in ddp_results:
         reshard = r["reshard_to_fsdp"]

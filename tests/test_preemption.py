@@ -92,3 +92,23 @@ def test_leaving_with_on_an_exception_commits_complete_snapshots_and_lets_it_thr
     fresh, fresh_opt, _, _ = make_run(seed=3)
     load(str(tmp_path), fresh, fresh_opt)
     assert_state_equal(*twin[4], fresh, fresh_opt)
+
+
+def test_with_a_local_tier_the_preemption_checkpoint_commits_there_first_then_in_the_root(tmp_path):
+    """A real SIGTERM inside a hook: the final checkpoint is a request(), so both tiers get it, the local one first."""
+    twin = _twin_on_one_thread(8)
+    root, local = tmp_path / "root", tmp_path / "local"
+    child = subprocess.Popen([sys.executable, SCRIPT, str(root), "inside-hook", str(local)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.wait(timeout=120) == -signal.SIGTERM
+    finally:
+        if child.poll() is None:
+            child.kill()
+    (in_root,) = list_checkpoints(str(root))
+    (in_local,) = list_checkpoints(str(local))
+    assert in_root.step == in_local.step == 5
+    assert in_local.created_at <= in_root.created_at  # the local tier committed first
+    for source in (in_local.path, in_root.path):
+        fresh, fresh_opt, _, _ = make_run(seed=3)
+        load(source, fresh, fresh_opt)
+        assert_state_equal(*twin[5], fresh, fresh_opt)

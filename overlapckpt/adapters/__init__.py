@@ -44,19 +44,30 @@ class AdapterSettings:
     keep: int | None = None
     save_on_train_end: bool = True
     options: dict[str, Any] = field(default_factory=dict)  # any other Checkpointer argument
+    local_every: int | None = None  # the node-local tier's cadence (Checkpointer's local_every), under the framework's name
 
     @classmethod
     def checked(cls, owner: str, root_name: str, root: Any, reserved: tuple[str, ...], **given: Any) -> AdapterSettings:
         if not isinstance(root, (str, os.PathLike)) or not str(root):
             raise ConfigError(f"{root_name}={root!r} is invalid; pass the checkpoint root, a directory path or a URL")
         options = given.pop("options")
-        for name in ("model", "optimizer", "path", "every", "stateful") + reserved:
+        for name in ("model", "optimizer", "path", "every", "stateful", "local_every") + reserved:
             if name in options:
                 raise ConfigError(f"{owner} sets {name!r} itself; remove it from the options")
         return cls(root=os.fspath(root), options=options, **given)
 
     def checkpointer_kwargs(self) -> dict[str, Any]:
-        return {"window": self.window, "consistency": self.consistency, "every": self.every, "keep": self.keep, **self.options}
+        tier = {} if self.local_every is None else {"local_every": self.local_every}
+        return {"window": self.window, "consistency": self.consistency, "every": self.every, "keep": self.keep, **tier, **self.options}
+
+    def local_dir(self) -> str | None:
+        """The local tier's directory the Checkpointer will use, or None without a local tier."""
+        if self.local_every is None:
+            return None
+        from ..format.tiers import default_local_dir
+
+        given = self.options.get("local_dir")
+        return os.fspath(given) if given is not None else default_local_dir(self.root)
 
 
 def finish(ckpt: Any, save_on_train_end: bool) -> None:

@@ -93,6 +93,10 @@ class OverlapCallback(TrainerCallback):  # type: ignore[misc, valid-type]
         consistency: as for ``Checkpointer``.
         save_on_train_end: checkpoint the final step when training ends.
         every_n_steps: the former name of ``save_steps`` (deprecated).
+        local_save_steps: also checkpoint into the node-local tier every N steps (``Checkpointer``'s
+            ``local_every``; ``local_keep`` and ``local_dir`` go in the options). Each local
+            checkpoint holds the Trainer's files too; ``newest_checkpoint()`` names the newest
+            verified of the two tiers, for ``train(resume_from_checkpoint=...)``.
         **checkpointer_options: any other ``Checkpointer`` argument.
     """
 
@@ -105,6 +109,7 @@ class OverlapCallback(TrainerCallback):  # type: ignore[misc, valid-type]
         consistency: str = "replay",
         save_on_train_end: bool = True,
         every_n_steps: int | None = None,
+        local_save_steps: int | None = None,
         **checkpointer_options: Any,
     ) -> None:
         if every_n_steps is not None:
@@ -118,13 +123,36 @@ class OverlapCallback(TrainerCallback):  # type: ignore[misc, valid-type]
         self.settings = AdapterSettings.checked(
             "OverlapCallback", "output_dir", output_dir if output_dir is not None else ".", ("export_formats",), every=save_steps,
             window=window, consistency=consistency, keep=save_total_limit, save_on_train_end=save_on_train_end,
-            options=checkpointer_options,
+            options=checkpointer_options, local_every=local_save_steps,
         )
         self.output_dir = self._output_dir_given  # from the TrainingArguments at the start of training, if None
         self._save_each_epoch = False
         self.ckpt: Any = None
         self._state: _HFState | None = None
         self._figures: dict[str, float] = {}
+
+    def newest_checkpoint(self, output_dir: str | os.PathLike[str] | None = None) -> str | None:
+        """The checkpoint directory to resume from: the local tier's newest when it is the newest verified, else the root's.
+
+        For ``trainer.train(resume_from_checkpoint=callback.newest_checkpoint(args.output_dir))``;
+        None when neither tier holds a checkpoint. The root is ``output_dir`` (or the one given here).
+        """
+        from ..errors import CheckpointNotFoundError
+        from ..restore.locate import checkpoint_at
+        from ..restore.tiers import local_candidate
+
+        root = os.fspath(output_dir) if output_dir is not None else (self.output_dir or self.settings.root)
+        settings = dataclasses.replace(self.settings, root=root)
+        local_dir = settings.local_dir()
+        if local_dir is not None:
+            candidate = local_candidate(local_dir, root, None, self.settings.options.get("storage_options"), None, 1)
+            if candidate is not None:
+                return candidate
+        try:
+            store, name = checkpoint_at(root, None, self.settings.options.get("storage_options"))
+        except CheckpointNotFoundError:
+            return None
+        return store.checkpoint_url(name)
 
     # ---- the Trainer's events ------------------------------------------------------
 

@@ -29,6 +29,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..restore import CheckpointContents, optimizer_state_by_index, read_checkpoint
 from ..restore.apply import restore_rng
+from ..restore.tiers import from_newest_tier
 from . import AdapterSettings, commit_line, finish, metric_figures, require
 
 _pl = require("lightning")
@@ -91,6 +92,9 @@ class OverlapCheckpoint(Checkpoint):  # type: ignore[misc, valid-type]
         consistency: as for ``Checkpointer``.
         keep: as for ``Checkpointer``.
         save_on_train_end: checkpoint the final state when training ends (unless it is just checkpointed).
+        local_every_n_train_steps: also checkpoint into the node-local tier every N optimizer steps
+            (``Checkpointer``'s ``local_every``; ``local_keep`` and ``local_dir`` go in the options).
+            ``fit(ckpt_path=dirpath)`` then resumes from the newest verified of the two tiers.
         **checkpointer_options: any other ``Checkpointer`` argument (storage_options, signing_key, ...).
     """
 
@@ -102,12 +106,13 @@ class OverlapCheckpoint(Checkpoint):  # type: ignore[misc, valid-type]
         consistency: str = "replay",
         keep: int | None = None,
         save_on_train_end: bool = True,
+        local_every_n_train_steps: int | None = None,
         **checkpointer_options: Any,
     ) -> None:
         super().__init__()
         self.settings = AdapterSettings.checked(
             "OverlapCheckpoint", "dirpath", dirpath, (), every=every_n_train_steps, window=window, consistency=consistency,
-            keep=keep, save_on_train_end=save_on_train_end, options=checkpointer_options,
+            keep=keep, save_on_train_end=save_on_train_end, options=checkpointer_options, local_every=local_every_n_train_steps,
         )
         self.dirpath = self.settings.root
         self.ckpt: Any = None  # the Checkpointer, from on_train_start to on_train_end
@@ -219,12 +224,20 @@ class OverlapCheckpoint(Checkpoint):  # type: ignore[misc, valid-type]
         """Lightning's checkpoint dict from one of ours: tensors from the shards, the rest from the manifest."""
         import torch.distributed as dist
 
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        contents = read_checkpoint(
-            path,
-            storage_options=self.settings.options.get("storage_options"),
-            signing_key=self.settings.options.get("signing_key"),
-            rank=rank,
+        distributed = dist.is_available() and dist.is_initialized()
+        rank = dist.get_rank() if distributed else 0
+        storage_options = self.settings.options.get("storage_options")
+
+        def read(source: str, is_root: bool) -> CheckpointContents:
+            return read_checkpoint(
+                source, storage_options=storage_options if is_root else None, signing_key=self.settings.options.get("signing_key"), rank=rank
+            )
+
+        # The root itself (fit(ckpt_path=dirpath)): the newest verified of the local tier and the root.
+        at_root = path.rstrip("/") == self.dirpath.rstrip("/")
+        contents = from_newest_tier(
+            path, self.settings.local_dir() if at_root else None, None, storage_options,
+            dist.group.WORLD if distributed else None, dist.get_world_size() if distributed else 1, read,
         )
         if STATE_NAME not in contents.stateful:
             raise ConfigError(

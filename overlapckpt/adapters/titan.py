@@ -50,6 +50,7 @@ from torch import nn
 from ..errors import ConfigError, CorruptCheckpointError, SignatureError
 from ..format.key_layout import TORCHTITAN
 from ..format.manifest import MANIFEST_NAME
+from ..format.storage import CheckpointStore
 from . import commit_line, require
 
 _titan_base = require("titan")
@@ -92,6 +93,15 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
 
         storage_options: dict[str, Any] = field(default_factory=dict)
         """fsspec options for a remote folder (endpoint_url, key, secret, ...)."""
+
+        local_interval: int | None = None
+        """Also checkpoint into a node-local tier every N steps (None: none); resume takes the newer verified tier."""
+
+        local_keep_latest_k: int = 2
+        """Local-tier checkpoints kept."""
+
+        local_folder: str | None = None
+        """The local tier's directory (None: /dev/shm/overlapckpt-<job>-<hash>, named after the folder)."""
 
         read_stock_checkpoints: bool = False
         """Resume from a checkpoint TorchTitan's own CheckpointManager wrote (no manifest: unverified), in a folder
@@ -158,6 +168,9 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
             save_on_signal=tuple(getattr(signal, str(s)) for s in config.save_on_signal),
             signal_grace_s=config.signal_grace_s,
             key_layout=TORCHTITAN,
+            local_every=None if config.load_only else config.local_interval,
+            local_keep=config.local_keep_latest_k,
+            local_dir=config.local_folder if config.local_interval is not None else None,
             on_commit=lambda figures: _titan_log.info(commit_line(figures)),  # TorchTitan's own log, as its saves
         )
         log.info("overlapckpt checkpoints to %s, window %s", self.folder, config.window)
@@ -216,6 +229,8 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
     def _load(self, step: int = -1) -> bool:
         from ..restore.pipeline import load
 
+        if step == -1 and self._local_tier_holds_any():
+            return self._load_newest_tier()
         name = self._checkpoint_to_load(step)
         if name is None:
             return self._initial_load()
@@ -239,6 +254,26 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
         version = _step_of(name)
         self.ckpt.continued_from(version)
         log.info("restored %s, written by TorchTitan's own manager (no manifest: not verified)", directory)
+        return True
+
+    def _local_tier_holds_any(self) -> bool:
+        local_dir = self.ckpt.local_dir
+        return local_dir is not None and os.path.isdir(local_dir) and bool(CheckpointStore(local_dir).committed_names())
+
+    def _load_newest_tier(self) -> bool:
+        """Resume from the newest verified of this node's local tier and the folder (``restore/tiers.py``)."""
+        from ..restore.pipeline import load
+
+        excluded = set(self.config.exclude_from_loading)
+        stateful = {k: v for k, v in self._stateful.items() if k not in excluded}
+        optimizer = None if OPTIMIZER in excluded else self._optimizers
+        with self.ckpt.steps_not_counted():
+            info = load(
+                self.folder, self._model, optimizer, stateful, storage_options=dict(self.config.storage_options),
+                process_group=self.ckpt.process_group, local_dir=self.ckpt.local_dir,
+            )
+        self.ckpt._continue_after_load(info)
+        log.info("restored %s", info.path)
         return True
 
     def _check_stock_allowed(self, name: str, directory: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import time
 from dataclasses import asdict, dataclass
@@ -124,3 +125,33 @@ class RootLease:
         if holder.pid == self.me.pid:
             return holder.run_id not in _HELD_HERE  # a Checkpointer of this process that is gone
         return not _pid_alive(holder.pid)
+
+
+def sweep_dead_tiers(own_dir: str) -> list[str]:
+    """Remove the local-tier directories a dead job left beside ``own_dir``; the ones removed.
+
+    A node-local tier (``format/tiers.py``) holds node memory when it is on tmpfs: a job
+    that died leaves it behind. Under the lease rules, a sibling directory named
+    ``overlapckpt-*`` is removed only when its lease names a process of this host that
+    no longer exists. A live job's tier, another host's, one without a lease (its job
+    closed cleanly and may come back for it) and anything not ours are left alone.
+    """
+    from .tiers import LOCAL_DIR_PREFIX
+
+    parent = os.path.dirname(os.path.abspath(own_dir))
+    removed: list[str] = []
+    try:
+        siblings = sorted(os.listdir(parent))
+    except OSError:
+        return removed
+    for name in siblings:
+        path = os.path.join(parent, name)
+        if not name.startswith(LOCAL_DIR_PREFIX) or path == os.path.abspath(own_dir) or not os.path.isdir(path):
+            continue
+        holder = RootLease(CheckpointStore(path), run_id="")._holder()
+        if holder is None or holder.host != socket.gethostname() or _pid_alive(holder.pid) or holder.run_id in _HELD_HERE:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        log.warning("removed %s, the local tier of %s, which is gone", path, holder.describe())
+        removed.append(path)
+    return removed

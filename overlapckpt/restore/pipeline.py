@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from .check import (
 )
 from .locate import checkpoint_at
 from .read import agree_before_reading, empty_like_on_cpu, read_into, world_of
+from .tiers import from_newest_tier
 
 
 def load(
@@ -44,6 +46,7 @@ def load(
     per_rank_state: str = "restore",
     process_group: Any = None,
     signing_key: str | bytes | None = None,
+    local_dir: str | os.PathLike[str] | None = None,
 ) -> CheckpointInfo:
     """Restore a committed checkpoint in place: model, optimizer, stateful objects and RNG states.
 
@@ -67,7 +70,38 @@ def load(
     any other. Stateful objects and RNG states are per rank: they are restored only
     at the world size that wrote them; at another one, CheckpointMismatchError names
     both sizes unless ``per_rank_state="skip"`` loads model and optimizer only.
+
+    ``local_dir``: a node-local tier (``Checkpointer(local_every=...)``) to consider first.
+    Its newest checkpoint is loaded when it is at least as new as the root's, was written
+    at this world size, and every rank found it; a refused one (corrupt, missing) is
+    skipped with a warning naming it, and the root is loaded (``restore/tiers.py``).
+    The choice, and the time the load took, are logged.
     """
+    kwargs: dict[str, Any] = {"per_rank_state": per_rank_state, "process_group": process_group, "signing_key": signing_key}
+    group, _, world = world_of(process_group)
+
+    def read(source: str, is_root: bool) -> CheckpointInfo:
+        if is_root:
+            return _load_one(source, model, optimizer, stateful, step, storage_options, verify, **kwargs)
+        return _load_one(source, model, optimizer, stateful, None, None, verify, **kwargs)  # one local checkpoint directory
+
+    return from_newest_tier(path, None if local_dir is None else os.fspath(local_dir), step, storage_options, group, world, read)
+
+
+def _load_one(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    stateful: dict[str, Any] | None,
+    step: int | None,
+    storage_options: dict[str, Any] | None,
+    verify: bool,
+    *,
+    per_rank_state: str,
+    process_group: Any,
+    signing_key: str | bytes | None,
+) -> CheckpointInfo:
+    """``load`` from one source: the root, or one checkpoint directory."""
     if per_rank_state not in PER_RANK_STATE_CHOICES:
         raise ConfigError(f"per_rank_state={per_rank_state!r} is invalid; use 'restore' or 'skip'")
     group, rank, world = world_of(process_group)

@@ -41,6 +41,7 @@ from ..format.manifest import (
 from ..format.shards import CoveringSavePlanner, LocalShard
 from ..format.signing import sign
 from ..format.storage import BeforeCommit, CheckpointStore
+from ..format.tiers import LOCAL_TIER, ROOT_TIER
 from ..hostbuf import exact_view
 from .exports import write_exports
 from .group import WriterGroup
@@ -50,8 +51,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+Retired = list[tuple[CheckpointStore, str]]  # (store, directory) retention retired, to delete after the answer
+
+
 def persist_snapshot(
-    store: CheckpointStore,
+    stores: dict[str, CheckpointStore],
     group: WriterGroup | None,
     entries: list[TensorEntry],
     offsets: tuple[int, ...],
@@ -61,24 +65,33 @@ def persist_snapshot(
     signing_key: bytes | None = None,
     write_threads: int = 1,
     on_replay: Callable[[bool], None] | None = None,
-    purge_later: list[str] | None = None,
+    purge_later: Retired | None = None,
     replay_tables: p.ReplayTables | None = None,
 ) -> p.CommittedResponse:
-    """Persist one snapshot and commit it; the answer for the training side.
+    """Persist one snapshot and commit it in each of its tiers (``req.tiers``, in order); the answer for the training side.
 
+    ``stores`` maps each tier to its store (``format/tiers.py``). The snapshot is replayed and
+    checksummed once; each tier then gets its own attempt, DCP save, commit, ``latest`` and
+    retention (``req.local_keep`` in the local tier, ``req.keep`` in the root). The local
+    tier goes first: it is the faster, and what a preemption's grace must reach.
     ``purge_later`` receives the directories of checkpoints retention retired (already
     uncommitted and out of the listing): the caller deletes them after answering.
     """
     started = time.perf_counter()
+    purge_later = purge_later if purge_later is not None else []
+    missing = [tier for tier in req.tiers if tier not in stores]
+    if missing or not req.tiers:
+        raise InternalError(f"checkpoint {req.name} is for tiers {req.tiers}, but this writer has stores for {sorted(stores)}")
     if group is not None:
         # Before any work: a rank that disagrees must not leave the others in a collective.
         sequence = group.agree({"name": req.name, "version": req.step, "requested": req.requested_step})
         # The manifest and the coverage check need every rank's tensors: pipeline stages hold different ones.
         global_shapes = group.union_of_shapes(global_shapes)
-    if group is None and store.is_committed(req.name):
+    if group is None and all(stores[tier].is_committed(req.name) for tier in req.tiers):
         # Persisted again by the successor of a writer that died after the commit (the rename)
         # and before it answered: this run's own checkpoint of this step is a success.
-        return _committed_already(store, req, started, purge_later)
+        done = [_committed_already(stores[tier], tier, req, started, purge_later, group) for tier in req.tiers]
+        return _merged(done)
     slot = buffers[req.buffer_id]
     # Exact-storage views: DCP writes them in place instead of cloning each (hostbuf.exact_view).
     tensors = [exact_view(slot, off, e.dtype, e.shape) for e, off in zip(entries, offsets)]
@@ -117,69 +130,129 @@ def persist_snapshot(
         ledger=req.ledger,
         stats=req.stats,
     )
-    if store.is_committed(req.name):
-        raise already_committed(store, req.name)
-    attempt = _begin_attempt(store, group, req)
     sections = [section] if group is None else group.gather_sections(section)
     manifest = _manifest(req, entries, global_shapes, sections, group)
-
-    exports: dict[str, ExportRecord] = {}
-
-    def write_manifest(checksums: StoredChecksums) -> None:
-        # Called by DCP's finish() on the coordinator with the checksums every rank computed
-        # of the blobs it stored, and of .metadata's bytes, right before .metadata appears.
-        where = store.checkpoint_url(req.name)
-        if checksums.algorithm != algorithm:
-            raise CheckpointWriteError(
-                f"the shards of {where} were checksummed with {checksums.algorithm!r} and its tensors with {algorithm!r}; "
-                "a store's make_writer must use format.checksum.default_algorithm()"
-            )
-        document = dataclasses.replace(
-            manifest, checksums=ChecksumsRecord.from_json(checksums.to_json(), where), exports=exports, created_at=time.time()
-        ).to_json()
-        if signing_key is not None:
-            sign(document, checksums.metadata_bytes, signing_key)
-        phases.lap("write")  # serialization, stored-byte checksums, page cache, writeback, fsync: split below
-        store.write_manifest(attempt.directory, dump_manifest(document))
-        phases.lap("manifest")
-
     # The torchtitan layout saves the stateful objects as DCP items too, for TorchTitan's own manager.
     stateful = req.extra_state.get("stateful", {}) if req.key_layout == TORCHTITAN else None
     state_dict = build_state_dict(entries, [_part(e, t) for e, t in zip(entries, tensors)], req.small_state, req.key_layout, stateful)
-    try:
-        if req.export_formats:  # one process only (the Checkpointer refuses it distributed): whole tensors
-            written = write_exports(store, attempt.directory, req.export_formats, state_dict, req.extra_state)
-            exports.update({name: ExportRecord(**sums) for name, sums in written.items()})
-        streams = _save(store, attempt.directory, state_dict, write_manifest, global_shapes, group, signing_key is not None, write_threads)
-        if "write" not in phases.laps:  # a rank that does not write the manifest: its write ends here
-            phases.lap("write")
-        if group is None or group.is_coordinator:
-            attempt.publish()  # the commit: every rank's shards are in place (DCP's finish ran after them)
-    except BaseException:
-        if group is None or group.is_coordinator:
-            _abandon(attempt)
-        raise
-    committed_at = time.time()
-    removed: list[str] = []
-    warnings: list[str] = []
-    if group is None or group.is_coordinator:  # committed: a failure from here on is a warning
-        warnings = _write_latest(store, req)
-        removed, retention_warnings = _retire_old(store, req, purge_later if purge_later is not None else [])
-        warnings += retention_warnings
-    phases.lap("commit")
+    answers: list[p.CommittedResponse] = []
+    for tier in req.tiers:
+        store = stores[tier]
+        keep = req.local_keep if tier == LOCAL_TIER else req.keep
+        if _held_already(store, group, req):  # this run committed it here (before a writer's death, or a local-only checkpoint)
+            answers.append(_committed_already(store, tier, req, started, purge_later, group))
+            continue
+        write = _TierWrite(store, tier, keep, group, req, manifest, algorithm, signing_key, phases)
+        answers.append(write.run(state_dict, entries, global_shapes, write_threads, purge_later, started))
     agreed_window = group.agree_window(req.proposed_next_window) if group is not None else req.proposed_next_window
     if group is not None:
         group.forget(sequence)  # agree_window was a collective: every rank is past the wait on these keys
-    return p.CommittedResponse(
-        request_id=req.request_id,
-        info=CheckpointInfo.from_manifest(manifest, store.checkpoint_url(req.name)),
-        committed_at=committed_at,
-        persist_s=time.perf_counter() - started,
-        phases_s={**phases.laps, **({} if streams is None else streams.as_phases())},
-        removed=removed,
-        warnings=warnings,
-        agreed_next_window=agreed_window,
+    answer = _merged(answers)
+    answer.agreed_next_window = agreed_window
+    answer.persist_s = time.perf_counter() - started
+    return answer
+
+
+def _merged(answers: list[p.CommittedResponse]) -> p.CommittedResponse:
+    """One answer for a checkpoint's tiers: the last tier's info and commit time, every tier's paths, removals and warnings."""
+    last = answers[-1]
+    return dataclasses.replace(
+        last,
+        removed=[name for a in answers for name in a.removed],
+        warnings=[w for a in answers for w in a.warnings],
+        tier_paths={tier: path for a in answers for tier, path in a.tier_paths.items()},
+        phases_s={k: v for a in answers for k, v in a.phases_s.items()},
     )
+
+
+class _TierWrite:
+    """One tier's write of a prepared snapshot: attempt, DCP save with the manifest before ``.metadata``, commit, ``latest``, retention."""
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        tier: str,
+        keep: int | None,
+        group: WriterGroup | None,
+        req: p.PersistRequest,
+        manifest: Manifest,
+        algorithm: str,
+        signing_key: bytes | None,
+        phases: PhaseClock,
+    ) -> None:
+        self.store, self.tier, self.keep, self.group, self.req = store, tier, keep, group, req
+        self.manifest, self.algorithm, self.signing_key, self.phases = manifest, algorithm, signing_key, phases
+        # Laps of the root keep their names (the figures read them); the local tier's are prefixed.
+        self.prefix = "" if tier == ROOT_TIER else f"{tier}."
+
+    def run(
+        self,
+        state_dict: dict[str, Any],
+        entries: list[TensorEntry],
+        global_shapes: dict[str, tuple[int, ...]],
+        write_threads: int,
+        purge_later: Retired,
+        started: float,
+    ) -> p.CommittedResponse:
+        store, group, req, phases = self.store, self.group, self.req, self.phases
+        if store.is_committed(req.name):
+            raise already_committed(store, req.name)
+        attempt = _begin_attempt(store, group, req)
+        exports: dict[str, ExportRecord] = {}
+        wrote_manifest: list[bool] = []
+
+        def write_manifest(checksums: StoredChecksums) -> None:
+            # Called by DCP's finish() on the coordinator with the checksums every rank computed
+            # of the blobs it stored, and of .metadata's bytes, right before .metadata appears.
+            where = store.checkpoint_url(req.name)
+            if checksums.algorithm != self.algorithm:
+                raise CheckpointWriteError(
+                    f"the shards of {where} were checksummed with {checksums.algorithm!r} and its tensors with {self.algorithm!r}; "
+                    "a store's make_writer must use format.checksum.default_algorithm()"
+                )
+            document = dataclasses.replace(
+                self.manifest, checksums=ChecksumsRecord.from_json(checksums.to_json(), where), exports=exports, created_at=time.time()
+            ).to_json()
+            if self.signing_key is not None:
+                sign(document, checksums.metadata_bytes, self.signing_key)
+            phases.lap(self.prefix + "write")  # serialization, stored-byte checksums, page cache, writeback, fsync: split below
+            store.write_manifest(attempt.directory, dump_manifest(document))
+            phases.lap(self.prefix + "manifest")
+            wrote_manifest.append(True)
+
+        try:
+            if req.export_formats:  # one process only (the Checkpointer refuses it distributed): whole tensors
+                written = write_exports(store, attempt.directory, req.export_formats, state_dict, req.extra_state)
+                exports.update({name: ExportRecord(**sums) for name, sums in written.items()})
+            streams = _save(store, attempt.directory, state_dict, write_manifest, global_shapes, group, self.signing_key is not None, write_threads)
+            if not wrote_manifest:  # a rank that does not write the manifest: its write ends here
+                phases.lap(self.prefix + "write")
+            if group is None or group.is_coordinator:
+                attempt.publish()  # the commit: every rank's shards are in place (DCP's finish ran after them)
+        except BaseException:
+            if group is None or group.is_coordinator:
+                _abandon(attempt)
+            raise
+        committed_at = time.time()
+        removed: list[str] = []
+        warnings: list[str] = []
+        if group is None or group.is_coordinator:  # committed: a failure from here on is a warning
+            warnings = _write_latest(store, req)
+            removed, retention_warnings = _retire_old(store, req, self.keep, purge_later)
+            warnings += retention_warnings
+        phases.lap(self.prefix + "commit")
+        path = store.checkpoint_url(req.name)
+        stream_phases = {} if streams is None else {self.prefix + k: v for k, v in streams.as_phases().items()}
+        return p.CommittedResponse(
+            request_id=req.request_id,
+            info=CheckpointInfo.from_manifest(self.manifest, path),
+            committed_at=committed_at,
+            persist_s=time.perf_counter() - started,
+            phases_s={**phases.laps, **stream_phases},
+            removed=removed,
+            warnings=warnings,
+            tier_paths={self.tier: path},
+        )
 
 
 def _write_latest(store: CheckpointStore, req: p.PersistRequest) -> list[str]:
@@ -191,7 +264,7 @@ def _write_latest(store: CheckpointStore, req: p.PersistRequest) -> list[str]:
     return []
 
 
-def _retire_old(store: CheckpointStore, req: p.PersistRequest, purge_later: list[str]) -> tuple[list[str], list[str]]:
+def _retire_old(store: CheckpointStore, req: p.PersistRequest, keep: int | None, purge_later: Retired) -> tuple[list[str], list[str]]:
     """Retention's fast part, before the commit is answered: the oldest beyond ``keep`` uncommitted, out of the listing.
 
     (names retired, warnings). Their directories go to ``purge_later``: deleting them
@@ -199,20 +272,44 @@ def _retire_old(store: CheckpointStore, req: p.PersistRequest, purge_later: list
     durable when it ran before the answer. A failure is a warning: the checkpoint is
     committed all the same.
     """
-    if req.keep is None:
+    if keep is None:
         return [], []
     retired: list[str] = []
     try:
-        for name in select_for_retention(store, req.name, req.run_id, req.keep):
-            purge_later.append(store.retire_checkpoint(name, run_tag=req.run_id[:8]))
-            retired.append(name)
+        for name in select_for_retention(store, req.name, req.run_id, keep):
+            purge_later.append((store, store.retire_checkpoint(name, run_tag=req.run_id[:8])))
+            retired.append(store.checkpoint_url(name))
     except Exception as e:
-        return retired, [f"checkpoint {req.name} committed, but retention (keep={req.keep}) failed: {type(e).__name__}: {e}"]
+        return retired, [f"checkpoint {req.name} committed in {store.root}, but retention (keep={keep}) failed: {type(e).__name__}: {e}"]
     return retired, []
 
 
+def _held_already(store: CheckpointStore, group: WriterGroup | None, req: p.PersistRequest) -> bool:
+    """Whether this run's checkpoint of this version is committed in ``store`` already (another run's: refused).
+
+    A writer that died after a commit and before answering leaves one; so does a local-only
+    checkpoint whose version a ``request()`` then asks of both tiers. In a distributed run
+    the coordinator looks, and every rank learns its verdict (a collective every rank reaches).
+    """
+    verdict: str | bool = False
+    if group is None or group.is_coordinator:
+        if store.is_committed(req.name):
+            try:
+                manifest = parse_manifest(store.read_bytes(req.name, MANIFEST_NAME), store.checkpoint_url(req.name))
+                verdict = manifest.run_id == req.run_id and manifest.step == req.step
+            except Exception:  # noqa: BLE001 - unreadable: not provably this run's, so refused below
+                verdict = False
+            if not verdict:
+                verdict = str(already_committed(store, req.name))
+    if group is not None:
+        verdict = group.share_from_coordinator(verdict)
+    if isinstance(verdict, str):
+        raise CheckpointExistsError(verdict)
+    return verdict
+
+
 def _committed_already(
-    store: CheckpointStore, req: p.PersistRequest, started: float, purge_later: list[str] | None
+    store: CheckpointStore, tier: str, req: p.PersistRequest, started: float, purge_later: Retired, group: WriterGroup | None = None
 ) -> p.CommittedResponse:
     """The answer for a checkpoint this run committed already (a writer died before answering); else refused."""
     where = store.checkpoint_url(req.name)
@@ -222,16 +319,21 @@ def _committed_already(
         raise already_committed(store, req.name) from None
     if manifest.run_id != req.run_id or manifest.step != req.step:
         raise already_committed(store, req.name)
-    warnings = _write_latest(store, req)
-    removed, retention_warnings = _retire_old(store, req, purge_later if purge_later is not None else [])
+    warnings: list[str] = []
+    removed: list[str] = []
+    if group is None or group.is_coordinator:
+        warnings = _write_latest(store, req)
+        removed, retention_warnings = _retire_old(store, req, req.local_keep if tier == LOCAL_TIER else req.keep, purge_later)
+        warnings += retention_warnings
     return p.CommittedResponse(
         request_id=req.request_id,
         info=CheckpointInfo.from_manifest(manifest, where),
         committed_at=manifest.created_at,
         persist_s=time.perf_counter() - started,
         removed=removed,
-        warnings=warnings + retention_warnings,
+        warnings=warnings,
         agreed_next_window=req.proposed_next_window,
+        tier_paths={tier: where},
     )
 
 

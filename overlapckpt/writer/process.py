@@ -25,6 +25,7 @@ from ..control_page import ControlPage
 from ..cores import usable_cores
 from ..errors import ForgedStoreValueError, WritersRegroupedError
 from ..format.storage import CheckpointStore, dcp_root_cause
+from ..format.tiers import LOCAL_TIER, ROOT_TIER
 from ..hostbuf import fd_path, map_shared_file
 from ..qualname import import_qualified
 from .group import WriterGroup
@@ -41,25 +42,40 @@ logger = logging.getLogger("overlapckpt")
 
 
 class _WriterState:
-    def __init__(self, store: CheckpointStore, group: WriterGroup | None, signing_key: bytes | None = None, threads: int = 1) -> None:
+    def __init__(
+        self,
+        store: CheckpointStore,
+        group: WriterGroup | None,
+        signing_key: bytes | None = None,
+        threads: int = 1,
+        local_store: CheckpointStore | None = None,
+    ) -> None:
         self.signing_key = signing_key
         self.threads = threads
         self.store = store
+        self.local_store = local_store  # the node-local tier, if the run has one
         self.group = group
         self.buffers: dict[int, torch.Tensor] = {}
         self.preemption: PreemptionWatch | None = None
         self.control_page: torch.Tensor | None = None  # the mapping the watch reads and writes
         self.plans: dict[int, p.SetPlanRequest] = {}
 
-    def persist(self, req: p.PersistRequest, conn: Connection, purge_later: list[str]) -> p.CommittedResponse:
+    def persist(self, req: p.PersistRequest, conn: Connection, purge_later: list[tuple[CheckpointStore, str]]) -> p.CommittedResponse:
         plan = self.plans[req.plan_id]
         return persist_snapshot(
-            self.store, self.group, plan.entries, plan.offsets, plan.global_shapes, self.buffers, req, self.signing_key,
+            self.tier_stores(), self.group, plan.entries, plan.offsets, plan.global_shapes, self.buffers, req, self.signing_key,
             write_threads=self.threads,
             replay_tables=plan.replay_tables,
             on_replay=lambda finished: _send(conn, p.ReplayProgressNotice(req.request_id, finished)),
             purge_later=purge_later,
         )
+
+
+    def tier_stores(self) -> dict[str, CheckpointStore]:
+        stores = {ROOT_TIER: self.store}
+        if self.local_store is not None:
+            stores[LOCAL_TIER] = self.local_store
+        return stores
 
 
 def _error_response(request_id: int | None, e: BaseException) -> p.ErrorResponse:
@@ -90,7 +106,7 @@ def _persist(conn: Connection, state: _WriterState, req: p.PersistRequest) -> No
         if group is not None and group.was_lost(req.name):
             _send(conn, _error_response(req.request_id, _lost(req.name, group.generation, "the replaced writer's rank lost it")))
             return
-        purge_later: list[str] = []
+        purge_later: list[tuple[CheckpointStore, str]] = []
         try:
             _send(conn, state.persist(req, conn, purge_later))
         except BaseException as e:
@@ -109,12 +125,12 @@ def _persist(conn: Connection, state: _WriterState, req: p.PersistRequest) -> No
         finally:
             # Retired before the answer (uncommitted, out of the listing), deleted now, whatever
             # happened after: unlinking them is not the commit's time, and never skipped.
-            _purge(state.store, purge_later)
+            _purge(purge_later)
         return
 
 
-def _purge(store: CheckpointStore, retired: list[str]) -> None:
-    for leftover in retired:
+def _purge(retired: list[tuple[CheckpointStore, str]]) -> None:
+    for store, leftover in retired:
         try:
             store.purge_retired(leftover)
         except Exception as e:  # noqa: BLE001 - uncommitted already: only space is lost, until the next sweep
@@ -162,7 +178,9 @@ def serve(conn: Connection, fd_sock: socket.socket) -> None:
         group = WriterGroup(init.group) if init.group is not None else None
         threads = init.writer_threads or writer_thread_count()
         torch.set_num_threads(threads)  # the replay's optimizer kernels
-        state = _WriterState(_load_store(init), group, init.signing_key, threads)
+        # The local tier is a directory of this node: the plain store, whatever the root's class.
+        local_store = None if init.local_root is None else CheckpointStore(init.local_root)
+        state = _WriterState(_load_store(init), group, init.signing_key, threads, local_store)
     except BaseException as e:
         _send(conn, _error_response(None, e))
         return

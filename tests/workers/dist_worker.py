@@ -246,6 +246,7 @@ def scenario_exact(kind: str, out: str) -> dict[str, Any]:
 def scenario_ddp(out: str) -> dict[str, Any]:
     result = scenario_exact("ddp", out)
     result["resume"] = resume("ddp", out)
+    result["local_tier"] = local_tier("ddp", out)
     result["reshard_to_fsdp"] = reshard_into("fsdp", os.path.join(out, "w1"))
     result["mismatched_steps"] = mismatched_requests(out, {0: 2, 1: 3}, "steps")
     result["one_rank_only"] = mismatched_requests(out, {0: 2}, "one")
@@ -526,6 +527,55 @@ def resume(kind: str, out: str) -> dict[str, Any]:
     train(model, opt, sampler, STEPS + 3, losses=resumed, start=info.step + 1)
     return {  # the test compares them
         "version": info.step,
+        "twin_losses": {str(k): v for k, v in twin_losses.items()},
+        "resumed_losses": {str(k): v for k, v in resumed.items()},
+    }
+
+
+def local_tier(kind: str, out: str) -> dict[str, Any]:
+    """Two ranks on one host with a local tier: one writers' group commits each tier; restore() takes the newer local one.
+
+    The root takes every=6 (version 6), the local tier local_every=2 (2, 4, 6, 8, 10, the
+    last two kept). The root's shards are then corrupted, so a restore that read them would
+    fail: restore() must take version 10 from the local tier, and training on reproduces
+    the twin's losses.
+    """
+    rank = dist.get_rank()
+    steps = STEPS + 3
+    path, local = os.path.join(out, "tiered"), os.path.join(out, "tiered-local")
+    twin_losses: dict[int, float] = {}
+    model, opt = build(kind)
+    sampler = Sampler(rank)
+    with Checkpointer(model, opt, path, every=6, local_every=2, local_keep=2, local_dir=local, stateful={"sampler": sampler}) as ckpt:
+        train(model, opt, sampler, steps, ckpt=ckpt, losses=twin_losses)
+        ckpt.wait(timeout_s=120)
+    train(model, opt, sampler, steps + 3, losses=twin_losses, start=steps + 1)
+    dist.barrier()
+    root_versions = [i.step for i in list_checkpoints(path)]
+    local_versions = [i.step for i in list_checkpoints(local)]
+    if rank == 0:  # a read of the root's data would now fail verification
+        for info in list_checkpoints(path):
+            for name in shard_files(info.path):
+                with open(os.path.join(info.path, name), "r+b") as f:
+                    f.seek(os.path.getsize(os.path.join(info.path, name)) // 2)
+                    byte = f.read(1)
+                    f.seek(-1, os.SEEK_CUR)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+    dist.barrier()
+    model, opt = build(kind)
+    sampler = Sampler(rank)
+    torch.manual_seed(12345)  # a different RNG: the restore must bring back this rank's
+    resumed: dict[int, float] = {}
+    with Checkpointer(model, opt, path, every=6, local_every=2, local_keep=2, local_dir=local, stateful={"sampler": sampler}) as ckpt:
+        info = ckpt.restore()
+        step_count = ckpt.step_count
+    train(model, opt, sampler, steps + 3, losses=resumed, start=info.step + 1)
+    return {
+        "root_versions": root_versions,
+        "local_versions": local_versions,
+        "restored_version": info.step,
+        "restored_path": info.path,
+        "step_count": step_count,
         "twin_losses": {str(k): v for k, v in twin_losses.items()},
         "resumed_losses": {str(k): v for k, v in resumed.items()},
     }

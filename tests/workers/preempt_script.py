@@ -1,10 +1,11 @@
 """A training process for tests/test_preemption.py: save_on_signal=(SIGTERM,), replay W=4.
 
-    python tests/workers/preempt_script.py ROOT HOW
+    python tests/workers/preempt_script.py ROOT HOW [LOCAL_DIR]
 
 Prints "step N" after each iteration. HOW: "outside" (the test sends SIGTERM, twice,
 while the loop runs) or "inside-hook" (a hook inside optimizer.step() sends it to
 this process at step 5, twice). Trains at most 200 steps; without a signal it exits 0.
+LOCAL_DIR: a node-local tier too (local_every=100: only the preemption's checkpoint reaches it).
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from helpers import make_run, train_step  # noqa: E402
 
 def main() -> None:
     root, how = sys.argv[1], sys.argv[2]
+    tier = {"local_every": 100, "local_dir": sys.argv[3]} if len(sys.argv) > 3 else {}
     torch.set_num_threads(1)  # as the twin in the test: results are bit-identical only at the same thread count
     model, opt, sched, sampler = make_run()
     ckpt = Checkpointer(
-        model, opt, root, window=4, consistency="replay", stateful={"sched": sched}, save_on_signal=(signal.SIGTERM,), signal_grace_s=60
+        model, opt, root, window=4, consistency="replay", stateful={"sched": sched}, save_on_signal=(signal.SIGTERM,), signal_grace_s=60,
+        **tier,
     )
     steps = [0]
     if how == "inside-hook":

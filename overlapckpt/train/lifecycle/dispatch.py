@@ -22,6 +22,8 @@ from ... import protocol as p
 from ...errors import InternalError, OverlapCkptError, WriterDiedError, WritersRegroupedError
 from ...format.key_layout import GET_STATE_DICT
 from ...format.manifest import CheckpointInfo
+from ...format.tiers import ROOT_TIER
+from ...settings import TierSettings
 from ..consistency.boundary import resolve_boundary, resolve_values
 from ..copying.replay_tables import replay_tables
 from ..copying.slots import SlotPool
@@ -64,7 +66,11 @@ class PersistDispatcher:
         export_formats: tuple[str, ...] = (),
         key_layout: str = GET_STATE_DICT,
         optimizer: str | None = None,
+        tier: TierSettings | None = None,
+        every: int | None = None,
     ) -> None:
+        self.tier = tier if tier is not None else TierSettings()
+        self.every = every  # which scheduled versions go to the root besides the local tier
         self.optimizer = optimizer  # the optimizer class(es) by full name, for the manifest
         self.lineage = lineage
         self.export_formats = export_formats
@@ -131,6 +137,8 @@ class PersistDispatcher:
             export_formats=self.export_formats,
             key_layout=self.key_layout,
             optimizer=self.optimizer,
+            tiers=self.tier.tiers_for(self.every, snap.ledger.scheduled_version, snap.on_request),
+            local_keep=self.tier.local_keep,
         )
         self._sent[snap.request_id] = _Sent(snap, stats, request)
         self.link.writer.send(request)
@@ -177,8 +185,9 @@ class PersistDispatcher:
         """The checkpoints sent to the writer and not yet answered."""
         return [sent.request.name for sent in self._sent.values()]
 
-    def sent_versions(self) -> list[int | None]:
-        return [sent.snapshot.version for sent in self._sent.values()]
+    def sent_versions(self, reaching_root: bool = False) -> list[int | None]:
+        """The versions of the snapshots sent and not yet answered (``reaching_root``: only those that go to the root)."""
+        return [sent.snapshot.version for sent in self._sent.values() if sent.snapshot.reaches_root or not reaching_root]
 
     def take_committed(self) -> list[CheckpointInfo]:
         out, self._unreturned = self._unreturned, []
@@ -250,10 +259,12 @@ class PersistDispatcher:
             stats.persist_phases_s = dict(response.phases_s)
             stats.ledger = sent.snapshot.ledger.to_json()
             stats.path = response.info.path
+            stats.tier_paths = dict(response.tier_paths)
             if response.agreed_next_window is not None:
                 self.agreed_window = response.agreed_next_window
             self.stats.append(stats)
-            if stats.step is not None:
+            # A version the local tier alone holds is not held: a request() for it still reaches the root.
+            if stats.step is not None and (ROOT_TIER in response.tier_paths or not response.tier_paths):
                 self.held_versions.add(stats.step)
             self._unreturned.append(response.info)
             self._report_commit(stats, response)

@@ -20,7 +20,10 @@ checkpoint then holds a later version than was asked for.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger("overlapckpt.requests")
@@ -34,6 +37,8 @@ class StartingRequest:
     deferred: bool  # it waited for a free slot
     restarted_from: int | None  # the started step of a snapshot this one replaces
     scheduled_version: int | None = None  # every=N: the version it must hold (None: request())
+    on_request: bool = False  # it answers a request() too (not only scheduled versions)
+    reaches_root: bool = True  # it goes to the root (with a local tier, some versions go to that tier alone)
 
 
 @dataclass(frozen=True)
@@ -43,11 +48,24 @@ class PendingRequest:
 
 
 class CheckpointSchedule:
-    """``every=N``: the versions N, 2N, ... and the step at which each one's window opens."""
+    """``every=N`` (and ``local_every=M``): the versions N, 2N, ... (and M, 2M, ...) and the step at which each one's window opens.
 
-    def __init__(self, every: int | None) -> None:
+    One snapshot serves both tiers where their versions meet (``train/lifecycle/tiers.py``
+    says which tiers each version goes to).
+    """
+
+    def __init__(self, every: int | None, local_every: int | None = None) -> None:
         self.every = every
+        self.cadences = tuple(c for c in (every, local_every) if c is not None)
         self._opened_up_to = 0  # versions up to this one have been opened
+
+    @property
+    def shortest_gap(self) -> int:
+        """The fewest steps between two scheduled versions (1 with no schedule)."""
+        return math.gcd(*self.cadences) if self.cadences else 1
+
+    def _next_after(self, version: int) -> int:
+        return min((version // c + 1) * c for c in self.cadences)
 
     def continue_from(self, step: int) -> None:
         """After a restore: versions up to ``step`` are in the past."""
@@ -55,22 +73,29 @@ class CheckpointSchedule:
 
     def opening(self, step: int, lead_steps: int) -> list[int]:
         """The scheduled versions whose window opens after ``step`` (a window starts ``lead_steps`` before its version)."""
-        if self.every is None:
+        if not self.cadences:
             return []
         out = []
-        version = (self._opened_up_to // self.every + 1) * self.every
+        version = self._next_after(self._opened_up_to)
         while version - lead_steps <= step:
             if version >= step:  # a version already in the past (lead_steps shrank) is not asked for late
                 out.append(version)
             self._opened_up_to = version
-            version += self.every
+            version = self._next_after(version)
         return out
 
 
 class RequestQueue:
-    """Pending requests, deferral accounting and the started step of the last snapshot."""
+    """Pending requests, deferral accounting and the started step of the last snapshot.
 
-    def __init__(self) -> None:
+    ``reaches_root(scheduled_version, on_request)`` says whether a snapshot answering such
+    requests goes to the root (``TierSettings.tiers_for``): a snapshot for the local tier
+    alone answers no ``request()``, which must reach the root.
+    """
+
+    def __init__(self, reaches_root: Callable[[int | None, bool], bool] | None = None) -> None:
+        self._reaches_root = reaches_root if reaches_root is not None else (lambda version, on_request: True)
+        self._last_started_reaches_root = True
         self._pending: list[PendingRequest] = []
         self._waiting_for_slot = False
         self._last_started_step: int | None = None
@@ -105,10 +130,16 @@ class RequestQueue:
         self._pending = [r for r in self._pending if r not in answered]
         return answered
 
+    def needs_root(self) -> bool:
+        """Whether a pending request must reach the root (a ``request()``, or a version of ``every=``)."""
+        return any(self._reaches_root(r.scheduled_version, r.scheduled_version is None) for r in self._pending)
+
     def answered_at(self, step: int) -> bool:
         """A snapshot started at this very step is under way: it answers what is pending too (all but later schedules)."""
         if self._last_started_step != step or self._last_started_version is None:
             return False
+        if not self._last_started_reaches_root and self.needs_root():
+            return False  # that one goes to the local tier alone: these need their own snapshot
         self._answered_up_to(self._last_started_version)
         return not self._pending
 
@@ -143,7 +174,10 @@ class RequestQueue:
         started = StartingRequest(
             requested_step=first.step, deferred=deferred, restarted_from=self._restarted_from,
             scheduled_version=min(scheduled) if scheduled else None,
+            on_request=any(r.scheduled_version is None for r in answered),
         )
+        started = dataclasses.replace(started, reaches_root=self._reaches_root(started.scheduled_version, started.on_request))
+        self._last_started_reaches_root = started.reaches_root
         self._restarted_from = None
         self._last_started_step, self._last_started_version = step, version
         later = [r.step for r in answered[1:]]

@@ -81,7 +81,8 @@ class SnapshotStats:
     committed_at_unix_s: float | None = None
     persist_s: float | None = None
     persist_phases_s: dict[str, float] = field(default_factory=dict)  # where persist_s went, by phase (the writer's)
-    path: str | None = None
+    path: str | None = None  # the last tier's directory (the root's, when it went there)
+    tier_paths: dict[str, str] = field(default_factory=dict)  # each tier it committed in, with its directory
     ledger: dict[str, Any] | None = None
 
 
@@ -115,6 +116,8 @@ class Snapshot:
     hook_host_s: float = 0.0
     deferred: bool = False
     waited_for_slot_s: float = 0.0  # distributed: the hook blocked this long for a free slot before starting
+    on_request: bool = False  # it answers a request() (a restart, a preemption): it goes to every tier
+    reaches_root: bool = True  # it goes to the root (False: a version of the local tier's cadence alone)
 
     @classmethod
     def open(
@@ -151,6 +154,8 @@ class Snapshot:
             layout=layout,
             ledger=ledger,
             deferred=request.deferred,
+            on_request=request.on_request,
+            reaches_root=request.reaches_root,
         )
 
     @property

@@ -122,13 +122,13 @@ class SnapshotStarts:
     def lead_steps(self) -> int:
         """How many steps before its version a scheduled snapshot's window opens: W-1 for replay, else 0.
 
-        At most ``every - 1``: with ``every`` at or below the window, each window would
+        At most ``every - 1`` (with ``local_every``, the shortest gap between scheduled versions, less 1): with ``every`` at or below the window, each window would
         open before the previous one closed; they are cut to ``every`` steps instead.
         """
         if self.p.consistency != SnapshotMode.REPLAY or self.p.windows.replay_blocked:
             return 0
-        every = self.p.schedule.every
-        return min(self.p.windows.widest_window - 1, (every or 1) - 1)
+        # every= and local_every=: their versions come as close as the cadences' gcd (4 and 6: 4, 6, 8).
+        return min(self.p.windows.widest_window - 1, self.p.schedule.shortest_gap - 1)
 
     def _window_now(self) -> int:
         """The window a snapshot starting now would use."""
@@ -150,10 +150,14 @@ class SnapshotStarts:
         return max(1, min(window, version - self.s.step_count + 1))
 
     def holds_version(self, version: int) -> bool:
-        """A snapshot in flight, sent or committed (in this lineage) already holds ``version``: a new one would duplicate it."""
+        """A snapshot in flight, sent or committed (in this lineage) already holds ``version``: a new one would duplicate it.
+
+        When a pending request must reach the root, a snapshot for the local tier alone does not count.
+        """
+        root = self.p.requests.needs_root()
         return (
-            any(s.version == version for s in self.s.snapshots)
-            or version in self.p.dispatcher.sent_versions()
+            any(s.version == version and (s.reaches_root or not root) for s in self.s.snapshots)
+            or version in self.p.dispatcher.sent_versions(reaching_root=root)
             or version in self.p.dispatcher.held_versions
         )
 

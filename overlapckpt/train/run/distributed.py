@@ -124,6 +124,13 @@ def set_up_distributed(
     return DistributedRun(scope=scope, group=group, writer_spec=spec, store=store)
 
 
+def hosts_of(group: Any) -> list[str]:
+    """Each rank's host name, by rank (collective: construction only)."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, socket.gethostname(), group=group)
+    return [str(h) for h in gathered]
+
+
 def plain_holders(model: nn.Module, group: Any) -> dict[str, tuple[int, ...]]:
     """The plain (non-DTensor) model tensors that only some ranks hold, and which (a collective).
 

@@ -64,6 +64,7 @@ class WriterClient:
         group: Any = None,
         signing_key: bytes | None = None,
         writer_threads: int | None = None,
+        local_root: str | None = None,
     ) -> None:
         self.startup_timeout_s = startup_timeout_s
         parent_sock, child_sock = socket.socketpair()
@@ -87,7 +88,7 @@ class WriterClient:
                 # Where the store class's module may live; "" (the cwd) is never searched.
                 sys_path=[entry for entry in sys.path if entry],
                 root=root, storage_options=storage_options, store_class=store_class, group=group, signing_key=signing_key,
-                writer_threads=writer_threads,
+                writer_threads=writer_threads, local_root=local_root,
             )
         )
 

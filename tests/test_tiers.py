@@ -1,0 +1,282 @@
+"""The node-local tier: two cadences from one snapshot, its own retention, and restore from the newest verified tier.
+
+One process, a spawned writer per Checkpointer. Every checkpoint is compared bit for bit
+(``torch.equal``) with an uninterrupted twin's state at its version.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from overlapckpt import Checkpointer, list_checkpoints, load
+from overlapckpt.errors import ConfigError
+from overlapckpt.format.lease import LEASE_NAME, sweep_dead_tiers
+from overlapckpt.format.storage import CheckpointStore
+from overlapckpt.format.tiers import default_local_dir
+
+from helpers import assert_state_equal, make_run, train_step, twin_states
+
+STEPS = 12
+_TWINS: dict[int, dict] = {}
+
+
+class _Twin:
+    """The uninterrupted run's states, computed at the thread count the test trains at (CPU kernels match only there)."""
+
+    def __getitem__(self, step: int) -> tuple:
+        threads = torch.get_num_threads()
+        if threads not in _TWINS:
+            _TWINS[threads] = twin_states(STEPS)
+        return _TWINS[threads][step]
+
+
+TWIN = _Twin()
+
+
+def _train(root: str, local: str, steps: int = STEPS, **kwargs) -> Checkpointer:
+    model, opt, sched, sampler = make_run()
+    ckpt = Checkpointer(model, opt, root, every=kwargs.pop("every", 6), local_every=kwargs.pop("local_every", 2), local_dir=local, **kwargs)
+    for _ in range(steps):
+        train_step(model, opt, sched, sampler)
+        ckpt.step()
+    ckpt.close()
+    return ckpt
+
+
+def _steps(path: str) -> list[int]:
+    return [c.step for c in list_checkpoints(path)]
+
+
+def _flip_one_byte(path: str) -> None:
+    """Flip a byte in the middle of the largest shard of a checkpoint directory."""
+    shards = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".distcp")]
+    target = max(shards, key=os.path.getsize)
+    with open(target, "r+b") as f:
+        f.seek(os.path.getsize(target) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _fresh_load(root: str, local: str | None, **kwargs) -> tuple:
+    model, opt, _, _ = make_run(seed=1)  # other weights: a load that did nothing fails the comparison
+    info = load(root, model, opt, local_dir=local, **kwargs)
+    return info, model, opt
+
+
+def test_each_tier_holds_its_cadence_and_its_retention_bit_exact(tmp_path):
+    root, local = str(tmp_path / "root"), str(tmp_path / "local")
+    ckpt = _train(root, local, local_keep=2, keep=None)
+    # every=6 to the root; local_every=2 (and every root checkpoint) to the local tier, which keeps 2.
+    assert _steps(root) == [6, 12]
+    assert _steps(local) == [10, 12]
+    # One snapshot per version of either cadence: one device-to-host copy serves both tiers at 6 and 12.
+    assert [s["step"] for s in ckpt.stats] == [2, 4, 6, 8, 10, 12]
+    both = [s for s in ckpt.stats if len(s["tier_paths"]) == 2]
+    assert [s["step"] for s in both] == [6, 12]
+    for tier_dir in (root, local):
+        for info in list_checkpoints(tier_dir):
+            model, opt, _, _ = make_run(seed=1)
+            load(info.path, model, opt)
+            assert_state_equal(*TWIN[info.step], model, opt)
+
+
+def test_restore_takes_the_local_tier_when_it_is_newer_and_never_reads_the_root(tmp_path):
+    root, local = str(tmp_path / "root"), str(tmp_path / "local")
+    _train(root, local, steps=10, every=6)
+    assert _steps(root) == [6] and _steps(local)[-1] == 10
+    for info in list_checkpoints(root):  # a read of the root's data would now fail verification
+        _flip_one_byte(info.path)
+    info, model, opt = _fresh_load(root, local)
+    assert info.step == 10 and info.path == os.path.join(local, "step-000000010")
+    assert_state_equal(*TWIN[10], model, opt)
+
+
+def test_a_newer_root_wins_over_the_local_tier(tmp_path, caplog):
+    root, local = str(tmp_path / "root"), str(tmp_path / "local")
+    _train(root, local, steps=12, every=6, local_every=4, local_keep=2)
+    assert _steps(root) == [6, 12] and _steps(local) == [8, 12]
+    CheckpointStore(local).remove_checkpoint("step-000000012")  # the local tier's newest is 8 now, the root's 12
+    with caplog.at_level(logging.INFO, logger="overlapckpt"):
+        info, model, opt = _fresh_load(root, local)
+    assert info.step == 12 and info.path == os.path.join(root, "step-000000012")
+    assert "the root holds version 12, newer than the local tier's 8" in caplog.text
+    assert_state_equal(*TWIN[12], model, opt)
+
+
+def test_a_corrupt_local_checkpoint_is_refused_with_a_warning_and_the_root_is_used(tmp_path):
+    root, local = str(tmp_path / "root"), str(tmp_path / "local")
+    _train(root, local, steps=12, every=6, local_every=4)
+    newest_local = list_checkpoints(local)[-1]
+    _flip_one_byte(newest_local.path)
+    with pytest.warns(UserWarning, match=rf"the local tier's {newest_local.path} was refused \(CorruptCheckpointError"):
+        info, model, opt = _fresh_load(root, local)
+    assert info.step == 12 and info.path.startswith(root)
+    assert_state_equal(*TWIN[12], model, opt)
+
+
+def test_restore_from_the_local_tier_continues_the_run_bit_exact(tmp_path):
+    """Checkpointer.restore() reads the local tier, and training on from it reproduces the twin."""
+    root, local = str(tmp_path / "root"), str(tmp_path / "local")
+    _train(root, local, steps=8, every=6, local_every=2)
+    model, opt, sched, sampler = make_run(seed=1)
+    with Checkpointer(model, opt, root, every=6, local_every=2, local_dir=local) as ckpt:
+        info = ckpt.restore()
+        assert info.step == 8 and info.path.startswith(local)
+        assert ckpt.step_count == 8
+    assert_state_equal(*TWIN[8], model, opt)
+
+
+def test_without_a_local_tier_load_reads_the_root_and_logs_nothing_of_tiers(tmp_path, caplog):
+    root, local = str(tmp_path / "root"), str(tmp_path / "missing-local")
+    _train(root, str(tmp_path / "local"), steps=6, every=6)
+    with caplog.at_level(logging.INFO, logger="overlapckpt"):
+        info, model, opt = _fresh_load(root, local)
+    assert info.step == 6 and info.path.startswith(root)
+    assert f"no local tier at {local}" in caplog.text
+    assert_state_equal(*TWIN[6], model, opt)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"local_every": 0}, "local_every=0 is invalid; pass an integer >= 1"),
+        ({"local_every": 2, "local_keep": 0}, "local_keep=0 is invalid; pass an integer >= 1"),
+        ({"local_every": 2, "local_dir": "s3://bucket/tier"}, "local_dir='s3://bucket/tier' is a URL"),
+        ({"local_dir": "/tmp/x"}, "local_dir='/tmp/x' is set but local_every is None"),
+    ],
+)
+def test_bad_tier_settings_name_the_value_and_the_fix(tmp_path, kwargs, message):
+    model, opt, _, _ = make_run()
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        Checkpointer(model, opt, str(tmp_path / "root"), **kwargs)
+
+
+def test_the_default_local_dir_is_named_after_the_root_and_stable():
+    a = default_local_dir("/data/jobs/llama-70b")
+    assert a == default_local_dir("/data/jobs/llama-70b/")
+    assert os.path.basename(a).startswith("overlapckpt-llama-70b-") and a != default_local_dir("/other/llama-70b")
+    assert os.path.dirname(a) == ("/dev/shm" if os.path.isdir("/dev/shm") else os.path.dirname(a))
+
+
+def test_a_dead_jobs_tier_is_swept_and_live_or_unleased_ones_are_kept(tmp_path):
+    parent = tmp_path / "shm"
+    parent.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=60)  # a pid of this host that no longer exists
+    host = __import__("socket").gethostname()
+
+    def tier(name: str, pid: int | None) -> str:
+        path = parent / name
+        (path / "step-000000002").mkdir(parents=True)
+        if pid is not None:
+            (path / LEASE_NAME).write_text(
+                f'{{"pid": {pid}, "host": "{host}", "run_id": "r{pid}", "since_unix_s": {time.time()}}}'
+            )
+        return str(path)
+
+    dead_tier = tier("overlapckpt-dead-1", dead.pid)
+    live_tier = tier("overlapckpt-live-1", os.getpid())
+    unleased = tier("overlapckpt-closed-1", None)
+    not_ours = tier("something-else", dead.pid)
+    own = tier("overlapckpt-own-1", dead.pid)  # our own directory: taken over by lease, never swept
+    assert sweep_dead_tiers(own) == [dead_tier]
+    assert not os.path.exists(dead_tier)
+    for kept in (live_tier, unleased, not_ours, own):
+        assert os.path.isdir(kept), kept
+
+
+def test_a_checkpoint_without_a_local_tier_goes_to_the_root_only(tmp_path):
+    root = str(tmp_path / "root")
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, root, every=3) as ckpt:
+        for _ in range(6):
+            train_step(model, opt, sched, sampler)
+            ckpt.step()
+        assert ckpt.local_dir is None
+    assert _steps(root) == [3, 6]
+    assert [list(s["tier_paths"]) for s in ckpt.stats] == [["root"], ["root"]]
+    assert torch.equal(torch.tensor(_steps(root)), torch.tensor([3, 6]))
+
+
+def test_the_cli_lists_both_tiers_and_verifies_either(tmp_path, capsys):
+    from overlapckpt.cli import main
+
+    root, local = str(tmp_path / "root"), str(tmp_path / "local")
+    _train(root, local, steps=8, every=6, local_every=4)
+    assert main(["ls", root, "--local-dir", local]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split()[:2] == ["tier", "step"]
+    assert [line.split()[:2] for line in lines[1:]] == [["root", "6"], ["local", "6"], ["local", "8"]]
+    assert main(["ls", root, "--tier", "local", "--local-dir", local, "--json"]) == 0
+    import json
+
+    assert [(e["tier"], e["step"]) for e in json.loads(capsys.readouterr().out)] == [("local", 6), ("local", 8)]
+    assert main(["verify", root, "--tier", "local", "--local-dir", local]) == 0
+    assert capsys.readouterr().out.startswith(f"ok      {os.path.join(local, 'step-000000008')}")
+    _flip_one_byte(os.path.join(local, "step-000000008"))
+    assert main(["verify", root, "--tier", "local", "--local-dir", local]) == 1
+    assert capsys.readouterr().out.startswith(f"CORRUPT {os.path.join(local, 'step-000000008')}")
+    assert main(["verify", root]) == 0  # the root is untouched
+    capsys.readouterr()
+    assert main(["ls", root, "--tier", "local", "--local-dir", str(tmp_path / "nowhere")]) == 2
+    assert f"no local tier at {tmp_path / 'nowhere'}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_a_writer_killed_between_the_tiers_is_replaced_and_each_tier_holds_the_checkpoint_once(tmp_path, monkeypatch, window):
+    """SIGKILL as the root's write starts, after the local tier committed: the replacement writer finds the local
+    checkpoint this run's own (a success, not CheckpointExistsError), writes the root, and both are bit-exact.
+    With replay, the slot was rolled forward before the death: it is not replayed twice."""
+    from fakes import BLOCK_ONCE_MARKER_ENV, DiesInRootWriteStore
+
+    monkeypatch.setenv(BLOCK_ONCE_MARKER_ENV, str(tmp_path / "died-once"))
+    root, local = str(tmp_path / "root"), str(tmp_path / "local")
+    model, opt, sched, sampler = make_run()
+    with pytest.warns(UserWarning, match=r"the writer process died .* a new one was started"):
+        with Checkpointer(
+            model, opt, root, window=window, local_every=100, local_dir=local, store_class=DiesInRootWriteStore
+        ) as ckpt:
+            for it in range(1, 7):
+                train_step(model, opt, sched, sampler)
+                if it == 2:
+                    ckpt.request()
+                ckpt.step()
+            ckpt.wait(timeout_s=120)
+            assert ckpt.writer_restarts == 1
+    assert (tmp_path / "died-once").exists()  # the precondition: it died there
+    version = 2 + window - 1
+    assert _steps(root) == [version] and _steps(local) == [version]
+    for tier_dir in (root, local):
+        fresh, fresh_opt, _, _ = make_run(seed=5)
+        load(tier_dir, fresh, fresh_opt)
+        assert_state_equal(*TWIN[version], fresh, fresh_opt)
+
+
+def test_a_request_for_a_version_only_the_local_tier_holds_reaches_the_root(tmp_path):
+    """The end of training asks for version 4, which local_every=2 already put in the local tier alone."""
+    root, local = str(tmp_path / "root"), str(tmp_path / "local")
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, root, local_every=2, local_dir=local) as ckpt:
+        for _ in range(4):
+            train_step(model, opt, sched, sampler)
+            ckpt.step()
+        ckpt.wait(timeout_s=120)
+        assert _steps(root) == [] and _steps(local) == [2, 4]
+        ckpt.request()
+        ckpt.step()
+        ckpt.wait(timeout_s=120)
+        assert [s["tier_paths"] for s in ckpt.stats][-1] == {
+            "local": os.path.join(local, "step-000000004"), "root": os.path.join(root, "step-000000004"),
+        }
+    assert _steps(root) == [4] and _steps(local) == [2, 4]
+    fresh, fresh_opt, _, _ = make_run(seed=5)
+    load(root, fresh, fresh_opt)
+    assert_state_equal(*TWIN[4], fresh, fresh_opt)
