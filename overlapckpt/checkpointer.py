@@ -394,12 +394,11 @@ class Checkpointer:
         return None if local is None else local.root
 
     def _continue_after_load(self, info: CheckpointInfo) -> None:
-        """Continue from a loaded checkpoint: its lineage when it is the root's (or the local tier's copy of one), else its count."""
+        """Continue from a loaded checkpoint: its lineage when it is the root's or the local tier's, else its count only."""
         name = os.path.basename(info.path.rstrip("/"))
-        in_root = self._store.checkpoint_url(name) == info.path
         local = self._built.local_store
-        in_local_and_root = local is not None and local.checkpoint_url(name) == info.path and self._store.is_committed(name)
-        self.continued_from(info if in_root or in_local_and_root else info.step)
+        ours = self._store.checkpoint_url(name) == info.path or (local is not None and local.checkpoint_url(name) == info.path)
+        self.continued_from(info if ours else info.step)
 
     @property
     def process_group(self) -> Any:
@@ -432,6 +431,11 @@ class Checkpointer:
         self._check_open()
         if isinstance(info, int):
             self._engine.continue_from(info)
+            return
+        name = os.path.basename(info.path.rstrip("/"))
+        local = self._built.local_store
+        if local is not None and local.checkpoint_url(name) == info.path and not self._store.is_committed(name):
+            self._engine.continue_from(info.step)  # a local-tier checkpoint the root does not hold: no root lineage to join
             return
         self._engine.continue_from(info.step)
         committed = self._store.committed_names()

@@ -167,6 +167,30 @@ def test_resume_from_checkpoint_reproduces_the_losses_and_the_final_model(tmp_pa
     assert [i.step for i in list_checkpoints(str(tmp_path / "next"))] == [6, 8]
 
 
+def test_local_save_steps_and_resume_from_the_newest_checkpoint_of_either_tier(tmp_path, twin):
+    """save_steps=4 to the root, local_save_steps=2 to a local tier; stopped at 6 without a final save, so the local
+    tier's step 6 is the newest: newest_checkpoint() names it, and the Trainer's own resume from it equals the twin."""
+    root, local = tmp_path / "ckpts", tmp_path / "local"
+
+    def callback():
+        return OverlapCallback(root, save_steps=4, local_save_steps=2, local_dir=str(local), max_inflight=4, save_on_train_end=False)
+
+    first = callback()
+    _trainer(tmp_path, [first, StopAt(6)]).train()
+    assert [i.step for i in list_checkpoints(str(root))] == [4]
+    assert [i.step for i in list_checkpoints(str(local))] == [4, 6]
+    newest = first.newest_checkpoint()
+    assert newest == str(local / "checkpoint-6")
+    hf_model = safetensors_torch.load_file(f"{newest}/model.safetensors")  # the Trainer's files, in the local tier too
+    _assert_equal(hf_model, torch.load(f"{newest}/optimizer.pt", weights_only=True), twin.states[6])
+
+    rec = Record()
+    trainer = _trainer(tmp_path / "again", [callback(), rec])
+    trainer.train(resume_from_checkpoint=newest)
+    assert sorted(rec.states) == [7, 8]
+    _assert_equal(rec.states[8][0], rec.states[8][1], twin.states[8])
+
+
 def test_refusals(tmp_path):
     with pytest.raises(ConfigError, match="sets 'export_formats' itself"):
         OverlapCallback(tmp_path, export_formats=())

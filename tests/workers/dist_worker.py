@@ -27,7 +27,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers, fakes
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
-from overlapckpt import Checkpointer, list_checkpoints, load  # noqa: E402
+from overlapckpt import Checkpointer, ConfigError, list_checkpoints, load  # noqa: E402
 
 from helpers import StatefulSampler, TinyNet, exited_within, read_fifo_line  # noqa: E402
 
@@ -543,6 +543,20 @@ def local_tier(kind: str, out: str) -> dict[str, Any]:
     rank = dist.get_rank()
     steps = STEPS + 3
     path, local = os.path.join(out, "tiered"), os.path.join(out, "tiered-local")
+    # Rank 1 on "another node" (its host name told apart): the local tier is refused on every rank, naming both hosts.
+    import socket
+
+    real_hostname = socket.gethostname
+    if rank == 1:
+        socket.gethostname = lambda: "another-node"  # type: ignore[assignment]
+    refused = None
+    try:
+        model, opt = build(kind)
+        Checkpointer(model, opt, os.path.join(out, "two-hosts"), local_every=2, local_dir=os.path.join(out, "two-hosts-local")).close()
+    except ConfigError as e:
+        refused = str(e)
+    finally:
+        socket.gethostname = real_hostname  # type: ignore[assignment]
     twin_losses: dict[int, float] = {}
     model, opt = build(kind)
     sampler = Sampler(rank)
@@ -571,6 +585,8 @@ def local_tier(kind: str, out: str) -> dict[str, Any]:
         step_count = ckpt.step_count
     train(model, opt, sampler, steps + 3, losses=resumed, start=info.step + 1)
     return {
+        "two_hosts_refused": refused,
+        "two_hosts_local_dir_made": os.path.exists(os.path.join(out, "two-hosts-local")),
         "root_versions": root_versions,
         "local_versions": local_versions,
         "restored_version": info.step,
