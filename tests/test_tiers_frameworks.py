@@ -32,9 +32,9 @@ def _flip_root_shards(root: str) -> None:
 
 def test_lightning_local_every_n_train_steps_and_resume_from_the_newer_local_tier(tmp_path):
     pl = pytest.importorskip("pytorch_lightning")
-    from lightning_support import STEPS_PER_EPOCH, RecordStates, TinyModule, tiny_loader
-
     from overlapckpt.lightning import OverlapCheckpoint
+
+    from lightning_support import STEPS_PER_EPOCH, RecordStates, TinyModule, tiny_loader
 
     def fit(callbacks, max_epochs, ckpt_path=None):
         pl.seed_everything(7, verbose=False)
