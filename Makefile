@@ -57,13 +57,15 @@ soak: install
 	$(PY) tests/workers/soak.py --trials $(SOAK_TRIALS) --jobs 2
 
 # Every figure the README quotes, each with min / median / p90 / max over at least 7 repeats
-# (benchmarks/stats.py): the stall, time to durable against the peers, loads, hooks' host time.
+# (benchmarks/stats.py): the stall, time to durable against the peers, loads, hooks' host time,
+# restores by tier (benchmarks/tiers.py; --drop-caches, as root, for a cold page cache).
 bench: install
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	$(PY) benchmarks/harness.py --size tiny --out benchmarks/results/cpu
 	$(PY) benchmarks/durable.py --out benchmarks/results/durable
 	$(PY) benchmarks/load.py --out benchmarks/results/load
 	$(PY) benchmarks/hook_scaling.py --tensors 300,3000,30000 --cycles 7 --out benchmarks/results/hook-scaling
+	$(PY) benchmarks/tiers.py --out benchmarks/results/tiers-warm
 
 # 2 CPU ranks (gloo), DDP then FSDP2: overlapckpt against dcp.async_save, about 6 minutes on 2 cores.
 bench-dist: install
