@@ -34,7 +34,6 @@ Writes ``durable.json``, ``durable.md`` and ``scale.svg`` under ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -45,7 +44,7 @@ from typing import Any
 import torch
 from harness import init_single_rank_group
 from load import build_model
-from measure import machine_description
+from measure import machine_description, write_results
 from stats import MIN_REPEATS, spread, spread_text
 from torch import nn
 
@@ -573,12 +572,8 @@ def main() -> None:
     finally:
         for base in storages.values():
             shutil.rmtree(base, ignore_errors=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "durable.json"), "w") as f:
-        json.dump(result, f, indent=1)
     report = _report(result)
-    with open(os.path.join(args.out, "durable.md"), "w") as f:
-        f.write(report)
+    write_results(args.out, "durable", result, report)
     if result["scale"]:
         gib = [row["state_bytes"] / 2**30 for row in result["scale"]]
         times = _svg_plot(
@@ -595,7 +590,6 @@ def main() -> None:
             f.write(times)
         with open(os.path.join(args.out, "scale-rss.svg"), "w") as f:
             f.write(rss)
-    print(report)  # noqa: T201 - a benchmark's report
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import resource
 import shutil
@@ -34,8 +33,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from measure import machine_description
-from stats import MIN_REPEATS, spread, spread_text
+from measure import run_header, write_results
+from stats import parse_repeated, spread, spread_text
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -150,9 +149,7 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where the checkpoint is written (default: the system's temporary directory)")
     parser.add_argument("--torch-threads", type=int, default=1, help="torch's intra-op threads, as the trainer sets them")
     parser.add_argument("--out", default="benchmarks/results/load")
-    args = parser.parse_args()
-    if args.repeats < MIN_REPEATS:
-        parser.error(f"--repeats {args.repeats} is below {MIN_REPEATS}: a spread needs at least {MIN_REPEATS} repeats")
+    args = parse_repeated(parser)
     torch.set_num_threads(args.torch_threads)
     base = tempfile.mkdtemp(dir=args.dir, prefix="load-")
     try:
@@ -164,19 +161,12 @@ def main() -> None:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     result = {
-        "machine": machine_description(torch.device("cpu")),
-        "command": "python " + " ".join(sys.argv),
+        **run_header(),
         "state_mib": state_mib,
         "torch_threads": args.torch_threads,
         "loads": loads,
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "load.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    text = report(result)
-    with open(os.path.join(args.out, "load.md"), "w") as f:
-        f.write(text)
-    print(text)  # noqa: T201 - a benchmark's report
+    write_results(args.out, "load", result, report(result))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import glob
+import json
 import os
 import platform
 import time
@@ -180,3 +181,20 @@ def _git_commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
+
+
+def run_header() -> dict[str, Any]:
+    """What every result starts with: the machine (CPU) and the command that ran."""
+    import sys
+
+    return {"machine": machine_description(torch.device("cpu")), "command": "python " + " ".join(sys.argv)}
+
+
+def write_results(out: str, stem: str, result: dict[str, Any], report_text: str) -> None:
+    """``<out>/<stem>.json`` (every figure) and ``<out>/<stem>.md`` (the report, printed too)."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
+        f.write(report_text)
+    print(report_text)  # noqa: T201 - a benchmark's report

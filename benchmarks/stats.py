@@ -44,3 +44,11 @@ def spread_text(values: list[float], unit: str = "s", scale: float = 1.0, digits
         f"{s['median']:.{digits}f}{unit} ({s['min']:.{digits}f} / {s['p90']:.{digits}f} / {s['max']:.{digits}f}, "
         f"n={s['n']}, {holds})"
     )
+
+
+def parse_repeated(parser: Any) -> Any:
+    """``parser``'s arguments, refused when ``--repeats`` is below ``MIN_REPEATS`` (a spread needs that many)."""
+    args = parser.parse_args()
+    if args.repeats < MIN_REPEATS:
+        parser.error(f"--repeats {args.repeats} is below {MIN_REPEATS}: a spread needs at least {MIN_REPEATS} repeats")
+    return args

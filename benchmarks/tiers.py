@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import statistics
@@ -43,8 +42,8 @@ from typing import Any
 
 import torch
 from load import build_model
-from measure import machine_description
-from stats import MIN_REPEATS, spread, spread_text
+from measure import run_header, write_results
+from stats import MIN_REPEATS, parse_repeated, spread, spread_text
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -227,9 +226,7 @@ def main() -> None:
     parser.add_argument("--drop-caches", action="store_true", help="drop the page cache before each load (needs root)")
     parser.add_argument("--torch-threads", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/tiers")
-    args = parser.parse_args()
-    if args.repeats < MIN_REPEATS:
-        parser.error(f"--repeats {args.repeats} is below {MIN_REPEATS}: a spread needs at least {MIN_REPEATS} repeats")
+    args = parse_repeated(parser)
     torch.set_num_threads(args.torch_threads)
     base = tempfile.mkdtemp(dir=args.root_dir, prefix="tiers-")
     local = tempfile.mkdtemp(dir=args.local_dir, prefix="overlapckpt-bench-")
@@ -248,8 +245,7 @@ def main() -> None:
     model, _ = build_model(args.train_mib)
     train_mib = sum(p.numel() * p.element_size() * 3 for p in model.parameters()) / MIB
     result = {
-        "machine": machine_description(torch.device("cpu")),
-        "command": "python " + " ".join(sys.argv),
+        **run_header(),
         "state_mib": state_mib,
         "train_mib": train_mib,
         "steps": args.steps,
@@ -260,13 +256,7 @@ def main() -> None:
         "step_s": step_s,
         "checkpoints_committed": commits,
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "tiers.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    text = report(result)
-    with open(os.path.join(args.out, "tiers.md"), "w") as f:
-        f.write(text)
-    print(text)  # noqa: T201 - a benchmark's report
+    write_results(args.out, "tiers", result, report(result))
 
 
 if __name__ == "__main__":

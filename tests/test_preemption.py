@@ -112,3 +112,22 @@ def test_with_a_local_tier_the_preemption_checkpoint_commits_there_first_then_in
         fresh, fresh_opt, _, _ = make_run(seed=3)
         load(source, fresh, fresh_opt)
         assert_state_equal(*twin[5], fresh, fresh_opt)
+
+
+def test_a_preemption_step_the_local_tier_alone_covers_is_checkpointed_to_the_root_too(tmp_path):
+    """local_every=5 at window 1: the signal's step 5 is a local-tier-only version. The root must get it as well."""
+    twin = _twin_on_one_thread(8)
+    root, local = tmp_path / "root", tmp_path / "local"
+    child = subprocess.Popen(
+        [sys.executable, SCRIPT, str(root), "inside-hook", str(local), "local-only-at-5"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert child.wait(timeout=120) == -signal.SIGTERM
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert [i.step for i in list_checkpoints(str(local))] == [5]
+    assert [i.step for i in list_checkpoints(str(root))] == [5]
+    fresh, fresh_opt, _, _ = make_run(seed=3)
+    load(str(root), fresh, fresh_opt)
+    assert_state_equal(*twin[5], fresh, fresh_opt)

@@ -134,9 +134,12 @@ class BlockingCalls:
         return self.p.dispatcher.take_committed()
 
     def covers_current_step(self) -> bool:
-        """Whether a snapshot holds the current step, or will once an open replay window closes now."""
-        open_replay = any(s.mode == SnapshotMode.REPLAY and s.version is None for s in self.s.snapshots)
-        return open_replay or self.p.starts.holds_version(self.s.step_count)
+        """Whether a snapshot that goes to the root holds the current step, or will once an open replay window closes now.
+
+        A preemption's checkpoint must reach the root too: one for the local tier alone does not cover it.
+        """
+        open_replay = any(s.mode == SnapshotMode.REPLAY and s.version is None and s.reaches_root for s in self.s.snapshots)
+        return open_replay or self.p.starts.holds_version(self.s.step_count, reaching_root=True)
 
     def unfinished_versions(self) -> list[int | None]:
         return [s.version for s in self.s.snapshots] + self.p.dispatcher.sent_versions()

@@ -149,12 +149,13 @@ class SnapshotStarts:
             return window
         return max(1, min(window, version - self.s.step_count + 1))
 
-    def holds_version(self, version: int) -> bool:
+    def holds_version(self, version: int, reaching_root: bool | None = None) -> bool:
         """A snapshot in flight, sent or committed (in this lineage) already holds ``version``: a new one would duplicate it.
 
-        When a pending request must reach the root, a snapshot for the local tier alone does not count.
+        When it must reach the root (``reaching_root``; None: when a pending request must),
+        a snapshot for the local tier alone does not count.
         """
-        root = self.p.requests.needs_root()
+        root = self.p.requests.needs_root() if reaching_root is None else reaching_root
         return (
             any(s.version == version and (s.reaches_root or not root) for s in self.s.snapshots)
             or version in self.p.dispatcher.sent_versions(reaching_root=root)
