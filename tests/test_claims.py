@@ -146,3 +146,22 @@ def test_a_broken_collective_waits_for_a_replacement_only_if_one_may_come(replac
         assert group.regroups_after(OSError(5, "Input/output error")) is False  # storage: never a regroup
     finally:
         group.close()
+
+
+def test_ranks_that_would_write_different_tiers_disagree_by_name():
+    """A local tier adds the tiers to the claim: ranks that would write different tiers (and so enter different
+    collectives) get RankDisagreementError naming each rank's tiers, instead of a collective that never matches."""
+    store = dist.HashStore()
+    other = ClaimBoard(sealed(store), rank=1, world_size=2, agreement_timeout_s=5)
+    other._post(0, {**CLAIM, "tiers": "local"})
+    board = ClaimBoard(sealed(store), rank=0, world_size=2, agreement_timeout_s=5)
+    with pytest.raises(RankDisagreementError, match=r"rank 0 requested it after step 3 \(version 3, to local,root\), rank 1 requested it after step 3 \(version 3, to local\)"):
+        board.agree({**CLAIM, "tiers": "local,root"})
+
+
+def test_a_claim_with_tiers_of_the_wrong_type_is_malformed():
+    store = dist.HashStore()
+    sealed(store).set("claim/0/1", '{"name": "step-000000003", "requested": 3, "version": 3, "tiers": 7}')
+    board = ClaimBoard(sealed(store), rank=0, world_size=2, agreement_timeout_s=5)
+    with pytest.raises(RankDisagreementError, match=r"rank 1's claim is malformed"):
+        board.agree({**CLAIM, "tiers": "local,root"})

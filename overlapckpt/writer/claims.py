@@ -35,6 +35,9 @@ log = logging.getLogger("overlapckpt")
 _CLAIM_KEY = "claim/{sequence}/{rank}"
 _POSTED_KEY = "posted/{sequence}"
 _CLAIM_FIELDS = {"name": str, "version": int, "requested": int}
+# With a local tier: the tiers it goes to ("local,root"), so ranks that would write different tiers disagree here
+# instead of entering different collectives.
+_OPTIONAL_CLAIM_FIELDS = {"tiers": str}
 _MAX_SHOWN_BYTES = 120
 # While waiting for the other ranks' claims, look this often whether a writer was replaced.
 _MOVED_POLL_S = 0.25
@@ -64,8 +67,9 @@ def parse_claim(text: str) -> dict[str, Any]:
         return {"malformed": text[:_MAX_SHOWN_BYTES]}
     if claim == {"requested": None}:
         return claim  # a refusal: that rank requested no checkpoint in time
-    if not isinstance(claim, dict) or set(claim) != set(_CLAIM_FIELDS) or any(
-        not isinstance(claim[k], t) or isinstance(claim[k], bool) for k, t in _CLAIM_FIELDS.items()
+    fields = {**_CLAIM_FIELDS, **_OPTIONAL_CLAIM_FIELDS}
+    if not isinstance(claim, dict) or not set(_CLAIM_FIELDS) <= set(claim) <= set(fields) or any(
+        not isinstance(claim[k], fields[k]) or isinstance(claim[k], bool) for k in claim
     ):
         return {"malformed": json.dumps(claim)[:_MAX_SHOWN_BYTES]}
     return claim
@@ -84,7 +88,8 @@ def describe(claims: dict[int, dict[str, Any]]) -> str:
         elif c.get("requested") is None:
             parts.append(f"rank {rank} requested none")
         else:
-            parts.append(f"rank {rank} requested it after step {c['requested']} (version {c['version']})")
+            tiers = f", to {c['tiers']}" if "tiers" in c else ""
+            parts.append(f"rank {rank} requested it after step {c['requested']} (version {c['version']}{tiers})")
     return ", ".join(parts)
 
 

@@ -84,7 +84,10 @@ def persist_snapshot(
         raise InternalError(f"checkpoint {req.name} is for tiers {req.tiers}, but this writer has stores for {sorted(stores)}")
     if group is not None:
         # Before any work: a rank that disagrees must not leave the others in a collective.
-        sequence = group.agree({"name": req.name, "version": req.step, "requested": req.requested_step})
+        claim = {"name": req.name, "version": req.step, "requested": req.requested_step}
+        if req.tiers != (ROOT_TIER,):  # ranks that would write different tiers would enter different collectives
+            claim["tiers"] = ",".join(req.tiers)
+        sequence = group.agree(claim)
         # The manifest and the coverage check need every rank's tensors: pipeline stages hold different ones.
         global_shapes = group.union_of_shapes(global_shapes)
     if group is None and all(stores[tier].is_committed(req.name) for tier in req.tiers):
