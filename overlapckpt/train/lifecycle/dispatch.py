@@ -23,7 +23,6 @@ from ...errors import InternalError, OverlapCkptError, WriterDiedError, WritersR
 from ...format.key_layout import GET_STATE_DICT
 from ...format.manifest import CheckpointInfo
 from ...format.tiers import ROOT_TIER
-from ...settings import TierSettings
 from ..consistency.boundary import resolve_boundary, resolve_values
 from ..copying.replay_tables import replay_tables
 from ..copying.slots import SlotPool
@@ -66,11 +65,9 @@ class PersistDispatcher:
         export_formats: tuple[str, ...] = (),
         key_layout: str = GET_STATE_DICT,
         optimizer: str | None = None,
-        tier: TierSettings | None = None,
-        every: int | None = None,
+        local_keep: int | None = None,
     ) -> None:
-        self.tier = tier if tier is not None else TierSettings()
-        self.every = every  # which scheduled versions go to the root besides the local tier
+        self.local_keep = local_keep  # the local tier's retention
         self.optimizer = optimizer  # the optimizer class(es) by full name, for the manifest
         self.lineage = lineage
         self.export_formats = export_formats
@@ -137,8 +134,8 @@ class PersistDispatcher:
             export_formats=self.export_formats,
             key_layout=self.key_layout,
             optimizer=self.optimizer,
-            tiers=self.tier.tiers_for(self.every, snap.ledger.scheduled_version, snap.on_request),
-            local_keep=self.tier.local_keep,
+            tiers=snap.tiers,
+            local_keep=self.local_keep,
         )
         self._sent[snap.request_id] = _Sent(snap, stats, request)
         self.link.writer.send(request)

@@ -37,7 +37,6 @@ from torch import nn
 
 from ...errors import WriterDiedError
 from ...format.manifest import CheckpointInfo
-from ...format.tiers import ROOT_TIER
 from ...optimizers import update_rule_name
 from ...settings import CheckpointerSettings
 from ..consistency.autowindow import FWD_BWD_END, FWD_BWD_START, OPT_END, OPT_START, PhaseTimer
@@ -124,7 +123,7 @@ class SnapshotEngine:
                 link, slots, cadence.keep, lineage, on_commit, unsolicited_errors=distributed,
                 export_formats=tuple(settings.writer.export_formats),
                 key_layout=key_layout, optimizer=update_rule_name(optimizer),
-                tier=settings.tier, every=cadence.every,
+                local_keep=settings.tier.local_keep,
             ),
             link=link,
             plans=PlanCache(model, optimizer, link, scope, key_layout),
@@ -132,7 +131,7 @@ class SnapshotEngine:
             staging=staging,
             windows=windows,
             gradients=gradients,
-            requests=RequestQueue(lambda version, on_request: ROOT_TIER in settings.tier.tiers_for(cadence.every, version, on_request)),
+            requests=RequestQueue(lambda version, on_request: settings.tier.tiers_for(cadence.every, version, on_request)),
             schedule=CheckpointSchedule(cadence.every, settings.tier.local_every),
             step_point=step_point,
             replay_guard=ReplayMutationGuard(step_point),

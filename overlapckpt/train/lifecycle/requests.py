@@ -20,11 +20,12 @@ checkpoint then holds a later version than was asked for.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from ...format.tiers import ROOT_TIER
 
 log = logging.getLogger("overlapckpt.requests")
 
@@ -37,8 +38,11 @@ class StartingRequest:
     deferred: bool  # it waited for a free slot
     restarted_from: int | None  # the started step of a snapshot this one replaces
     scheduled_version: int | None = None  # every=N: the version it must hold (None: request())
-    on_request: bool = False  # it answers a request() too (not only scheduled versions)
-    reaches_root: bool = True  # it goes to the root (with a local tier, some versions go to that tier alone)
+    tiers: tuple[str, ...] = (ROOT_TIER,)  # where it goes (TierSettings.tiers_for): some versions go to the local tier alone
+
+    @property
+    def reaches_root(self) -> bool:
+        return ROOT_TIER in self.tiers
 
 
 @dataclass(frozen=True)
@@ -88,13 +92,13 @@ class CheckpointSchedule:
 class RequestQueue:
     """Pending requests, deferral accounting and the started step of the last snapshot.
 
-    ``reaches_root(scheduled_version, on_request)`` says whether a snapshot answering such
-    requests goes to the root (``TierSettings.tiers_for``): a snapshot for the local tier
-    alone answers no ``request()``, which must reach the root.
+    ``tiers_of(scheduled_version, on_request)`` says which tiers a snapshot answering such
+    requests goes to (``TierSettings.tiers_for``): a snapshot for the local tier alone
+    answers no ``request()``, which must reach the root.
     """
 
-    def __init__(self, reaches_root: Callable[[int | None, bool], bool] | None = None) -> None:
-        self._reaches_root = reaches_root if reaches_root is not None else (lambda version, on_request: True)
+    def __init__(self, tiers_of: Callable[[int | None, bool], tuple[str, ...]] | None = None) -> None:
+        self._tiers_of = tiers_of if tiers_of is not None else (lambda version, on_request: (ROOT_TIER,))
         self._last_started_reaches_root = True
         self._pending: list[PendingRequest] = []
         self._waiting_for_slot = False
@@ -132,7 +136,7 @@ class RequestQueue:
 
     def needs_root(self) -> bool:
         """Whether a pending request must reach the root (a ``request()``, or a version of ``every=``)."""
-        return any(self._reaches_root(r.scheduled_version, r.scheduled_version is None) for r in self._pending)
+        return any(ROOT_TIER in self._tiers_of(r.scheduled_version, r.scheduled_version is None) for r in self._pending)
 
     def answered_at(self, step: int) -> bool:
         """A snapshot started at this very step is under way: it answers what is pending too (all but later schedules)."""
@@ -171,12 +175,12 @@ class RequestQueue:
         deferred, self._waiting_for_slot = self._waiting_for_slot, False
         first = answered[0]
         scheduled = [r.scheduled_version for r in answered if r.scheduled_version is not None]
+        scheduled_version = min(scheduled) if scheduled else None
+        on_request = any(r.scheduled_version is None for r in answered)
         started = StartingRequest(
             requested_step=first.step, deferred=deferred, restarted_from=self._restarted_from,
-            scheduled_version=min(scheduled) if scheduled else None,
-            on_request=any(r.scheduled_version is None for r in answered),
+            scheduled_version=scheduled_version, tiers=self._tiers_of(scheduled_version, on_request),
         )
-        started = dataclasses.replace(started, reaches_root=self._reaches_root(started.scheduled_version, started.on_request))
         self._last_started_reaches_root = started.reaches_root
         self._restarted_from = None
         self._last_started_step, self._last_started_version = step, version

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ...format.tiers import ROOT_TIER
 from ..copying.layout import StateLayout
 from ..copying.plan import CopyPlan
 from ..copying.slots import HostSlot
@@ -116,8 +117,7 @@ class Snapshot:
     hook_host_s: float = 0.0
     deferred: bool = False
     waited_for_slot_s: float = 0.0  # distributed: the hook blocked this long for a free slot before starting
-    on_request: bool = False  # it answers a request() (a restart, a preemption): it goes to every tier
-    reaches_root: bool = True  # it goes to the root (False: a version of the local tier's cadence alone)
+    tiers: tuple[str, ...] = (ROOT_TIER,)  # where the writer persists it, in order (the local tier first)
 
     @classmethod
     def open(
@@ -154,9 +154,13 @@ class Snapshot:
             layout=layout,
             ledger=ledger,
             deferred=request.deferred,
-            on_request=request.on_request,
-            reaches_root=request.reaches_root,
+            tiers=request.tiers,
         )
+
+    @property
+    def reaches_root(self) -> bool:
+        """Whether it goes to the root (not a version of the local tier's cadence alone)."""
+        return ROOT_TIER in self.tiers
 
     @property
     def requested_step(self) -> int:
