@@ -197,9 +197,8 @@ class _TierWrite:
         purge_later: Retired,
         started: float,
     ) -> p.CommittedResponse:
+        # The caller asked _held_already first: a checkpoint committed here is this run's (answered) or refused.
         store, group, req, phases = self.store, self.group, self.req, self.phases
-        if store.is_committed(req.name):
-            raise already_committed(store, req.name)
         attempt = _begin_attempt(store, group, req)
         exports: dict[str, ExportRecord] = {}
         wrote_manifest: list[bool] = []
