@@ -235,9 +235,7 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
         if name is None:
             return self._initial_load()
         directory = _join(self.folder, name)
-        excluded = set(self.config.exclude_from_loading)
-        stateful = {k: v for k, v in self._stateful.items() if k not in excluded}
-        optimizer = None if OPTIMIZER in excluded else self._optimizers
+        stateful, optimizer = self._load_targets()
         ours = _is_ours(self.ckpt._store, name)
         if not ours:
             self._check_stock_allowed(name, directory)
@@ -256,6 +254,12 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
         log.info("restored %s, written by TorchTitan's own manager (no manifest: not verified)", directory)
         return True
 
+    def _load_targets(self) -> tuple[dict[str, Any], Any]:
+        """The stateful objects and the optimizers a resume loads into, less ``exclude_from_loading``."""
+        excluded = set(self.config.exclude_from_loading)
+        stateful = {k: v for k, v in self._stateful.items() if k not in excluded}
+        return stateful, None if OPTIMIZER in excluded else self._optimizers
+
     def _local_tier_holds_any(self) -> bool:
         local_dir = self.ckpt.local_dir
         return local_dir is not None and os.path.isdir(local_dir) and bool(CheckpointStore(local_dir).committed_names())
@@ -264,9 +268,7 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
         """Resume from the newest verified of this node's local tier and the folder (``restore/tiers.py``)."""
         from ..restore.pipeline import load
 
-        excluded = set(self.config.exclude_from_loading)
-        stateful = {k: v for k, v in self._stateful.items() if k not in excluded}
-        optimizer = None if OPTIMIZER in excluded else self._optimizers
+        stateful, optimizer = self._load_targets()
         with self.ckpt.steps_not_counted():
             info = load(
                 self.folder, self._model, optimizer, stateful, storage_options=dict(self.config.storage_options),
