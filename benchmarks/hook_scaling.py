@@ -1,7 +1,14 @@
 """Host time of overlapckpt's hooks per training step, against the number of state tensors.
 
     .venv/bin/python benchmarks/hook_scaling.py [--tensors 300,3000,30000,100000]
-        [--modes w1,replay,stage] [--cycles 7] [--every 8] [--out benchmarks/results/hook-scaling]
+        [--modes w1,replay,stage] [--schedules held,async] [--cycles 7] [--every 8]
+        [--out benchmarks/results/hook-scaling] [--resume]
+
+Each configuration's row is appended to ``OUT/rows.jsonl`` as it is measured. With
+``--resume``, a run that finds a row of the same configuration (tensors, mode, schedule,
+cycles, every) there keeps it and goes on with the next: an interrupted run resumes where
+it stopped, and the table written to OUT holds every row in OUT and names every command
+that measured them. Without it, OUT's rows are measured anew.
 
 The workload is the one a Mixture-of-Experts rank meets: many small tensors. N/8 layers
 ``nn.Linear(4, 4)`` under AdamW (foreach): each layer holds 8 state tensors (weight, bias,
@@ -10,9 +17,17 @@ and per parameter exp_avg, exp_avg_sq and step). Gradients are set once; the loo
 model's forward.
 
 Each configuration runs in a fresh process (a fresh Checkpointer, as a user's job meets
-it) on the emulated CUDA device, whose side stream is a worker thread, so the copies run
-beside the hooks as they would on a GPU, with tensors placed as CUDA places them
-(``torch_cuda_placement``: AdamW's step counters in host memory, the rest on the device). A cycle is
+it) on the emulated CUDA device, with tensors placed as CUDA places them
+(``torch_cuda_placement``: AdamW's step counters in host memory, the rest on the device),
+under each of two schedules of its side stream (``--schedules``):
+
+* ``held``, the hooks' host time apart from the copies' time: a side-stream copy runs only
+  when something waits for it (a fence inside a hook, or the untimed wait between cycles),
+  so, as a GPU's copy engine, it takes no host CPU from the hooks. The goal is checked here.
+* ``async``: the copies run at once on the stream's worker thread, beside the hooks, and
+  compete with them for this machine's cores and the GIL, which a GPU's copies do not.
+
+A cycle is
 ``--every`` steps ending at a scheduled checkpoint (``every=``, so a window opens its W-1
 steps early, as in a real run); between cycles the loop waits, untimed, for the commit (the writer's persist is not the hooks' cost). Per step it reads
 ``Checkpointer.hook_host_s``: host time inside our hooks, ``step()`` and ``request()``,
@@ -61,7 +76,7 @@ def spread(values: list[float]) -> dict[str, Any]:
     }
 
 
-def measure_one(tensors: int, mode: str, cycles: int, every: int) -> dict[str, Any]:
+def measure_one(tensors: int, mode: str, cycles: int, every: int, schedule: str = "held") -> dict[str, Any]:
     """One configuration, in this process."""
     import torch
     from torch import nn
@@ -123,7 +138,7 @@ def measure_one(tensors: int, mode: str, cycles: int, every: int) -> dict[str, A
     carried: list[int] = []
     with tempfile.TemporaryDirectory() as root:
         # Placed as CUDA places them: AdamW's step counters stay in host memory (copied by the host).
-        copier = StreamCopier(CountingDevice(host_resident=torch_cuda_placement(optimizer)))
+        copier = StreamCopier(CountingDevice(schedule, host_resident=torch_cuda_placement(optimizer)))
         with Checkpointer(model, optimizer, root, every=every, keep=1, copier=copier, **MODES[mode]) as ckpt:  # type: ignore[arg-type]
             for cycle in range(cycles + 1):  # the first cycle warms up (allocation, plan)
                 this_cycle, this_cpu, this_host_only = [], [], []
@@ -147,7 +162,7 @@ def measure_one(tensors: int, mode: str, cycles: int, every: int) -> dict[str, A
                     launches.clear()
                     carried.clear()
     return {
-        "tensors_requested": tensors, "state_tensors": state_tensors, "mode": mode, "every": every,
+        "tensors_requested": tensors, "state_tensors": state_tensors, "mode": mode, "schedule": schedule, "cycles": cycles, "every": every,
         "optimizer_step_ms_median": statistics.median(baseline) * 1e3,
         "added_mean_ms": statistics.mean(per_step) * 1e3, "added_worst_ms": max(per_step) * 1e3,
         "cpu_mean_ms": statistics.mean(per_step_cpu) * 1e3, "cpu_worst_ms": max(per_step_cpu) * 1e3,
@@ -160,15 +175,15 @@ def measure_one(tensors: int, mode: str, cycles: int, every: int) -> dict[str, A
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     out = [
-        "| state tensors | mode | added mean / worst ms | less emulated device work, mean / worst ms | "
+        "| state tensors | mode | schedule | added mean / worst ms | less emulated device work, mean / worst ms | "
         "hooks' CPU mean / worst ms | cycle mean ms min / median / p90 / max (n) | within 1.5x | "
         "launches per step mean / max | tensors per launch | optimizer.step ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         c = r["cycle_mean_ms"]
         out.append(
-            f"| {r['state_tensors']:,} | {r['mode']} | {r['added_mean_ms']:.2f} / {r['added_worst_ms']:.1f} | "
+            f"| {r['state_tensors']:,} | {r['mode']} | {r.get('schedule', 'async')} | {r['added_mean_ms']:.2f} / {r['added_worst_ms']:.1f} | "
             f"{r['host_only_mean_ms']:.2f} / {r['host_only_worst_ms']:.1f} | {r['cpu_mean_ms']:.2f} / {r['cpu_worst_ms']:.1f} | "
             f"{c['min']:.2f} / {c['median']:.2f} / {c['p90']:.2f} / {c['max']:.2f} ({c['n']}) | "
             f"{'yes' if c['within_1_5x'] else 'no'} | {r['launches_per_step_mean']:.2f} / {r['launches_per_step_max']} | "
@@ -181,33 +196,68 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tensors", default="300,3000,30000,100000")
     parser.add_argument("--modes", default="w1,replay,stage")
+    parser.add_argument("--schedules", default="held,async")
     parser.add_argument("--cycles", type=int, default=7)
     parser.add_argument("--every", type=int, default=8)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--one", nargs=2, metavar=("TENSORS", "MODE"), help=argparse.SUPPRESS)
+    parser.add_argument("--resume", action="store_true", help="keep the rows already measured into OUT")
+    parser.add_argument("--one", nargs=3, metavar=("TENSORS", "MODE", "SCHEDULE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cycles < 7 and args.one is None:
         print(f"--cycles {args.cycles}: the figures need at least 7 repeats; use --cycles 7 or more", file=sys.stderr)
     if args.one is not None:
-        print(json.dumps(measure_one(int(args.one[0]), args.one[1], args.cycles, args.every)))
+        print(json.dumps(measure_one(int(args.one[0]), args.one[1], args.cycles, args.every, args.one[2])))
         return
+    rows_path = os.path.join(args.out, "rows.jsonl") if args.out else None
+    done_rows: dict[tuple[Any, ...], dict[str, Any]] = {}
+    if rows_path and not args.resume:
+        for stale in (rows_path, os.path.join(args.out, "commands.txt")):
+            if os.path.exists(stale):
+                os.unlink(stale)
+    if rows_path and os.path.exists(rows_path):
+        with open(rows_path) as f:
+            for line in f:
+                r = json.loads(line)
+                done_rows[(r["tensors_requested"], r["mode"], r["schedule"], r["cycles"], r["every"])] = r
     rows = []
+    schedules = args.schedules.split(",")
+    for schedule in schedules:
+        if schedule not in ("held", "async"):
+            raise SystemExit(f"--schedules: {schedule!r} is not one of ['async', 'held']")
     for tensors in [int(t) for t in args.tensors.split(",")]:
         for mode in args.modes.split(","):
             if mode not in MODES:
                 raise SystemExit(f"--modes: {mode!r} is not one of {sorted(MODES)}")
-            started = time.perf_counter()
-            done = subprocess.run(
-                [sys.executable, __file__, "--one", str(tensors), mode, "--cycles", str(args.cycles), "--every", str(args.every)],
-                check=True, capture_output=True, text=True,
-            )
-            row = json.loads(done.stdout.strip().splitlines()[-1])
-            rows.append(row)
-            print(
-                f"{row['state_tensors']:>7,} {mode:>6}: added mean {row['added_mean_ms']:.2f} ms, worst {row['added_worst_ms']:.1f} ms, "
-                f"launches/step {row['launches_per_step_mean']:.2f} ({time.perf_counter() - started:.0f} s)",
-                flush=True,
-            )
+            for schedule in schedules:
+                kept = done_rows.get((tensors, mode, schedule, args.cycles, args.every))
+                if kept is not None:
+                    rows.append(kept)
+                    print(f"{kept['state_tensors']:>7,} {mode:>6} {schedule:>5}: kept from {rows_path}", flush=True)
+                    continue
+                started = time.perf_counter()
+                done = subprocess.run(
+                    [sys.executable, __file__, "--one", str(tensors), mode, schedule, "--cycles", str(args.cycles),
+                     "--every", str(args.every)],
+                    check=True, capture_output=True, text=True,
+                )
+                row = json.loads(done.stdout.strip().splitlines()[-1])
+                rows.append(row)
+                if rows_path:
+                    os.makedirs(args.out, exist_ok=True)
+                    with open(rows_path, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+                print(
+                    f"{row['state_tensors']:>7,} {mode:>6} {schedule:>5}: added mean {row['added_mean_ms']:.2f} ms, "
+                    f"worst {row['added_worst_ms']:.1f} ms, launches/step {row['launches_per_step_mean']:.2f} "
+                    f"({time.perf_counter() - started:.0f} s)",
+                    flush=True,
+                )
+    if rows_path:
+        # The table holds every configuration measured into OUT, by this run or an earlier one.
+        measured = {(r["tensors_requested"], r["mode"], r["schedule"], r["cycles"], r["every"]): r for r in rows}
+        rows = list({**done_rows, **measured}.values())
+        mode_order = list(MODES)
+        rows.sort(key=lambda r: (r["tensors_requested"], mode_order.index(r["mode"]), r["schedule"] != "held"))
     table = markdown(rows)
     print(table)
     goal = [r for r in rows if r["tensors_requested"] == GOAL_AT_TENSORS]
@@ -218,7 +268,7 @@ def main() -> None:
             ("hooks' CPU", "cpu_mean_ms", "cpu_worst_ms"),
         ):
             met = r[mean_key] <= GOAL_MEAN_MS and r[worst_key] <= GOAL_WORST_MS
-            print(f"goal at {GOAL_AT_TENSORS:,} tensors, {r['mode']}, {what}: mean <= {GOAL_MEAN_MS} ms and worst <= "
+            print(f"goal at {GOAL_AT_TENSORS:,} tensors, {r['mode']}, {r['schedule']} schedule, {what}: mean <= {GOAL_MEAN_MS} ms and worst <= "
                   f"{GOAL_WORST_MS} ms: {'met' if met else 'missed'} ({r[mean_key]:.2f} / {r[worst_key]:.1f} ms)")
     if args.out:
         import torch
@@ -226,6 +276,11 @@ def main() -> None:
 
         os.makedirs(args.out, exist_ok=True)
         command = "python benchmarks/hook_scaling.py " + " ".join(sys.argv[1:])
+        commands_path = os.path.join(args.out, "commands.txt")  # every run whose rows the table holds
+        with open(commands_path, "a") as f:
+            f.write(command + "\n")
+        with open(commands_path) as f:
+            command = "`, then `".join(line.strip() for line in f if line.strip())
         with open(os.path.join(args.out, "hook_scaling.json"), "w") as f:
             json.dump({"command": command, "machine": machine_description(torch.device("cpu")), "rows": rows}, f, indent=1)
         with open(os.path.join(args.out, "hook_scaling.md"), "w") as f:

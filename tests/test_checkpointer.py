@@ -141,3 +141,25 @@ def test_a_tight_loop_with_every_2_gets_every_checkpoint_it_asked_for(tmp_path):
             train_step(model, opt, sched, sampler)
             ckpt.step()
     assert [i.step for i in list_checkpoints(str(tmp_path))] == list(range(2, 21, 2))
+
+
+def test_a_non_tensor_optimizer_state_value_is_checkpointed_with_its_step(tmp_path):
+    """A per-parameter value that is no tensor (some optimizers count calls in a plain int) travels in the
+    snapshot's boundary, read at the request step: changed afterwards, the checkpoint still holds the old one."""
+    model, opt, sched, sampler = make_run()
+    first_fqn, first = next(iter(model.named_parameters()))
+    with Checkpointer(model, opt, tmp_path, window=1) as ckpt:
+        for step in range(1, 4):
+            train_step(model, opt, sched, sampler)
+            opt.state[first]["calls"] = 10 * step
+            ckpt.step()
+        ckpt.request()
+        train_step(model, opt, sched, sampler)
+        opt.state[first]["calls"] = 40
+        ckpt.step()
+        (info,) = ckpt.wait(timeout_s=120)
+    assert info.step == 3
+    # Read with stock DCP: the value is a DCP bytes item of the optimizer's state.
+    target = {"optimizer": {"state": {first_fqn: {"calls": 0}}}}
+    dcp.load(target, checkpoint_id=info.path)
+    assert target["optimizer"]["state"][first_fqn]["calls"] == 30

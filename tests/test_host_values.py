@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
 import shutil
 
@@ -127,3 +128,12 @@ def test_a_failed_build_leaves_no_file_and_falls_back(monkeypatch, tmp_path):
     assert native.build() is None
     assert native.gather_library() is None
     assert list((tmp_path / "overlapckpt").iterdir()) == []
+
+
+def test_the_native_gather_keeps_the_gil():
+    """Loaded as a PyDLL: a call of microseconds inside optimizer.step() must not release the GIL and then
+    wait up to the switch interval (5 ms) for another Python thread to hand it back."""
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler here: the native helper cannot be built")
+    library = native.gather_library()
+    assert isinstance(library, ctypes.PyDLL), type(library)

@@ -14,6 +14,7 @@ from torch import nn
 
 from overlapckpt import load
 from overlapckpt.seams import Checkpointer
+from overlapckpt.train.copying.device import TensorRun
 from overlapckpt.train.copying.emulated_device import POISON_BYTE, EmulatedDevice, torch_cuda_placement
 from overlapckpt.train.copying.transfer import FenceResult, StreamCopier
 
@@ -320,4 +321,24 @@ def test_a_routed_copy_of_the_same_tensors_makes_no_per_tensor_device_work():
         copier.wait(copier.copy_async(sources, views, route=route))
     assert dev.views_made == made  # none after the first
     assert dev.launches - launched == 3 * 2  # per copy: the gather into the scratch and its one DMA
+    copier.close()
+
+
+def test_a_route_takes_the_run_it_was_made_from_at_once_and_checks_any_other_sources():
+    """The run a route was made from is taken without comparing its tensors; any other sources are compared
+    one by one, and a run holding another tensor is copied from that tensor, not from the route's own."""
+    dev = EmulatedDevice("held", host_resident=lambda t: t.dtype == torch.int64)
+    copier = StreamCopier(dev)
+    sources, views = _route_case(dev)
+    run = TensorRun(sources)
+    route = copier.route(run, views, keep_sources=True)
+    assert route is not None and route.made_from is run
+    assert route.kept_sources(run) and route.kept_sources(list(sources))
+    other = TensorRun(sources)
+    other[0] = sources[0].clone() + 1
+    assert not route.kept_sources(other)
+    copier.wait(copier.copy_async(other, views, route=route))
+    assert torch.equal(views[0], other[0]) and not torch.equal(views[0], sources[0])
+    copier.wait(copier.copy_async(run, views, route=route))
+    assert all(torch.equal(v, s) for v, s in zip(views, sources))
     copier.close()

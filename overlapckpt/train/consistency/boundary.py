@@ -84,11 +84,15 @@ def capture_boundary(
         g = {k: _defer_tensors(v, copier, tickets) for k, v in group.items() if k != "params"}
         g["params"] = list(fqns)
         groups.append(g)
-    by_fqn = dict(zip(layout.param_fqns, layout.params))
-    scalars = {
-        f"{fqn}\x00{k}": _defer_tensors(optimizer.state[by_fqn[fqn]][k], copier, tickets)
-        for fqn, k in layout.small_optim_keys
-    }
+    scalars: dict[str, Any] = {}
+    if layout.small_optim_keys:
+        # Only then: a map of every parameter costs milliseconds at tens of thousands of them,
+        # twice per snapshot, and Adam's state has no small keys (its step counters are tensors).
+        by_fqn = dict(zip(layout.param_fqns, layout.params))
+        scalars = {
+            f"{fqn}\x00{k}": _defer_tensors(optimizer.state[by_fqn[fqn]][k], copier, tickets)
+            for fqn, k in layout.small_optim_keys
+        }
     objects: dict[str, Any] = {}
     for name, obj in stateful.items():
         if _is_grad_scaler(obj):

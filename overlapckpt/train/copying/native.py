@@ -91,7 +91,10 @@ def gather_library() -> ctypes.CDLL | None:
             library = None
             if path is not None:
                 try:
-                    library = ctypes.CDLL(str(path))
+                    # PyDLL, not CDLL: the call keeps the GIL. It lasts microseconds, and a CDLL
+                    # call releases the GIL and must win it back, which waits for any other
+                    # Python thread for up to the switch interval (5 ms) inside optimizer.step().
+                    library = ctypes.PyDLL(str(path))
                     library.overlapckpt_gather_values.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p]
                     library.overlapckpt_gather_values.restype = None
                 except (OSError, AttributeError) as e:

@@ -36,6 +36,7 @@ from ...errors import OverlapCkptError
 from ...hostbuf import HostPinner, SharedHostBuffer
 from ..writer_client.client import WriterClient
 from ..writer_client.link import WriterLink
+from .device import TensorRun
 from .layout import StateLayout
 from .plan import CopyPlan
 from .transfer import Copier, CopyRoute, CopyTicket
@@ -49,7 +50,7 @@ class GroupTensors:
     """One copy group's tensors, in the order its copy takes them."""
 
     indices: tuple[int, ...]  # entry indices
-    sources: list[torch.Tensor]  # live tensors (or staged views) of those entries
+    sources: TensorRun  # live tensors (or staged views) of those entries: a run, never changed once made
     destinations: list[torch.Tensor]  # their views in the slot
     buffer_positions: tuple[int, ...]  # positions in sources of buffers, which are cloned before each copy
     staged_from: list[torch.Tensor | None] | None = None  # the staged views the sources were taken from

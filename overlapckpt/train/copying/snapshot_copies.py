@@ -17,6 +17,7 @@ from ..consistency.boundary import capture_boundary
 from ..consistency.gradlog import GradientLogger
 from ..consistency.stage_area import StagingArea
 from ..lifecycle.snapshot import Snapshot, SnapshotMode, SnapshotState
+from .device import TensorRun
 from .slots import GroupTensors
 from .transfer import Copier, CopyTicket, FenceResult
 
@@ -77,7 +78,8 @@ class SnapshotCopies:
             group = self._gather(snap, j, from_staging, views)
             snap.slot.group_tensors[key] = group
             snap.slot.routes.pop(key, None)  # a route kept for another region's views would hold that region
-        src, dst = group.sources, group.destinations
+        src: list[torch.Tensor] = group.sources  # the run itself: the route knows it without comparing its tensors
+        dst = group.destinations
         keepalive: list[torch.Tensor] = []
         if group.buffer_positions:
             # Fence 3: the next forward mutates buffers (BatchNorm running stats)
@@ -113,9 +115,9 @@ class SnapshotCopies:
             # Host-resident entries were copied at stage time; the rest drain from the region.
             idx = tuple(i for i in idx if snap.staged_views[i] is not None)
             src = [snap.staged_views[i] for i in idx]
-            return GroupTensors(idx, src, [views[i] for i in idx], (), staged_from=snap.staged_views)
+            return GroupTensors(idx, TensorRun(src), [views[i] for i in idx], (), staged_from=snap.staged_views)
         buffers = tuple(k for k, i in enumerate(idx) if layout.entries[i].role == ROLE_BUFFER)
-        return GroupTensors(idx, [layout.live_tensors[i] for i in idx], [views[i] for i in idx], buffers)
+        return GroupTensors(idx, TensorRun(layout.live_tensors[i] for i in idx), [views[i] for i in idx], buffers)
 
     def log_gradients(self, snap: Snapshot, step: int, hook: int) -> None:
         """The update point of ``step`` inside a replay window: copy the gradients it will consume."""

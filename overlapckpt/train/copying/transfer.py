@@ -209,10 +209,15 @@ class CopyRoute:
     rest_sources: TensorRun | None = None  # and the ones copied one by one
     span_run: TensorRun = field(default_factory=TensorRun)  # [span] and [scratch], as runs: the span's one DMA
     scratch_run: TensorRun = field(default_factory=TensorRun)
+    # The caller's own run the route was made from (a run is never changed after it is made):
+    # passing it again is the same tensors, known without comparing tens of thousands of them.
+    made_from: TensorRun | None = None
 
     def kept_sources(self, sources: Sequence[torch.Tensor]) -> bool:
         """Whether ``sources`` are the very tensors the route keeps (identity, compared in C)."""
         kept = self.sources
+        if kept is not None and sources is self.made_from:
+            return True
         return kept is not None and len(kept) == len(sources) and all(map(operator.is_, kept, sources))
 
 
@@ -421,6 +426,7 @@ class StreamCopier:
             rest_sources=TensorRun(sources[device_indices[j]] for j in rest) if keep_sources else None,
             span_run=TensorRun([] if packed is None else [packed.span]),
             scratch_run=TensorRun([] if scratch is None else [scratch]),
+            made_from=sources if keep_sources and isinstance(sources, TensorRun) else None,
         )
 
     def _copy_routed(self, sources: Sequence[torch.Tensor], route: CopyRoute, keepalive: Sequence[torch.Tensor]) -> CopyTicket:
