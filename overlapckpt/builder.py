@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,9 +24,10 @@ import torch
 from torch import nn
 
 from .control_page import PAGE_BYTES, OwnedControlPage
-from .errors import ConfigError, InternalError
+from .errors import InternalError
 from .format.lease import RootLease, sweep_dead_tiers
 from .format.manifest import name_style_for
+from .format.peers import NodeLayout
 from .format.storage import CheckpointStore
 from .format.tiers import default_local_dir
 from .protocol import WatchPreemptionRequest
@@ -35,12 +37,14 @@ from .train.copying.layout import CheckpointScope
 from .train.copying.transfer import Copier, make_copier
 from .train.lifecycle.engine import SnapshotEngine
 from .train.lifecycle.warnings_text import KEEP_STAGING_WARNING
-from .train.run.distributed import DistributedRun, hosts_of, is_distributed, set_up_distributed
+from .train.run.distributed import DistributedRun, is_distributed, node_keys_of, set_up_distributed
 from .train.run.lineage import Lineage
 from .train.run.preemption import PreemptionGuard, default_grace_s
 from .train.run.run_identity import agreed_run_id, take_root_lease
 from .train.writer_client.client import WriterClient
 from .train.writer_client.link import WriterLink
+
+log = logging.getLogger("overlapckpt")
 
 
 @dataclass(frozen=True)
@@ -187,19 +191,26 @@ def build(
 def _local_tier(s: CheckpointerSettings, distributed: DistributedRun | None) -> CheckpointStore | None:
     """The node-local tier's store (created), or None without ``local_every``.
 
-    Its ranks must share one node: a tier per node needs each node's shards replicated on
-    another node's (peer replicas, not built yet), or a restore could not reach them.
+    Across nodes, the writers' group spec learns each rank's node and the replica count
+    (``format/peers.py``): each node's tier holds its ranks' shards and its partners' copies.
     """
     if not s.tier.enabled:
         return None
     local_dir = s.tier.local_dir if s.tier.local_dir is not None else default_local_dir(s.storage.path)
     if distributed is not None:
-        hosts = hosts_of(distributed.group)
-        if len(set(hosts)) > 1:
-            raise ConfigError(
-                f"local_every={s.tier.local_every} needs every rank on one node, but the ranks run on {len(set(hosts))} hosts "
-                f"({', '.join(sorted(set(hosts)))}): a node-local tier across nodes needs peer replicas, which this "
-                "version does not write. Pass local_every=None (checkpoints go to the root only)"
+        layout = NodeLayout.from_keys(node_keys_of(distributed.group))
+        layout.check_replicas(s.tier.local_replicas)
+        if layout.node_count > 1:
+            if s.tier.local_replicas == 0:
+                log.warning(
+                    "overlapckpt: local_replicas=0 on %d nodes: a lost node takes its ranks' local-tier shards with it, "
+                    "and a restart after it reads the root", layout.node_count,
+                )
+            distributed.writer_spec = dataclasses.replace(
+                distributed.writer_spec,
+                node_of_rank=layout.node_of_rank,
+                local_replicas=s.tier.local_replicas,
+                replica_bytes_per_s=s.tier.replica_mib_per_s * 2**20,
             )
     local_store = CheckpointStore(local_dir)
     local_store.prepare_root()

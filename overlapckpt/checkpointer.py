@@ -21,12 +21,15 @@ from .format.manifest import CheckpointInfo
 from .format.signing import resolve_key
 from .format.storage import CheckpointStore
 from .optimizers import torch_optimizers, unwrap_optimizer
-from .restore.pipeline import load
+from .protocol import FileCopy
+from .restore.pipeline import load, load_fetching_replicas
 from .restore_marks import take_restore_mark
 from .settings import (
     DEFAULT_LOCAL_KEEP,
+    DEFAULT_LOCAL_REPLICAS,
     DEFAULT_MAX_WINDOW,
     DEFAULT_MAX_WRITER_RESTARTS,
+    DEFAULT_REPLICA_MIB_PER_S,
     CadenceSettings,
     CheckpointerSettings,
     DistributedSettings,
@@ -122,6 +125,13 @@ class Checkpointer:
             ``"torchtitan"`` (TorchTitan's manager: model FQNs at the top level, flat
             ``param_groups``, stateful objects as DCP items, ``step-N`` directories; set by
             ``overlapckpt.titan``).
+        local_every, local_keep, local_dir: the node-local tier (docs/tiers.md): a checkpoint every
+            ``local_every`` steps into ``local_dir`` (default under ``/dev/shm``), ``local_keep`` kept.
+        local_replicas: on several nodes, the partner ranks on other nodes that also hold each
+            rank's local-tier shard (``format/peers.py``), so a lost node loses none; a local-tier
+            checkpoint commits once every shard and its replicas are in place.
+        replica_mib_per_s: the most each writer sends to its partners per second (its copy is
+            spread out, never a burst on the training's network).
 
     Host buffers are allocated on a background thread as soon as the state's size is known
     (here if the optimizer has state, else right after the first ``optimizer.step()``), so no
@@ -164,12 +174,16 @@ class Checkpointer:
         local_every: int | None = None,
         local_keep: int = DEFAULT_LOCAL_KEEP,
         local_dir: str | os.PathLike[str] | None = None,
+        local_replicas: int = DEFAULT_LOCAL_REPLICAS,
+        replica_mib_per_s: float = DEFAULT_REPLICA_MIB_PER_S,
     ) -> None:
         settings = CheckpointerSettings(
             storage=StorageSettings(check_path(path), dict(storage_options or {}), store_class, key_layout, lease),
             window=WindowSettings(window, consistency, max_window, stage_budget_bytes, keep_staging),
             cadence=CadenceSettings(every, keep, max_inflight),
-            tier=TierSettings(local_every, local_keep, os.fspath(local_dir) if isinstance(local_dir, os.PathLike) else local_dir),
+            tier=TierSettings(
+                local_every, local_keep, os.fspath(local_dir) if isinstance(local_dir, os.PathLike) else local_dir, local_replicas, replica_mib_per_s
+            ),
             writer=WriterSettings(max_writer_restarts, writer_threads, float(exit_timeout_s), tuple(export_formats)),
             distributed=DistributedSettings(collective_timeout_s, agreement_timeout_s),
             preemption=PreemptionSettings(tuple(save_on_signal), signal_grace_s),
@@ -373,19 +387,32 @@ class Checkpointer:
         optimizer to create its state.
         """
         with self.steps_not_counted():
-            info = load(
-                self.path,
-                self.model,
-                self.optimizer,
-                self.stateful,
-                step,
-                self.storage_options,
-                process_group=self.process_group,
-                signing_key=self._signing_key,
-                local_dir=self.local_dir,
-            )
+            if self._distributed is not None and self.local_dir is not None:
+                # Across nodes, a node that lacks the local tier's newest files gets them from a
+                # partner's replica, through the writers (restore/tiers.py, writer/replicas.py).
+                info = load_fetching_replicas(
+                    self._fetch_replicas, self.path, self.model, self.optimizer, self.stateful, step, self.storage_options,
+                    process_group=self.process_group, signing_key=self._signing_key, local_dir=self.local_dir,
+                )
+            else:
+                info = load(
+                    self.path,
+                    self.model,
+                    self.optimizer,
+                    self.stateful,
+                    step,
+                    self.storage_options,
+                    process_group=self.process_group,
+                    signing_key=self._signing_key,
+                    local_dir=self.local_dir,
+                )
         self._continue_after_load(info)
         return info
+
+    def _fetch_replicas(self, name: str, copies: tuple[FileCopy, ...]) -> None:
+        # Every writer copies and then agrees (replicas.py): within two collective timeouts or dead.
+        timeout_s = 2 * self.settings.distributed.collective_timeout_s
+        self._engine.dispatcher.fetch_replicas(name, copies, self._lineage.run_id, timeout_s)
 
     @property
     def local_dir(self) -> str | None:

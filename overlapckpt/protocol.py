@@ -33,6 +33,11 @@ class WriterGroupSpec:
     # Whether a dead writer is ever replaced (max_writer_restarts > 0, the same on every rank):
     # without, a writer whose collective a death broke reports it at once, waiting for no replacement.
     replaced_when_dead: bool = True
+    # The node-local tier across nodes (format/peers.py): each rank's node index, by rank, and
+    # how many partners on other nodes hold a copy of each rank's shard, sent at most this fast.
+    node_of_rank: tuple[int, ...] = ()
+    local_replicas: int = 0
+    replica_bytes_per_s: float = 0.0
 
 
 @dataclass
@@ -142,6 +147,36 @@ class PersistRequest:
     optimizer: str | None = None  # the optimizer class(es) by full name, checked when it is loaded
     tiers: tuple[str, ...] = ("root",)  # where it goes, in order (format/tiers.py): the local tier first
     local_keep: int | None = None  # the local tier's retention
+
+
+@dataclass(frozen=True)
+class FileCopy:
+    """One file of a local-tier checkpoint, sent by the writer of rank ``source`` to that of rank ``target``."""
+
+    source: int
+    target: int
+    filename: str
+    nbytes: int
+
+
+@dataclass
+class FetchFilesRequest:
+    """At a restore, every rank's writer at once: copy checkpoint ``name``'s missing files between nodes' tiers.
+
+    The same ``copies`` on every rank (the restore works them out from every node's listing);
+    a rank whose node lacks the checkpoint gets it published there once its files are in.
+    """
+
+    request_id: int
+    name: str
+    copies: tuple[FileCopy, ...]
+    run_id: str
+
+
+@dataclass
+class FetchedResponse:
+    request_id: int
+    nbytes: int  # received by this rank's writer
 
 
 @dataclass

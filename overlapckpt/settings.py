@@ -31,6 +31,10 @@ from .protocol import EXPORT_FORMATS
 AUTO_WINDOW = "auto"
 DEFAULT_MAX_WINDOW = 8  # window="auto" chooses at most this window
 DEFAULT_LOCAL_KEEP = 2  # local-tier checkpoints kept: a few, as the tier is node memory
+DEFAULT_LOCAL_REPLICAS = 1  # partner ranks on other nodes holding a copy of each local-tier shard
+# A writer's replica traffic: 256 MiB/s is 2 Gb/s of a node's front-end link per rank sending,
+# a 256 MiB shard a second, well inside a local_every=10 cadence of multi-second steps.
+DEFAULT_REPLICA_MIB_PER_S = 256.0
 DEFAULT_MAX_WRITER_RESTARTS = 3  # dead writers replaced per hour before the next death is raised
 CONSISTENCY_MODES = ("replay", "stage")
 # Fields each rank may hold on its own: not compared across ranks (the values may be credentials).
@@ -74,7 +78,12 @@ class TierSettings:
 
     local_every: int | None = None  # None: no local tier
     local_keep: int = DEFAULT_LOCAL_KEEP
-    local_dir: str | None = None  # None: format.tiers.default_local_dir(path)
+    # None: format.tiers.default_local_dir(path). Each node's own: nodes may mount their tmpfs or NVMe apart.
+    local_dir: str | None = field(default=None, metadata={_PER_RANK: True})
+    # Across nodes: each rank's shard is also held by this many ranks of other nodes (format/peers.py).
+    local_replicas: int = DEFAULT_LOCAL_REPLICAS
+    # Each writer sends its replicas at most this fast, so a copy never takes the network in a burst.
+    replica_mib_per_s: float = DEFAULT_REPLICA_MIB_PER_S
 
     @property
     def enabled(self) -> bool:
@@ -174,6 +183,14 @@ class CheckpointerSettings:
         t = self.tier
         check_positive_int("local_every", t.local_every, "checkpoint into the node-local tier after every N-th optimizer step, or None")
         check_positive_int("local_keep", t.local_keep, "the number of newest local-tier checkpoints to keep", allow_none=False)
+        if isinstance(t.local_replicas, bool) or not isinstance(t.local_replicas, int) or t.local_replicas < 0:
+            raise ConfigError(
+                f"local_replicas={t.local_replicas!r} is invalid; pass the number of other nodes that hold a copy of each "
+                "rank's local-tier shard (0 for none, 1 by default)"
+            )
+        rate = t.replica_mib_per_s
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+            raise ConfigError(f"replica_mib_per_s={rate!r} is invalid; pass the most MiB per second each writer may send to its partners, > 0")
         if t.local_dir is None:
             return
         if not isinstance(t.local_dir, (str, os.PathLike)) or not os.fspath(t.local_dir):

@@ -117,9 +117,10 @@ def test_two_ranks_commit_each_tier_through_one_writers_group_and_restore_from_t
     r0, r1 = (r["local_tier"] for r in ddp_results)
     for r in (r0, r1):
         assert "crashed" not in r, r
-        # Rank 1 told "another-node" as its host: refused on every rank before anything is written to the tier.
-        assert r["two_hosts_refused"] is not None and "local_every=2 needs every rank on one node, but the ranks run on 2 hosts" in r["two_hosts_refused"], r
-        assert "another-node" in r["two_hosts_refused"] and "Pass local_every=None" in r["two_hosts_refused"]
+        # Rank 1 told "another-node" as its host: 2 nodes, and local_replicas=2 refused on every rank, naming the fix.
+        assert r["two_hosts_refused"] == (
+            "local_replicas=2 needs at least 3 nodes (each replica on another node), but the ranks run on 2; pass local_replicas=1 or fewer"
+        ), r
         assert r["two_hosts_local_dir_made"] is False
         assert r["root_versions"] == [6] and r["local_versions"] == [8, 10], r
         assert r["restored_version"] == 10 and r["restored_path"].endswith("tiered-local/step-000000010"), r

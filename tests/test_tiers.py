@@ -18,6 +18,7 @@ import torch
 from overlapckpt import Checkpointer, list_checkpoints, load
 from overlapckpt.errors import ConfigError
 from overlapckpt.format.lease import LEASE_NAME, sweep_dead_tiers
+from overlapckpt.format.peers import NodeLayout
 from overlapckpt.format.storage import CheckpointStore
 from overlapckpt.format.tiers import default_local_dir
 
@@ -151,12 +152,29 @@ def test_without_a_local_tier_load_reads_the_root_and_logs_nothing_of_tiers(tmp_
         ({"local_every": 2, "local_keep": 0}, "local_keep=0 is invalid; pass an integer >= 1"),
         ({"local_every": 2, "local_dir": "s3://bucket/tier"}, "local_dir='s3://bucket/tier' is a URL"),
         ({"local_dir": "/tmp/x"}, "local_dir='/tmp/x' is set but local_every is None"),
+        ({"local_every": 2, "local_replicas": -1}, "local_replicas=-1 is invalid; pass the number of other nodes"),
+        ({"local_every": 2, "replica_mib_per_s": 0}, "replica_mib_per_s=0 is invalid; pass the most MiB per second"),
     ],
 )
 def test_bad_tier_settings_name_the_value_and_the_fix(tmp_path, kwargs, message):
     model, opt, _, _ = make_run()
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         Checkpointer(model, opt, str(tmp_path / "root"), **kwargs)
+
+
+def test_partners_are_on_other_nodes_so_that_losing_any_node_loses_no_shard():
+    # 3 nodes of unequal sizes (ranks 0-2, 3-4, 5-7), as ranks meet them in rank order.
+    layout = NodeLayout.from_keys(["a", "a", "a", "b", "b", "c", "c", "c"])
+    assert layout.node_of_rank == (0, 0, 0, 1, 1, 2, 2, 2) and [layout.leader(n) for n in range(3)] == [0, 3, 5]
+    assert [layout.partners(r, 1) for r in range(8)] == [[3], [4], [3], [5], [6], [0], [1], [2]]
+    for replicas in (1, 2):
+        for rank in range(8):
+            holders = {layout.node_of_rank[rank]} | {layout.node_of_rank[q] for q in layout.partners(rank, replicas)}
+            assert len(holders) == replicas + 1  # each copy on a node of its own: any `replicas` nodes may go
+    with pytest.raises(ConfigError, match=r"local_replicas=3 needs at least 4 nodes .* pass local_replicas=2 or fewer"):
+        layout.partners(0, 3)
+    assert NodeLayout.from_keys(["a", "a"]).node_count == 1  # one node: nothing to replicate, any count is accepted
+    NodeLayout.from_keys(["a", "a"]).check_replicas(5)
 
 
 def test_the_default_local_dir_is_named_after_the_root_and_stable():

@@ -16,52 +16,16 @@ import json
 import os
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 
-import pytest
+from netns_hosts import two_hosts
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "dist_worker.py")
 LAUNCH_TIMEOUT_S = 240
 PORT = 29517  # a fresh namespace has every port free
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
-
-
-@contextmanager
-def _two_hosts() -> Iterator[list[tuple[str, str, str]]]:
-    """[(namespace, interface, address)] of two hosts joined by a veth pair; removed afterwards."""
-    tag = uuid.uuid4().hex[:6]
-    subnet = 1 + int(tag[:2], 16) % 250  # another run's pair, if one is left, has another subnet
-    hosts = [(f"oc{tag}{side}", f"oc{tag}v{side}", f"10.231.{subnet}.{n}") for n, side in ((1, "a"), (2, "b"))]
-    made: list[str] = []
-    try:
-        for ns, _, _ in hosts:
-            _ip("netns", "add", ns)
-            made.append(ns)
-        _ip("link", "add", hosts[0][1], "type", "veth", "peer", "name", hosts[1][1])
-        for ns, ifname, address in hosts:
-            _ip("link", "set", ifname, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", ifname)
-            _ip("-n", ns, "link", "set", ifname, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-    except (OSError, subprocess.SubprocessError) as e:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        detail = getattr(e, "stderr", None) or str(e)
-        pytest.skip(f"network namespaces cannot be made here ({getattr(e, 'cmd', 'ip')}: {detail.strip()}); they need root with CAP_NET_ADMIN and iproute2")
-    try:
-        yield hosts
-    finally:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # removes the veth pair too
-
-
 def test_writers_rendezvous_across_two_network_namespaces(tmp_path):
-    with _two_hosts() as hosts:
+    with two_hosts() as hosts:
         master = hosts[0][2]
         procs = []
         for rank, (ns, ifname, _) in enumerate(hosts):

@@ -45,6 +45,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..errors import ConfigError, CorruptCheckpointError, SignatureError
@@ -102,6 +103,12 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
 
         local_folder: str | None = None
         """The local tier's directory (None: /dev/shm/overlapckpt-<job>-<hash>, named after the folder)."""
+
+        local_replicas: int = 1
+        """Across nodes: partner ranks on other nodes that also hold each rank's local-tier shard."""
+
+        local_replica_mib_per_s: float = 256.0
+        """The most each writer sends to its partners per second."""
 
         read_stock_checkpoints: bool = False
         """Resume from a checkpoint TorchTitan's own CheckpointManager wrote (no manifest: unverified), in a folder
@@ -171,6 +178,8 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
             local_every=None if config.load_only else config.local_interval,
             local_keep=config.local_keep_latest_k,
             local_dir=config.local_folder if config.local_interval is not None else None,
+            local_replicas=config.local_replicas,
+            replica_mib_per_s=config.local_replica_mib_per_s,
             on_commit=lambda figures: _titan_log.info(commit_line(figures)),  # TorchTitan's own log, as its saves
         )
         log.info("overlapckpt checkpoints to %s, window %s", self.folder, config.window)
@@ -261,18 +270,30 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
         return stateful, None if OPTIMIZER in excluded else self._optimizers
 
     def _local_tier_holds_any(self) -> bool:
+        """Whether some node's local tier holds a checkpoint (every rank gets the same answer: a replaced node's tier is empty)."""
         local_dir = self.ckpt.local_dir
-        return local_dir is not None and os.path.isdir(local_dir) and bool(CheckpointStore(local_dir).committed_names())
+        holds = local_dir is not None and os.path.isdir(local_dir) and bool(CheckpointStore(local_dir).committed_names())
+        group = self.ckpt.process_group
+        if local_dir is None or group is None:
+            return holds
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(holds)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
 
     def _load_newest_tier(self) -> bool:
         """Resume from the newest verified of this node's local tier and the folder (``restore/tiers.py``)."""
-        from ..restore.pipeline import load
+        from ..restore.pipeline import load_fetching_replicas
 
         stateful, optimizer = self._load_targets()
+        local_dir = self.ckpt.local_dir
+        assert local_dir is not None  # _local_tier_holds_any() said so
         with self.ckpt.steps_not_counted():
-            info = load(
-                self.folder, self._model, optimizer, stateful, storage_options=dict(self.config.storage_options),
-                process_group=self.ckpt.process_group, local_dir=self.ckpt.local_dir,
+            # Across nodes a replaced node's ranks get the files through the writers (restore/tiers.py).
+            info = load_fetching_replicas(
+                self.ckpt._fetch_replicas, self.folder, self._model, optimizer, stateful, None, dict(self.config.storage_options),
+                process_group=self.ckpt.process_group, signing_key=self.ckpt._signing_key, local_dir=local_dir,
             )
         self.ckpt._continue_after_load(info)
         log.info("restored %s", info.path)

@@ -31,7 +31,7 @@ from .check import (
 )
 from .locate import checkpoint_at
 from .read import agree_before_reading, empty_like_on_cpu, read_into, world_of
-from .tiers import from_newest_tier
+from .tiers import Fetch, from_newest_tier
 
 
 def load(
@@ -73,19 +73,54 @@ def load(
 
     ``local_dir``: a node-local tier (``Checkpointer(local_every=...)``) to consider first.
     Its newest checkpoint is loaded when it is at least as new as the root's, was written
-    at this world size, and every rank found it; a refused one (corrupt, missing) is
-    skipped with a warning naming it, and the root is loaded (``restore/tiers.py``).
+    at this world size, and every file of it is in this node's tier (across nodes, every
+    node's: ``Checkpointer.restore()`` also fetches a partner's replicas for a node that
+    lacks them); a refused one (corrupt, missing) is skipped with a warning naming it, and
+    the root is loaded (``restore/tiers.py``).
     The choice, and the time the load took, are logged.
     """
     kwargs: dict[str, Any] = {"per_rank_state": per_rank_state, "process_group": process_group, "signing_key": signing_key}
-    group, _, world = world_of(process_group)
+    return _from_tiers(path, model, optimizer, stateful, step, storage_options, verify, kwargs, local_dir, None)
+
+
+def load_fetching_replicas(
+    fetch: Fetch,
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    stateful: dict[str, Any] | None,
+    step: int | None,
+    storage_options: dict[str, Any] | None,
+    *,
+    process_group: Any,
+    signing_key: str | bytes | None,
+    local_dir: str,
+) -> CheckpointInfo:
+    """``load`` for ``Checkpointer.restore()``: a node that lacks local-tier files gets them through ``fetch`` (its writers)."""
+    kwargs: dict[str, Any] = {"per_rank_state": "restore", "process_group": process_group, "signing_key": signing_key}
+    return _from_tiers(path, model, optimizer, stateful, step, storage_options, True, kwargs, local_dir, fetch)
+
+
+def _from_tiers(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    stateful: dict[str, Any] | None,
+    step: int | None,
+    storage_options: dict[str, Any] | None,
+    verify: bool,
+    kwargs: dict[str, Any],
+    local_dir: str | os.PathLike[str] | None,
+    fetch: Fetch | None,
+) -> CheckpointInfo:
+    group, _, world = world_of(kwargs["process_group"])
 
     def read(source: str, is_root: bool) -> CheckpointInfo:
         if is_root:
             return _load_one(source, model, optimizer, stateful, step, storage_options, verify, **kwargs)
         return _load_one(source, model, optimizer, stateful, None, None, verify, **kwargs)  # one local checkpoint directory
 
-    return from_newest_tier(path, None if local_dir is None else os.fspath(local_dir), step, storage_options, group, world, read)
+    return from_newest_tier(path, None if local_dir is None else os.fspath(local_dir), step, storage_options, group, world, read, fetch)
 
 
 def _load_one(

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .. import protocol as p
 from ..errors import CheckpointExistsError, CheckpointWriteError, InternalError
@@ -38,6 +39,7 @@ from ..format.manifest import (
     parse_manifest,
     tensor_checksum,
 )
+from ..format.peers import NodeLayout
 from ..format.shards import CoveringSavePlanner, LocalShard
 from ..format.signing import sign
 from ..format.storage import BeforeCommit, CheckpointStore
@@ -45,6 +47,7 @@ from ..format.tiers import LOCAL_TIER, ROOT_TIER
 from ..hostbuf import exact_view
 from .exports import write_exports
 from .group import WriterGroup
+from .replicas import agree_on_failure, node_layout, replicate_attempt
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -93,7 +96,7 @@ def persist_snapshot(
     if group is None and all(stores[tier].is_committed(req.name) for tier in req.tiers):
         # Persisted again by the successor of a writer that died after the commit (the rename)
         # and before it answered: this run's own checkpoint of this step is a success.
-        done = [_committed_already(stores[tier], tier, req, started, purge_later, group) for tier in req.tiers]
+        done = [_committed_already(stores[tier], tier, req, started, purge_later) for tier in req.tiers]
         return _merged(done)
     slot = buffers[req.buffer_id]
     # Exact-storage views: DCP writes them in place instead of cloning each (hostbuf.exact_view).
@@ -142,10 +145,11 @@ def persist_snapshot(
     for tier in req.tiers:
         store = stores[tier]
         keep = req.local_keep if tier == LOCAL_TIER else req.keep
-        if _held_already(store, group, req):  # this run committed it here (before a writer's death, or a local-only checkpoint)
-            answers.append(_committed_already(store, tier, req, started, purge_later, group))
+        layout = node_layout(group) if tier == LOCAL_TIER else None  # a local tier on several nodes: replicated
+        if _held_already(store, group, req, layout):  # this run committed it here (before a writer's death, or a local-only checkpoint)
+            answers.append(_committed_already(store, tier, req, started, purge_later, _leads(group, layout)))
             continue
-        write = _TierWrite(store, tier, keep, group, req, manifest, algorithm, signing_key, phases)
+        write = _TierWrite(store, tier, keep, group, req, manifest, algorithm, signing_key, phases, layout)
         answers.append(write.run(state_dict, entries, global_shapes, write_threads, purge_later, started))
     agreed_window = group.agree_window(req.proposed_next_window) if group is not None else req.proposed_next_window
     if group is not None:
@@ -182,8 +186,13 @@ class _TierWrite:
         algorithm: str,
         signing_key: bytes | None,
         phases: PhaseClock,
+        layout: NodeLayout | None = None,
     ) -> None:
         self.store, self.tier, self.keep, self.group, self.req = store, tier, keep, group, req
+        # Across nodes (the local tier's peer replicas): each node's leader makes, publishes and
+        # retires its node's directory; on one node (and in the root) the coordinator does.
+        self.layout = layout
+        self.leads = _leads(group, layout)
         self.manifest, self.algorithm, self.signing_key, self.phases = manifest, algorithm, signing_key, phases
         # Laps of the root keep their names (the figures read them); the local tier's are prefixed.
         self.prefix = "" if tier == ROOT_TIER else f"{tier}."
@@ -223,22 +232,39 @@ class _TierWrite:
             wrote_manifest.append(True)
 
         try:
+            if self.layout is not None:
+                assert group is not None  # node_layout() gives one only with a group
+                _begin_on_every_node(attempt, group, self.layout)
             if req.export_formats:  # one process only (the Checkpointer refuses it distributed): whole tensors
                 written = write_exports(store, attempt.directory, req.export_formats, state_dict, req.extra_state)
                 exports.update({name: ExportRecord(**sums) for name, sums in written.items()})
             streams = _save(store, attempt.directory, state_dict, write_manifest, global_shapes, group, self.signing_key is not None, write_threads)
             if not wrote_manifest:  # a rank that does not write the manifest: its write ends here
                 phases.lap(self.prefix + "write")
-            if group is None or group.is_coordinator:
-                attempt.publish()  # the commit: every rank's shards are in place (DCP's finish ran after them)
+            if self.layout is not None:
+                # Before any node publishes: every shard on its node and its partners' (writer/replicas.py).
+                assert group is not None
+                replicate_attempt(group, self.layout, store, attempt.directory, group.spec.replica_bytes_per_s)
+                phases.lap(self.prefix + "replicas")
+            publish_failure: BaseException | None = None
+            if self.leads:
+                try:
+                    attempt.publish()  # the commit: every rank's shards are in place (DCP's finish ran after them)
+                except Exception as e:
+                    if self.layout is None:
+                        raise
+                    publish_failure = e
+            if self.layout is not None:
+                assert group is not None
+                agree_on_failure(group, publish_failure, f"publishing {store.checkpoint_url(req.name)} on every node")
         except BaseException:
-            if group is None or group.is_coordinator:
+            if self.leads:
                 _abandon(attempt)
             raise
         committed_at = time.time()
         removed: list[str] = []
         warnings: list[str] = []
-        if group is None or group.is_coordinator:  # committed: a failure from here on is a warning
+        if self.leads:  # committed: a failure from here on is a warning
             warnings = _write_latest(store, req)
             removed, retention_warnings = _retire_old(store, req, self.keep, purge_later)
             warnings += retention_warnings
@@ -286,7 +312,25 @@ def _retire_old(store: CheckpointStore, req: p.PersistRequest, keep: int | None,
     return retired, []
 
 
-def _held_already(store: CheckpointStore, group: WriterGroup | None, req: p.PersistRequest) -> bool:
+def _leads(group: WriterGroup | None, layout: NodeLayout | None) -> bool:
+    """Whether this rank makes, publishes and retires the tier's directories: its node's leader, else the coordinator."""
+    if group is None:
+        return True
+    return layout.is_leader(group.rank) if layout is not None else group.is_coordinator
+
+
+def _begin_on_every_node(attempt: Attempt, group: WriterGroup, layout: NodeLayout) -> None:
+    """The attempt's directory on every other node too (the coordinator made its own): before any rank writes there."""
+    failure: BaseException | None = None
+    if layout.is_leader(group.rank) and not group.is_coordinator:
+        try:
+            attempt.begin()
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            failure = e
+    agree_on_failure(group, failure, f"making the attempt {attempt.directory} in every node's local tier")
+
+
+def _held_already(store: CheckpointStore, group: WriterGroup | None, req: p.PersistRequest, layout: NodeLayout | None = None) -> bool:
     """Whether this run's checkpoint of this version is committed in ``store`` already (another run's: refused).
 
     A writer that died after a commit and before answering leaves one; so does a local-only
@@ -294,7 +338,7 @@ def _held_already(store: CheckpointStore, group: WriterGroup | None, req: p.Pers
     the coordinator looks, and every rank learns its verdict (a collective every rank reaches).
     """
     verdict: str | bool = False
-    if group is None or group.is_coordinator:
+    if _leads(group, layout):
         if store.is_committed(req.name):
             try:
                 manifest = parse_manifest(store.read_bytes(req.name, MANIFEST_NAME), store.checkpoint_url(req.name))
@@ -303,6 +347,8 @@ def _held_already(store: CheckpointStore, group: WriterGroup | None, req: p.Pers
                 verdict = False
             if not verdict:
                 verdict = str(already_committed(store, req.name))
+    if group is not None and layout is not None:
+        return _held_on_every_node(group, layout, req, verdict)
     if group is not None:
         verdict = group.share_from_coordinator(verdict)
     if isinstance(verdict, str):
@@ -310,8 +356,29 @@ def _held_already(store: CheckpointStore, group: WriterGroup | None, req: p.Pers
     return verdict
 
 
+def _held_on_every_node(group: WriterGroup, layout: NodeLayout, req: p.PersistRequest, verdict: str | bool) -> bool:
+    """Every node leader's verdict, on every rank: held on all nodes, on none, or refused (a collective)."""
+    gathered: list[Any] = [None] * group.world_size
+    dist.all_gather_object(gathered, verdict, group=group.group)
+    leaders = [gathered[r] for r in range(group.world_size) if layout.is_leader(r)]
+    refusals = [v for v in leaders if isinstance(v, str)]
+    if refusals:
+        raise CheckpointExistsError(refusals[0])
+    if all(leaders):
+        return True
+    if any(leaders):
+        # A writer died between two nodes' publishes: the nodes that listed it keep it, the
+        # others cannot add it now (its snapshot may be gone); this version is not written again.
+        raise CheckpointWriteError(
+            f"checkpoint {req.name} is committed in the local tier of some nodes only (nodes "
+            f"{[layout.node_of_rank[r] for r in range(group.world_size) if layout.is_leader(r) and gathered[r] is True]}); "
+            "the next checkpoint commits on every node"
+        )
+    return False
+
+
 def _committed_already(
-    store: CheckpointStore, tier: str, req: p.PersistRequest, started: float, purge_later: Retired, group: WriterGroup | None = None
+    store: CheckpointStore, tier: str, req: p.PersistRequest, started: float, purge_later: Retired, leads: bool = True
 ) -> p.CommittedResponse:
     """The answer for a checkpoint this run committed already (a writer died before answering); else refused."""
     where = store.checkpoint_url(req.name)
@@ -323,7 +390,7 @@ def _committed_already(
         raise already_committed(store, req.name)
     warnings: list[str] = []
     removed: list[str] = []
-    if group is None or group.is_coordinator:
+    if leads:
         warnings = _write_latest(store, req)
         removed, retention_warnings = _retire_old(store, req, req.local_keep if tier == LOCAL_TIER else req.keep, purge_later)
         warnings += retention_warnings

@@ -31,6 +31,7 @@ from ..qualname import import_qualified
 from .group import WriterGroup
 from .persist import persist_snapshot
 from .preempt_watch import PreemptionWatch
+from .replicas import fetch_into_tier
 
 # How often an idle writer of a distributed run looks for checkpoints other ranks claimed.
 _IDLE_CHECK_S = 0.5
@@ -244,6 +245,11 @@ def _serve_requests(conn: Connection, fd_sock: socket.socket, state: _WriterStat
                 state.plans[req.plan_id] = req
             elif isinstance(req, p.PersistRequest):
                 _persist(conn, state, req)
+            elif isinstance(req, p.FetchFilesRequest):
+                if state.group is None or state.local_store is None:
+                    raise TypeError("FetchFilesRequest is for the writers of a distributed run with a local tier")
+                received = fetch_into_tier(state.group, state.local_store, req.name, req.copies, req.run_id)
+                _send(conn, p.FetchedResponse(request_id=req.request_id, nbytes=received))
             else:
                 raise TypeError(f"unknown request {type(req).__name__}")
         except (KeyboardInterrupt, SystemExit):

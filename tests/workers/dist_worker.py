@@ -543,7 +543,8 @@ def local_tier(kind: str, out: str) -> dict[str, Any]:
     rank = dist.get_rank()
     steps = STEPS + 3
     path, local = os.path.join(out, "tiered"), os.path.join(out, "tiered-local")
-    # Rank 1 on "another node" (its host name told apart): the local tier is refused on every rank, naming both hosts.
+    # Rank 1 on "another node" (its host name told apart): 2 nodes cannot hold 2 replicas besides each shard's
+    # own node, so local_replicas=2 is refused on every rank, before anything is written to the tier.
     import socket
 
     real_hostname = socket.gethostname
@@ -552,7 +553,9 @@ def local_tier(kind: str, out: str) -> dict[str, Any]:
     refused = None
     try:
         model, opt = build(kind)
-        Checkpointer(model, opt, os.path.join(out, "two-hosts"), local_every=2, local_dir=os.path.join(out, "two-hosts-local")).close()
+        Checkpointer(
+            model, opt, os.path.join(out, "two-hosts"), local_every=2, local_replicas=2, local_dir=os.path.join(out, "two-hosts-local")
+        ).close()
     except ConfigError as e:
         refused = str(e)
     finally:

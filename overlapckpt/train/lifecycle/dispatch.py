@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -90,6 +91,7 @@ class PersistDispatcher:
         self.lost_to_regroup = 0  # checkpoints a distributed run lost to a writer's replacement
         self.lost_mid_replay = 0  # checkpoints whose writer died while it replayed them in place
         self.agreed_window: int | None = None  # window="auto" in a distributed run: what the writers agreed
+        self._fetch_ids = itertools.count(-1, -1)  # a restore's fetches: negative, so never a snapshot's request id
 
     @property
     def in_flight(self) -> int:
@@ -166,6 +168,18 @@ class PersistDispatcher:
             self.fail(e)
             return
         self._handle(response)
+
+    def fetch_replicas(self, name: str, copies: tuple[p.FileCopy, ...], run_id: str, timeout_s: float) -> int:
+        """At a restore (nothing in flight): the writers copy ``name``'s files a node lacks from partner nodes; bytes received."""
+        request_id = next(self._fetch_ids)
+        self.link.writer.send(p.FetchFilesRequest(request_id=request_id, name=name, copies=copies, run_id=run_id))
+        while True:
+            response = self.link.writer.wait_response(timeout_s)
+            if isinstance(response, p.FetchedResponse) and response.request_id == request_id:
+                return response.nbytes
+            if isinstance(response, p.ErrorResponse) and response.request_id == request_id:
+                raise writer_error(response, f"fetching checkpoint {name}'s files from partner nodes")
+            self._handle(response)
 
     def busy_reason(self) -> str:
         """Why no host slot is free, for the deferral warning: the oldest checkpoint still persisting."""

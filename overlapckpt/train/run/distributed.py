@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...errors import ConfigError
+from ...format.peers import node_key
 from ...writer.group import WriterGroupSpec
 from ...writer.sealed_store import new_store_key
 from ..copying.layout import CheckpointScope
@@ -124,10 +125,10 @@ def set_up_distributed(
     return DistributedRun(scope=scope, group=group, writer_spec=spec, store=store)
 
 
-def hosts_of(group: Any) -> list[str]:
-    """Each rank's host name, by rank (collective: construction only)."""
+def node_keys_of(group: Any) -> list[str]:
+    """Each rank's node (host name and network namespace, ``format/peers.py``), by rank (collective: construction only)."""
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, socket.gethostname(), group=group)
+    dist.all_gather_object(gathered, node_key(), group=group)
     return [str(h) for h in gathered]
 
 

@@ -239,8 +239,8 @@ class WriterClient:
 
 # Requests the writer answers, and the answers: the engine polls the pipe only while
 # one is outstanding or a snapshot is in flight (an idle poll costs ~13 us per hook).
-_ANSWERED_REQUESTS = (p.MapBufferRequest, p.PersistRequest)
-_ANSWERS = (p.ReadyResponse, p.MappedResponse, p.CommittedResponse)
+_ANSWERED_REQUESTS = (p.MapBufferRequest, p.PersistRequest, p.FetchFilesRequest)
+_ANSWERS = (p.ReadyResponse, p.MappedResponse, p.CommittedResponse, p.FetchedResponse)
 
 
 def writer_error(response: p.ErrorResponse, what: str) -> OverlapCkptError:

@@ -1,0 +1,168 @@
+"""The local tier on 2 nodes x 2 ranks: peer replicas, and a restore that reaches the newest complete version.
+
+Two "nodes" are two network namespaces (``netns_hosts.py``); each runs torchrun with 2
+ranks, and its tier is a directory of its own. One run of ``first`` (DDP, AdamW, a
+local-tier checkpoint at steps 3 and 6, the root at step 6, trained on to step 8 and
+then gone without closing, as a killed job) is the uninterrupted twin of every resume:
+
+1. node 1's tier wiped and the root moved away (an empty root in its place, so a read
+   from it finds nothing): every rank resumes version 6 from the local tier, node 1
+   through its partners' replicas, and steps 7 and 8 match the twin bit for bit;
+2. a replica on node 0 corrupted: refused with a warning naming the file, and the root
+   is read;
+3. the root newer than the tiers (their step 6 removed): the root wins;
+4. both tiers lost: the job resumes from the root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import torch
+
+from overlapckpt.format.manifest import MANIFEST_NAME, step_of_name
+
+from netns_hosts import two_hosts
+
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "tier_nodes_worker.py")
+LAUNCH_TIMEOUT_S = 300
+FIRST_PORT = 29531  # fresh namespaces: every port free; each launch takes the next
+WORLD = 4
+
+
+def _launch(hosts: list[tuple[str, str, str]], phase: str, out: str, root: str, tiers: str, port: int) -> list[dict[str, Any]]:
+    os.makedirs(out, exist_ok=True)
+    procs = []
+    for node, (ns, ifname, _) in enumerate(hosts):
+        env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=ifname, TORCHELASTIC_ERROR_FILE="")
+        command = [
+            "ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+            "--node-rank", str(node), "--master-addr", hosts[0][2], "--master-port", str(port), WORKER, phase, out, root, tiers,
+        ]
+        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
+    outputs = []
+    try:
+        outputs = [p.communicate(timeout=LAUNCH_TIMEOUT_S)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    results = []
+    for rank in range(WORLD):
+        path = os.path.join(out, f"{phase}-rank{rank}.json")
+        assert os.path.exists(path), f"{phase}: rank {rank} wrote no result:\n" + "\n".join(o[-4000:] for o in outputs)
+        with open(path) as f:
+            result = json.load(f)
+        assert "crashed" not in result, result["crashed"]
+        results.append(result)
+    return results
+
+
+def _final_state(out: str, phase: str, rank: int) -> dict[str, Any]:
+    return torch.load(os.path.join(out, f"{phase}-rank{rank}.pt"), weights_only=True)
+
+
+def _assert_equal_states(a: Any, b: Any, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_equal_states(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for k, (x, y) in enumerate(zip(a, b)):
+            _assert_equal_states(x, y, f"{where}[{k}]")
+    else:
+        assert a == b, where
+
+
+def _assert_matches_twin(results: list[dict[str, Any]], out: str, phase: str, twin: list[dict[str, Any]], twin_out: str) -> None:
+    for rank, result in enumerate(results):
+        assert result["losses"] == {k: v for k, v in twin[rank]["losses"].items() if int(k) > 6}, (phase, rank)
+        _assert_equal_states(_final_state(out, phase, rank), _final_state(twin_out, "first", rank), f"{phase} rank {rank}")
+
+
+def _checkpoint_dir(tiers: str, node: int, step: int) -> str:
+    (name,) = [n for n in os.listdir(os.path.join(tiers, f"node{node}")) if step_of_name(n) == step]
+    return os.path.join(tiers, f"node{node}", name)
+
+
+def test_two_nodes_replicate_the_local_tier_and_resume_from_the_newest_reachable_version(tmp_path):
+    root, tiers = str(tmp_path / "root"), str(tmp_path / "tiers")
+    with two_hosts() as hosts:
+        port = iter(range(FIRST_PORT, FIRST_PORT + 10))
+        twin_out = str(tmp_path / "first")
+        twin = _launch(hosts, "first", twin_out, root, tiers, next(port))
+
+        # Every node's tier holds step 6 whole: its ranks' shards and its partner's (R=1 on 2 nodes).
+        for rank, result in enumerate(twin):
+            # One answer per checkpoint, naming the last tier it went to: step 6 went to both.
+            committed = [(step, path.startswith(tiers)) for step, path in result["committed"]]
+            assert committed == [(3, True), (6, False)], (rank, result["committed"])
+        shard_sets = []
+        for node in (0, 1):
+            directory = _checkpoint_dir(tiers, node, 6)
+            shards = sorted(n for n in os.listdir(directory) if n.endswith(".distcp"))
+            assert {n.split("_")[2] for n in shards} == {str(r) for r in range(WORLD)}, (node, shards)  # __<rank>_<n>.distcp
+            assert {".metadata", MANIFEST_NAME} <= set(os.listdir(directory)), (node, os.listdir(directory))
+            shard_sets.append({n: open(os.path.join(directory, n), "rb").read() for n in shards})
+        assert shard_sets[0] == shard_sets[1]  # the replicas are the very bytes their rank wrote
+
+        # 1. Node 1 replaced (its tier wiped); the root unreachable: an empty root in its place.
+        shutil.rmtree(os.path.join(tiers, "node1"))
+        aside = root + ".aside"
+        os.rename(root, aside)
+        out = str(tmp_path / "replaced")
+        resumed = _launch(hosts, "resume", out, root, tiers, next(port))
+        for rank, result in enumerate(resumed):
+            node = result["node"]
+            assert result["restored_step"] == 6, (rank, result)
+            assert result["restored_path"] == _checkpoint_dir(tiers, node, 6), (rank, result["restored_path"])
+            assert not result["warnings"], (rank, result["warnings"])
+        assert any("fetched" in line and "partner nodes" in line for r in resumed for line in r["log"]), [r["log"] for r in resumed]
+        _assert_matches_twin(resumed, out, "resume", twin, twin_out)
+        shutil.rmtree(root)
+        os.rename(aside, root)
+
+        # 2. A corrupt replica on node 0 (rank 2's largest shard there): refused by name, then the root.
+        directory = _checkpoint_dir(tiers, 0, 6)
+        victim = max((n for n in os.listdir(directory) if n.startswith("__2_") or n.startswith("__3_")), key=lambda n: os.path.getsize(os.path.join(directory, n)))
+        with open(os.path.join(directory, victim), "r+b") as f:
+            f.seek(os.path.getsize(os.path.join(directory, victim)) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        out = str(tmp_path / "corrupt")
+        resumed = _launch(hosts, "resume", out, root, tiers, next(port))
+        for rank, result in enumerate(resumed):
+            assert result["restored_step"] == 6 and result["restored_path"].startswith(root), (rank, result["restored_path"])
+            assert any("refused" in w and "restoring from the root" in w for w in result["warnings"]), (rank, result["warnings"])
+        assert any(victim in w for r in resumed for w in r["warnings"]), [r["warnings"] for r in resumed]
+        _assert_matches_twin(resumed, out, "resume", twin, twin_out)
+
+        # 3. The root newer than every tier (their step 6 gone, step 3 left): the root wins.
+        for node in (0, 1):
+            shutil.rmtree(_checkpoint_dir(tiers, node, 6))
+        out = str(tmp_path / "root-newer")
+        resumed = _launch(hosts, "resume", out, root, tiers, next(port))
+        for rank, result in enumerate(resumed):
+            assert result["restored_step"] == 6 and result["restored_path"].startswith(root), (rank, result["restored_path"])
+        assert any("newer than the local tiers" in line for r in resumed for line in r["log"])
+        _assert_matches_twin(resumed, out, "resume", twin, twin_out)
+
+        # 4. Both nodes' tiers lost: the root.
+        shutil.rmtree(tiers)
+        out = str(tmp_path / "both-lost")
+        resumed = _launch(hosts, "resume", out, root, tiers, next(port))
+        for rank, result in enumerate(resumed):
+            assert result["restored_step"] == 6 and result["restored_path"].startswith(root), (rank, result["restored_path"])
+        _assert_matches_twin(resumed, out, "resume", twin, twin_out)
+
