@@ -54,6 +54,7 @@ def _launch(hosts: list[tuple[str, str, str]], phase: str, out: str, root: str, 
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+        _kill_processes_naming(out)
     results = []
     for rank in range(WORLD):
         path = os.path.join(out, f"{phase}-rank{rank}.json")
@@ -63,6 +64,19 @@ def _launch(hosts: list[tuple[str, str, str]], phase: str, out: str, root: str, 
         assert "crashed" not in result, result["crashed"]
         results.append(result)
     return results
+
+
+def _kill_processes_naming(out: str) -> None:
+    """SIGKILL whatever of this launch outlived its agents: torchrun starts each worker in a session of its own,
+    so a killed agent leaves its workers (and their writers) running, holding the output pipe open."""
+    needle = out.encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if needle in f.read():
+                    os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            continue
 
 
 def _final_state(out: str, phase: str, rank: int) -> dict[str, Any]:
