@@ -22,7 +22,7 @@ from .format.signing import resolve_key
 from .format.storage import CheckpointStore
 from .optimizers import torch_optimizers, unwrap_optimizer
 from .protocol import FileCopy
-from .restore.pipeline import load, load_fetching_replicas
+from .restore.pipeline import load_fetching_replicas
 from .restore_marks import take_restore_mark
 from .settings import (
     DEFAULT_LOCAL_KEEP,
@@ -387,25 +387,12 @@ class Checkpointer:
         optimizer to create its state.
         """
         with self.steps_not_counted():
-            if self._distributed is not None and self.local_dir is not None:
-                # Across nodes, a node that lacks the local tier's newest files gets them from a
-                # partner's replica, through the writers (restore/tiers.py, writer/replicas.py).
-                info = load_fetching_replicas(
-                    self._fetch_replicas, self.path, self.model, self.optimizer, self.stateful, step, self.storage_options,
-                    process_group=self.process_group, signing_key=self._signing_key, local_dir=self.local_dir,
-                )
-            else:
-                info = load(
-                    self.path,
-                    self.model,
-                    self.optimizer,
-                    self.stateful,
-                    step,
-                    self.storage_options,
-                    process_group=self.process_group,
-                    signing_key=self._signing_key,
-                    local_dir=self.local_dir,
-                )
+            # load() on this Checkpointer's objects; across nodes, a node that lacks the local tier's
+            # newest files gets them from a partner's replica through the writers (restore/tiers.py).
+            info = load_fetching_replicas(
+                self._fetch_replicas, self.path, self.model, self.optimizer, self.stateful, step, self.storage_options,
+                process_group=self.process_group, signing_key=self._signing_key, local_dir=self.local_dir,
+            )
         self._continue_after_load(info)
         return info
 

@@ -94,9 +94,10 @@ def load_fetching_replicas(
     *,
     process_group: Any,
     signing_key: str | bytes | None,
-    local_dir: str,
+    local_dir: str | None,
 ) -> CheckpointInfo:
-    """``load`` for ``Checkpointer.restore()``: a node that lacks local-tier files gets them through ``fetch`` (its writers)."""
+    """``load`` (verified, per-rank state restored) for ``Checkpointer.restore()`` and TorchTitan's resume: across
+    nodes, a node that lacks local-tier files gets them through ``fetch`` (the writers); in one process it is never called."""
     kwargs: dict[str, Any] = {"per_rank_state": "restore", "process_group": process_group, "signing_key": signing_key}
     return _from_tiers(path, model, optimizer, stateful, step, storage_options, True, kwargs, local_dir, fetch)
 

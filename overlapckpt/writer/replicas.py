@@ -186,8 +186,6 @@ def fetch_into_tier(group: WriterGroup, store: CheckpointStore, name: str, copie
         if receiving and not store.is_committed(name):
             attempt = Attempt(store, name, run_id, new_attempt_id(run_id))
             attempt.begin()
-    except (OSError, CheckpointWriteError) as e:
-        failure = e
     except Exception as e:  # noqa: BLE001 - reported on every rank below, never left one rank behind
         failure = e
     agree_on_failure(group, failure, f"preparing to fetch checkpoint {name} into the local tiers")
