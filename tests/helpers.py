@@ -225,10 +225,14 @@ def launch_ranks(worker: str, scenario: str, world_size: int, out: str, timeout_
         for p in procs:
             if p.poll() is None:
                 p.kill()
+    return read_rank_results([os.path.join(out, f"rank{rank}.json") for rank in range(world_size)], outputs)
+
+
+def read_rank_results(paths: list[str], outputs: list[str]) -> list[dict]:
+    """Each rank's result file, by rank; AssertionError naming a rank that wrote none (with the launch's output) or crashed."""
     results = []
-    for rank in range(world_size):
-        path = os.path.join(out, f"rank{rank}.json")
-        assert os.path.exists(path), f"rank {rank} wrote no result:\n" + "\n".join(o[-3000:] for o in outputs)
+    for rank, path in enumerate(paths):
+        assert os.path.exists(path), f"rank {rank} wrote no result ({path}):\n" + "\n".join(o[-3000:] for o in outputs)
         with open(path) as f:
             result = json.load(f)
         assert "crashed" not in result, result.get("crashed")

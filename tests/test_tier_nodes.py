@@ -16,7 +16,6 @@ then gone without closing, as a killed job) is the uninterrupted twin of every r
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -28,6 +27,7 @@ import torch
 
 from overlapckpt.format.manifest import MANIFEST_NAME, step_of_name
 
+from helpers import read_rank_results
 from netns_hosts import two_hosts
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "tier_nodes_worker.py")
@@ -55,15 +55,7 @@ def _launch(hosts: list[tuple[str, str, str]], phase: str, out: str, root: str, 
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         _kill_processes_naming(out)
-    results = []
-    for rank in range(WORLD):
-        path = os.path.join(out, f"{phase}-rank{rank}.json")
-        assert os.path.exists(path), f"{phase}: rank {rank} wrote no result:\n" + "\n".join(o[-4000:] for o in outputs)
-        with open(path) as f:
-            result = json.load(f)
-        assert "crashed" not in result, result["crashed"]
-        results.append(result)
-    return results
+    return read_rank_results([os.path.join(out, f"{phase}-rank{rank}.json") for rank in range(WORLD)], outputs)
 
 
 def _kill_processes_naming(out: str) -> None:

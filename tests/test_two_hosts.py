@@ -12,11 +12,11 @@ they cannot be made, the test is skipped, naming the command that failed and why
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 
+from helpers import read_rank_results
 from netns_hosts import two_hosts
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "dist_worker.py")
@@ -44,13 +44,7 @@ def test_writers_rendezvous_across_two_network_namespaces(tmp_path):
             for p in procs:
                 if p.poll() is None:
                     p.kill()
-    results = []
-    for rank in range(2):
-        path = tmp_path / f"rank{rank}.json"
-        assert path.exists(), f"rank {rank} wrote no result:\n" + "\n".join(o[-3000:] for o in outputs)
-        result = json.loads(path.read_text())
-        assert "crashed" not in result, result.get("crashed")
-        results.append(result)
+    results = read_rank_results([str(tmp_path / f"rank{rank}.json") for rank in range(2)], outputs)
     addresses = {address for _, _, address in hosts}
     for rank, result in enumerate(results):
         assert result["committed"] == [2], (rank, result)
