@@ -12,6 +12,10 @@ from typing import Any
 from .format.entries import TensorEntry
 from .format.manifest import CheckpointInfo
 
+# How long a writer whose collective failed waits for a replacement writer to open the next
+# generation of the writers' group before it reports the failure as it is (writer/group.py).
+REGROUP_WAIT_S = 60.0
+
 
 @dataclass(frozen=True)
 class WriterGroupSpec:
@@ -38,6 +42,19 @@ class WriterGroupSpec:
     node_of_rank: tuple[int, ...] = ()
     local_replicas: int = 0
     replica_bytes_per_s: float = 0.0
+
+    @property
+    def regroup_join_timeout_s(self) -> float:
+        """How long a writer waits for every writer to join a generation after the first.
+
+        A live writer leaves the old group when its collective there fails. A peer that
+        died fails it at once, but a peer that already left may still hold its connections
+        (its group not yet freed), and then the collective fails only at the collective
+        timeout. So joiners wait two collective timeouts (the one in flight, and one more
+        for a writer that had just started another) plus a replacement's start. A join that
+        gave up sooner left the late writer alone, and every checkpoint after it failed.
+        """
+        return 2 * self.timeout_s + REGROUP_WAIT_S
 
 
 @dataclass

@@ -12,6 +12,9 @@ then gone without closing, as a killed job) is the uninterrupted twin of every r
    is read;
 3. the root newer than the tiers (their step 6 removed): the root wins;
 4. both tiers lost: the job resumes from the root.
+
+And a writer killed while replicas are being sent (``kill``): that version is listed on
+no node, the writers regroup around its replacement, and the next version commits on both.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from typing import Any
 import torch
 
 from overlapckpt.format.manifest import MANIFEST_NAME, step_of_name
+from overlapckpt.format.storage import CheckpointStore
 
-from helpers import read_rank_results
+from helpers import read_child_line, read_rank_results
 from netns_hosts import two_hosts
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "tier_nodes_worker.py")
@@ -36,25 +40,45 @@ FIRST_PORT = 29531  # fresh namespaces: every port free; each launch takes the n
 WORLD = 4
 
 
-def _launch(hosts: list[tuple[str, str, str]], phase: str, out: str, root: str, tiers: str, port: int) -> list[dict[str, Any]]:
+def _start(hosts: list[tuple[str, str, str]], phase: str, out: str, root: str, tiers: str, port: int) -> list[subprocess.Popen]:
+    """Each node's torchrun agent (2 ranks of ``WORKER``), in its namespace; stdout and stderr in one binary pipe."""
     os.makedirs(out, exist_ok=True)
     procs = []
     for node, (ns, ifname, _) in enumerate(hosts):
-        env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=ifname, TORCHELASTIC_ERROR_FILE="")
+        env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=ifname, TORCHELASTIC_ERROR_FILE="", PYTHONUNBUFFERED="1")
         command = [
             "ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
             "--node-rank", str(node), "--master-addr", hosts[0][2], "--master-port", str(port), WORKER, phase, out, root, tiers,
         ]
-        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
+        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
+    return procs
+
+
+def _finish(procs: list[subprocess.Popen], phase: str, out: str, started: tuple[str, ...] = ()) -> list[str]:
+    """Each agent's whole output (after ``started``, what was read of it already), once both ended."""
     outputs = []
     try:
-        outputs = [p.communicate(timeout=LAUNCH_TIMEOUT_S)[0] for p in procs]
+        outputs = [p.communicate(timeout=LAUNCH_TIMEOUT_S)[0].decode(errors="replace") for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGKILL)
+        _kill_processes_naming(out)  # the workers hold the output pipes open
+        outputs = [p.communicate(timeout=30)[0].decode(errors="replace") for p in procs]
+        for node, output in enumerate(outputs):
+            with open(os.path.join(out, f"node{node}.log"), "w") as f:
+                f.write(output)
+        raise AssertionError(f"{phase}: the job did not end within {LAUNCH_TIMEOUT_S} s") from None
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         _kill_processes_naming(out)
+    return [before + after for before, after in zip(started or ("",) * len(outputs), outputs)]
+
+
+def _launch(hosts: list[tuple[str, str, str]], phase: str, out: str, root: str, tiers: str, port: int) -> list[dict[str, Any]]:
+    outputs = _finish(_start(hosts, phase, out, root, tiers, port), phase, out)
     return read_rank_results([os.path.join(out, f"{phase}-rank{rank}.json") for rank in range(WORLD)], outputs)
 
 
@@ -172,3 +196,63 @@ def test_two_nodes_replicate_the_local_tier_and_resume_from_the_newest_reachable
             assert result["restored_step"] == 6 and result["restored_path"].startswith(root), (rank, result["restored_path"])
         _assert_matches_twin(resumed, out, "resume", twin, twin_out)
 
+
+
+def test_a_writer_killed_while_replicas_are_sent_leaves_that_version_unlisted_and_the_next_commits(tmp_path):
+    # Rank 3 SIGKILLs its own writer once a replica file is arriving on its node. Before the
+    # writers freed their old group on a regroup, 7 runs in 10 failed here: a writer whose
+    # peer had already left waited out the collective timeout in the old group, and the
+    # others gave up joining the new one before it came (writer/group.py, regroup).
+    root, tiers = str(tmp_path / "root"), str(tmp_path / "tiers")
+    with two_hosts() as hosts:
+        out = str(tmp_path / "kill")
+        results = _launch(hosts, "kill", out, root, tiers, FIRST_PORT + 20)
+    assert results[3]["killed"], "no replica was seen arriving on rank 3's node: the writer was never killed"
+    assert results[3]["restarts"] == 1, results[3]
+    for rank, result in enumerate(results):
+        assert [step for step, _ in result["committed"]] == [4], (rank, result)
+    for node in (0, 1):
+        listed = CheckpointStore(os.path.join(tiers, f"node{node}")).committed_names()
+        assert [step_of_name(n) for n in listed] == [4], (node, listed)  # version 2 never listed, on either node
+        directory = _checkpoint_dir(tiers, node, 4)
+        shards = {n.split("_")[2] for n in os.listdir(directory) if n.endswith(".distcp")}
+        assert shards == {str(r) for r in range(WORLD)}, (node, os.listdir(directory))
+        assert not [n for n in os.listdir(directory) if n.endswith(".replica-part")]
+
+
+def test_a_preemption_lifts_the_replicas_rate_cap_so_its_checkpoint_reaches_every_node_within_the_grace(tmp_path):
+    # Replicas are capped at 1 KiB/s here: a rank's ~200 KiB shard would take minutes, far
+    # beyond the grace (TORCH_ELASTIC_SHUTDOWN_TIMEOUT 30 s, less a margin). Before the cap
+    # was lifted on a preemption, the last checkpoint never reached the tiers (nor the root
+    # after them) within it, and the job exited without one.
+    root, tiers = str(tmp_path / "root"), str(tmp_path / "tiers")
+    out = str(tmp_path / "preempt")
+    with two_hosts() as hosts:
+        procs = _start(hosts, "preempt", out, root, tiers, FIRST_PORT + 30)
+        started = []
+        try:
+            for p in procs:  # each node's 2 ranks are training
+                lines = [read_child_line(p, timeout_s=LAUNCH_TIMEOUT_S) for _ in range(2)]
+                while sum("READY" in line for line in lines) < 2:
+                    lines.append(read_child_line(p, timeout_s=LAUNCH_TIMEOUT_S))
+                started.append("".join(lines))
+        except BaseException:
+            for p in procs:
+                os.killpg(p.pid, signal.SIGKILL)
+            _kill_processes_naming(out)
+            raise
+        for p in procs:
+            p.send_signal(signal.SIGTERM)  # each node's agent, as a scheduler preempting the job does; it forwards it to its ranks
+        outputs = _finish(procs, "preempt", out, tuple(started))
+    results = read_rank_results([os.path.join(out, f"preempt-rank{rank}.json") for rank in range(WORLD)], outputs)
+    steps = {r["last_step"] for r in results}
+    assert len(steps) == 1, results  # every rank stopped at the agreed step
+    (agreed,) = steps
+    for rank, result in enumerate(results):
+        assert result["local"] == [agreed], (rank, result)  # the local tier first, on every node
+        assert result["root"] == [agreed], (rank, result)  # and the root within the grace too
+    for node in (0, 1):
+        directory = _checkpoint_dir(tiers, node, agreed)
+        shards = {n.split("_")[2] for n in os.listdir(directory) if n.endswith(".distcp")}
+        assert shards == {str(r) for r in range(WORLD)}, (node, os.listdir(directory))  # every shard on both nodes
+    assert not any("forcefully exiting via" in o for o in outputs), [o[-3000:] for o in outputs]  # no rank outlived the grace

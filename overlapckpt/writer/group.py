@@ -29,6 +29,7 @@ Per checkpoint, in this order:
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from datetime import timedelta
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from ..errors import CheckpointWriteError, RankDisagreementError
 from ..format.manifest import RankSection
 from ..format.shards import forget_cached_plans
-from ..protocol import WriterGroupSpec
+from ..protocol import REGROUP_WAIT_S, WriterGroupSpec
 from .claims import ClaimBoard
 from .sealed_store import SealedStore
 
@@ -48,9 +49,6 @@ log = logging.getLogger("overlapckpt")
 # The store counter of the writers' generations: a replacement writer adds 1, every live
 # writer follows it into the new generation's group (``regroup``).
 GENERATION_KEY = "generation"
-# How long a writer whose collective failed waits for a replacement writer to open the
-# next generation before it reports the failure as it is (capped by the collective timeout).
-REGROUP_WAIT_S = 60.0
 _REGROUP_POLL_S = 0.1
 # A checkpoint lost to a regroup, by name: a replacement writer that is handed it refuses it
 # too, so that no rank waits for a claim the others will never make.
@@ -115,14 +113,24 @@ class WriterGroup:
 
     def _join(self) -> None:
         self.claims = self._claim_board()
-        dist.init_process_group(
-            "gloo",
-            store=dist.PrefixStore(self._where() + "pg/", self._base),
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=self._timeout,
-        )
+        # The first generation's writers start together; a later one's join while others
+        # are still failing out of the old group (WriterGroupSpec.regroup_join_timeout_s).
+        # Gloo's rendezvous waits on the store under the store's timeout, and connects under the group's.
+        join = self._timeout if self.generation == 0 else timedelta(seconds=self.spec.regroup_join_timeout_s)
+        self._base.set_timeout(join)
+        try:
+            dist.init_process_group(
+                "gloo",
+                store=dist.PrefixStore(self._where() + "pg/", self._base),
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=join,
+            )
+        finally:
+            self._base.set_timeout(self._timeout)
         self.group = dist.group.WORLD
+        if join != self._timeout:
+            _set_group_timeout(self._timeout, self.group)  # every collective after the join: the collective timeout
 
     def reconnect(self) -> None:
         """A new client connection to the store, after a store error (the group's own connections are gloo's)."""
@@ -143,10 +151,17 @@ class WriterGroup:
         return current > self.generation
 
     def regroup(self) -> None:
-        """Leave this generation's group and join the newest one (blocks until every writer has joined)."""
+        """Leave this generation's group and join the newest one (blocks until every writer has joined).
+
+        Call it with no exception of the old group in hand: its traceback holds the group,
+        and a group still held keeps its connections open, so a peer waiting on this writer
+        in the old group waits out the collective timeout instead of failing at once.
+        """
+        self.group = None
         if dist.is_initialized():
             dist.destroy_process_group()
         forget_cached_plans()  # the new group's ranks plan afresh, the replacement has no cache
+        gc.collect()  # the group's last references may sit in cycles: its connections close now
         self.generation = self._run_keys.increment(GENERATION_KEY, 0)
         self._join()
 
@@ -228,3 +243,13 @@ class WriterGroup:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _set_group_timeout(timeout: timedelta, group: Any) -> None:
+    # torch's private setter, in every release this runs on (2.11 on the GPU machine, 2.13 here);
+    # where it is missing, the group keeps the join's longer timeout, which only delays an error.
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:
+        log.debug("overlapckpt: torch has no _set_pg_timeout; the writers' group keeps its join timeout")
+        return
+    setter(timeout, group)

@@ -70,6 +70,7 @@ def persist_snapshot(
     on_replay: Callable[[bool], None] | None = None,
     purge_later: Retired | None = None,
     replay_tables: p.ReplayTables | None = None,
+    unpaced: Callable[[], bool] | None = None,
 ) -> p.CommittedResponse:
     """Persist one snapshot and commit it in each of its tiers (``req.tiers``, in order); the answer for the training side.
 
@@ -149,7 +150,7 @@ def persist_snapshot(
         if _held_already(store, group, req, layout):  # this run committed it here (before a writer's death, or a local-only checkpoint)
             answers.append(_committed_already(store, tier, req, started, purge_later, _leads(group, layout)))
             continue
-        write = _TierWrite(store, tier, keep, group, req, manifest, algorithm, signing_key, phases, layout)
+        write = _TierWrite(store, tier, keep, group, req, manifest, algorithm, signing_key, phases, layout, unpaced)
         answers.append(write.run(state_dict, entries, global_shapes, write_threads, purge_later, started))
     agreed_window = group.agree_window(req.proposed_next_window) if group is not None else req.proposed_next_window
     if group is not None:
@@ -187,11 +188,13 @@ class _TierWrite:
         signing_key: bytes | None,
         phases: PhaseClock,
         layout: NodeLayout | None = None,
+        unpaced: Callable[[], bool] | None = None,
     ) -> None:
         self.store, self.tier, self.keep, self.group, self.req = store, tier, keep, group, req
         # Across nodes (the local tier's peer replicas): each node's leader makes, publishes and
         # retires its node's directory; on one node (and in the root) the coordinator does.
         self.layout = layout
+        self.unpaced = unpaced  # while it says so (a preemption), replicas go at full speed
         self.leads = _leads(group, layout)
         self.manifest, self.algorithm, self.signing_key, self.phases = manifest, algorithm, signing_key, phases
         # Laps of the root keep their names (the figures read them); the local tier's are prefixed.
@@ -244,7 +247,7 @@ class _TierWrite:
             if self.layout is not None:
                 # Before any node publishes: every shard on its node and its partners' (writer/replicas.py).
                 assert group is not None
-                replicate_attempt(group, self.layout, store, attempt.directory, group.spec.replica_bytes_per_s)
+                replicate_attempt(group, self.layout, store, attempt.directory, group.spec.replica_bytes_per_s, self.unpaced)
                 phases.lap(self.prefix + "replicas")
             publish_failure: BaseException | None = None
             if self.leads:

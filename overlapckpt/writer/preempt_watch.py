@@ -71,6 +71,10 @@ class PreemptionWatch:
         self.thread = threading.Thread(target=self._run, name="overlapckpt-preempt-watch", daemon=True)
         self.thread.start()
 
+    def under_way(self) -> bool:
+        """Whether some rank's preemption signal is known here (``HOLD`` set): its checkpoint is the last, and urgent."""
+        return self.page.read(HOLD) != 0
+
     def _connect(self) -> SealedStore:
         base = dist.TCPStore(self.spec.store_host, self.spec.store_port, is_master=False, timeout=timedelta(seconds=self.spec.timeout_s))
         prefix = run_keys_prefix(self.spec) + "preempt/"

@@ -69,7 +69,12 @@ class _WriterState:
             replay_tables=plan.replay_tables,
             on_replay=lambda finished: _send(conn, p.ReplayProgressNotice(req.request_id, finished)),
             purge_later=purge_later,
+            unpaced=self.preempting,
         )
+
+    def preempting(self) -> bool:
+        """A preemption is under way: the replicas of its checkpoint go at full speed (replicas.py)."""
+        return self.preemption is not None and self.preemption.under_way()
 
 
     def tier_stores(self) -> dict[str, CheckpointStore]:
@@ -108,25 +113,30 @@ def _persist(conn: Connection, state: _WriterState, req: p.PersistRequest) -> No
             _send(conn, _error_response(req.request_id, _lost(req.name, group.generation, "the replaced writer's rank lost it")))
             return
         purge_later: list[tuple[CheckpointStore, str]] = []
+        lost_because: str | None = None
         try:
             _send(conn, state.persist(req, conn, purge_later))
+            return
         except BaseException as e:
             cause = dcp_root_cause(e)
             if group is None:
                 raise
-            if isinstance(cause, WritersRegroupedError):  # moved while agreeing: nothing is written yet
-                group.regroup()
-                continue
-            if not group.regroups_after(cause):
-                raise
-            group.mark_lost(req.name)  # before regrouping: the replacement refuses it too
-            group.regroup()
-            _send(conn, _error_response(req.request_id, _lost(req.name, group.generation, f"{type(e).__name__}: {e}")))
-            return
+            if not isinstance(cause, WritersRegroupedError):  # moved while agreeing: nothing is written yet
+                if not group.regroups_after(cause):
+                    raise
+                group.mark_lost(req.name)  # before regrouping: the replacement refuses it too
+                lost_because = f"{type(e).__name__}: {e}"
+            del cause
         finally:
             # Retired before the answer (uncommitted, out of the listing), deleted now, whatever
             # happened after: unlinking them is not the commit's time, and never skipped.
             _purge(purge_later)
+        # Out of the except block: the old group's exception is gone, so regroup() frees the
+        # old group and its connections close at once (group.py, regroup).
+        group.regroup()
+        if lost_because is None:
+            continue  # agreed again in the new group
+        _send(conn, _error_response(req.request_id, _lost(req.name, group.generation, lost_because)))
         return
 
 

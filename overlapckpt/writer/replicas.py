@@ -15,7 +15,10 @@ gloo group (``group.py``), so they share no communicator with training.
 
 **Rate.** Each writer sends at most ``bytes_per_s`` (``replica_mib_per_s``): a file goes in
 chunks, and after each round the sender waits until its bytes so far are within the cap.
-A replica is spread over seconds instead of taking the network in a burst.
+A replica is spread over seconds instead of taking the network in a burst. Once a
+preemption is under way (the writer's preemption watch has seen a rank's signal), the
+cap is lifted, mid-copy too: the last checkpoint has only the grace period to reach
+every node's tier, and the training that the cap protects is over.
 
 **Order.** Every rank runs the same list of copies in the same rounds: in round ``k`` each
 copy sends its ``k``-th chunk (``isend``, tagged with the copy's index) and each receiver
@@ -28,7 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +49,8 @@ log = logging.getLogger("overlapckpt")
 
 CHUNK_BYTES = 8 << 20  # per copy and round: the memory a round holds, per copy in flight
 _PART_SUFFIX = ".replica-part"
+# The longest a paced sender sleeps before it asks again whether a preemption lifted the cap.
+_PACE_SLICE_S = 0.05
 METADATA_NAME = ".metadata"
 
 
@@ -74,11 +79,19 @@ def agree_on_failure(group: WriterGroup, failure: BaseException | None, what: st
         raise CheckpointWriteError(f"{what} failed ({detail})") from failure
 
 
-def replicate_attempt(group: WriterGroup, layout: NodeLayout, store: CheckpointStore, directory: str, bytes_per_s: float) -> int:
+def replicate_attempt(
+    group: WriterGroup,
+    layout: NodeLayout,
+    store: CheckpointStore,
+    directory: str,
+    bytes_per_s: float,
+    unpaced: Callable[[], bool] | None = None,
+) -> int:
     """Copy each rank's shards of attempt ``directory`` to its partners, and the manifest and ``.metadata`` to every node.
 
     A collective of every writer; the bytes this rank received. Every file is durable
     (fsynced) in its node's attempt directory when it returns; nothing is published here.
+    Sent at most ``bytes_per_s``, except while ``unpaced()`` says so (a preemption's grace is short).
     """
     where = store.checkpoint_url(directory)
     mine: list[tuple[str, int]] = []
@@ -97,7 +110,7 @@ def replicate_attempt(group: WriterGroup, layout: NodeLayout, store: CheckpointS
         for partner in layout.partners(source, replicas)
         for name, nbytes in files
     ]
-    received = copy_files(group, copies, where, where, bytes_per_s)
+    received = copy_files(group, copies, where, where, bytes_per_s, unpaced)
     # The manifest and .metadata, which the coordinator's DCP finish wrote on its node only.
     commit_files: tuple[bytes, bytes] | None = None
     if group.is_coordinator:
@@ -114,8 +127,19 @@ def replicate_attempt(group: WriterGroup, layout: NodeLayout, store: CheckpointS
     return received
 
 
-def copy_files(group: WriterGroup, copies: Sequence[FileCopy], read_dir: str, write_dir: str, bytes_per_s: float) -> int:
-    """Run ``copies`` (the same list on every rank): this rank sends its own, receives its own; bytes received."""
+def copy_files(
+    group: WriterGroup,
+    copies: Sequence[FileCopy],
+    read_dir: str,
+    write_dir: str,
+    bytes_per_s: float,
+    unpaced: Callable[[], bool] | None = None,
+) -> int:
+    """Run ``copies`` (the same list on every rank): this rank sends its own, receives its own; bytes received.
+
+    The sender keeps within ``bytes_per_s`` unless ``unpaced()``: asked between rounds, and
+    while it waits, so a preemption that comes during a paced copy speeds up the rest of it.
+    """
     rank = group.rank
     outgoing = [(index, c) for index, c in enumerate(copies) if c.source == rank]
     incoming = [(index, c) for index, c in enumerate(copies) if c.target == rank]
@@ -154,10 +178,7 @@ def copy_files(group: WriterGroup, copies: Sequence[FileCopy], read_dir: str, wr
                 work.wait()  # gloo's isend/irecv always return a Work
             for index, buffer in received:
                 writers[index].write(buffer.numpy().tobytes())
-            # The cap: this sender's bytes so far within bytes_per_s of the copy's start.
-            ahead_s = sent / bytes_per_s - (time.monotonic() - started)
-            if ahead_s > 0:
-                time.sleep(ahead_s)  # pacing the sender, not waiting for work
+            _pace(sent, bytes_per_s, started, unpaced)
         for index, c in incoming:
             f = writers.pop(index)
             f.flush()
@@ -171,6 +192,15 @@ def copy_files(group: WriterGroup, copies: Sequence[FileCopy], read_dir: str, wr
     if incoming or outgoing:
         log.info("overlapckpt: rank %d sent %d and received %d bytes of replicas", rank, sum(c.nbytes for _, c in outgoing), total)
     return total
+
+
+def _pace(sent: int, bytes_per_s: float, started: float, unpaced: Callable[[], bool] | None) -> None:
+    """The cap: hold this sender until its bytes so far are within ``bytes_per_s`` of the copy's start."""
+    while not (unpaced is not None and unpaced()):
+        ahead_s = sent / bytes_per_s - (time.monotonic() - started)
+        if ahead_s <= 0:
+            return
+        time.sleep(min(ahead_s, _PACE_SLICE_S))  # pacing the sender, not waiting for work
 
 
 def fetch_into_tier(group: WriterGroup, store: CheckpointStore, name: str, copies: Sequence[FileCopy], run_id: str) -> int:

@@ -2,7 +2,9 @@
 
     torchrun --nnodes 2 --nproc-per-node 2 --node-rank N ... tier_nodes_worker.py PHASE OUT ROOT TIERS
 
-PHASE is ``first`` (data parallel, train STEPS steps, a local-tier checkpoint every LOCAL_EVERY, the root
+PHASE is ``kill`` (rank 3 SIGKILLs its own writer while version 2's replicas are sent;
+``kill_during_replication``), ``preempt`` (trained until torchrun's agents forward a SIGTERM;
+``preempted``), ``first`` (data parallel, train STEPS steps, a local-tier checkpoint every LOCAL_EVERY, the root
 every ROOT_EVERY; the uninterrupted twin) or ``resume`` (``ckpt.restore()``, then train to
 STEPS). Node N's tier is TIERS/node<N>. Each rank writes OUT/<phase>-rank<R>.json (what it
 restored, its losses) and OUT/<phase>-rank<R>.pt (its final model and optimizer state),
@@ -14,7 +16,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
+import threading
+import time
 import traceback
 import warnings
 from datetime import timedelta
@@ -92,12 +97,103 @@ def run(phase: str, out: str, root: str, tiers: str) -> dict[str, Any]:
     return result
 
 
+def kill_during_replication(out: str, root: str, tiers: str) -> dict[str, Any]:
+    """Rank 3 SIGKILLs its own writer while version 2's replicas are being sent; version 4 must commit everywhere."""
+    rank, node = dist.get_rank(), int(os.environ["GROUP_RANK"])
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank} %(asctime)s] %(name)s: %(message)s")
+    torch.manual_seed(0)
+    model = TinyNet(width=256, features=16, outputs=8, dropout=0.0)  # ~200 KiB of state per rank: seconds at the cap below
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sampler = StatefulSampler(seed=100 + rank, features=16, outputs=8)
+    tier = os.path.join(tiers, f"node{node}")
+    ckpt = Checkpointer(model, opt, root, local_every=2, local_keep=4, local_dir=tier, replica_mib_per_s=0.05, collective_timeout_s=20)
+    killed: list[str | None] = []
+    watcher = None
+    if rank == 3:
+        # On a side thread: training goes on while it watches (a stalled training thread made rank 3
+        # reach version 2 a minute after the others, which this test is not about).
+        watcher = threading.Thread(target=lambda: killed.append(_kill_writer_once_replicas_flow(ckpt.writer_pid, tier, timeout_s=120)))
+        watcher.start()
+    for it in range(1, 5):
+        x, y = sampler.next_batch(16)
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        ckpt.step()
+        logging.getLogger("worker").info("step %d done", it)
+    if watcher is not None:
+        watcher.join(timeout=180)
+    errors: list[str] = []
+    try:
+        committed = [(i.step, i.path) for i in ckpt.wait(timeout_s=120)]
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        committed, errors = [], [f"{type(e).__name__}: {e}"]
+    return {"node": node, "killed": killed[0] if killed else None, "committed": committed, "errors": errors, "restarts": ckpt.writer_restarts}
+
+
+def _kill_writer_once_replicas_flow(pid: int, tier: str, timeout_s: float) -> str | None:
+    """SIGKILL the writer once a replica is arriving in this node's tier (a ``.replica-part`` file); what was seen."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for directory, _, files in os.walk(tier):
+            arriving = [f for f in files if f.endswith(".replica-part")]
+            if arriving:
+                os.kill(pid, signal.SIGKILL)
+                return os.path.join(directory, arriving[0])
+        time.sleep(0.01)  # polling the directory: there is nothing to wait on
+    return None
+
+
+def preempted(out: str, root: str, tiers: str) -> None:
+    """Train until a SIGTERM from torchrun's agent; overlapckpt's guard saves to both tiers, then chains to our handler.
+
+    Replicas are capped at 1 KiB/s: only a preemption that lifts the cap commits in the grace.
+    Our handler writes OUT/preempt-rank<R>.json (the step it stopped at, what each tier lists)
+    and exits with the signal. Prints ``READY <rank>`` once past step 3.
+    """
+    from overlapckpt import list_checkpoints
+
+    rank, node = dist.get_rank(), int(os.environ["GROUP_RANK"])
+    tier = os.path.join(tiers, f"node{node}")
+    step = 0
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        result = {"node": node, "last_step": step, "local": [i.step for i in list_checkpoints(tier)], "root": [i.step for i in list_checkpoints(root)]}
+        with open(os.path.join(out, f"preempt-rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)  # exit with the signal's status
+
+    signal.signal(signal.SIGTERM, on_sigterm)  # before the Checkpointer: its guard chains to it
+    torch.manual_seed(0)
+    model = TinyNet(width=256, features=16, outputs=8, dropout=0.0)  # ~200 KiB of state per rank: minutes at the cap below
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sampler = StatefulSampler(seed=100 + rank, features=16, outputs=8)
+    ckpt = Checkpointer(
+        model, opt, root, local_every=1000, local_dir=tier, replica_mib_per_s=1 / 1024, save_on_signal=(signal.SIGTERM,),
+    )
+    for step in range(1, 100_000):  # the signal ends it, long before
+        x, y = sampler.next_batch(16)
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        opt.step()
+        ckpt.step()
+        if step == 3:
+            os.write(sys.stdout.fileno(), f"READY {rank}\n".encode())  # one write: the other rank's line cannot split it
+
+
 def main() -> None:
     phase, out, root, tiers = sys.argv[1:5]
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))
     rank = dist.get_rank()
     try:
-        result = run(phase, out, root, tiers)
+        if phase == "preempt":
+            preempted(out, root, tiers)  # exits by the signal
+        result = kill_during_replication(out, root, tiers) if phase == "kill" else run(phase, out, root, tiers)
     except BaseException:
         result = {"crashed": traceback.format_exc()}
     with open(os.path.join(out, f"{phase}-rank{rank}.json"), "w") as f:
