@@ -66,6 +66,7 @@ bench: install
 	$(PY) benchmarks/load.py --out benchmarks/results/load
 	$(PY) benchmarks/hook_scaling.py --tensors 300,3000,30000 --cycles 7 --out benchmarks/results/hook-scaling
 	$(PY) benchmarks/tiers.py --out benchmarks/results/tiers-warm
+	-$(PY) benchmarks/tiers_nodes.py --out benchmarks/results/tiers-nodes  # needs root (network namespaces): skipped, saying why, elsewhere
 
 # 2 CPU ranks (gloo), DDP then FSDP2: overlapckpt against dcp.async_save, about 6 minutes on 2 cores.
 bench-dist: install
