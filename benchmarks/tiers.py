@@ -14,7 +14,7 @@ in an order that rotates, into a model and optimizer built just before:
 
 With ``--drop-caches`` (root only) the page cache is dropped before each load, so the
 root's loads read the disk, as a job on a new node does; tmpfs is memory either way.
-Peer replicas are not built yet, so there is no "from a peer" row.
+The restore from a partner's replica needs two nodes: ``benchmarks/tiers_nodes.py``.
 
 **Step overhead.** The same loop (``--steps`` AdamW steps on a model of ``--train-mib``
 MiB of state, training on one thread) per repeat, configurations rotating:
@@ -52,7 +52,7 @@ MIB = 2**20
 CADENCE_STEPS = 10
 
 
-def _commit_both_tiers(root: str, local: str, mib: int) -> tuple[str, str]:
+def commit_both_tiers(root: str, local: str, mib: int) -> tuple[str, str]:
     """One checkpoint in both tiers, from one snapshot; (root's checkpoint directory, local tier's)."""
     from overlapckpt import Checkpointer, list_checkpoints
 
@@ -191,7 +191,7 @@ def report(result: dict[str, Any]) -> str:
     stock = spread(result["restore_s"]["root: stock dcp.load"])["median"]
     for name, values in result["restore_s"].items():
         lines.append(f"| {name} | {spread_text(values)} | {spread(values)['median'] / stock:.2f}× |")
-    lines.append("| a partner's replica | not built (peer replicas) | – |")
+    lines.append("| a partner's replica | on two nodes: benchmarks/tiers_nodes.py | – |")
     lines += [
         "",
         f"## Step time, {result['train_mib']:.0f} MiB of AdamW state, {result['steps']} steps per repeat, median step of each repeat",
@@ -232,7 +232,7 @@ def main() -> None:
     local = tempfile.mkdtemp(dir=args.local_dir, prefix="overlapckpt-bench-")
     try:
         root = os.path.join(base, "root")
-        root_checkpoint, _ = _commit_both_tiers(root, local, args.mib)
+        root_checkpoint, _ = commit_both_tiers(root, local, args.mib)
         dropped = args.drop_caches and _drop_caches()
         restore_s = measure_restores(root, local, root_checkpoint, args.mib, args.repeats, dropped)
         root_fs, local_fs = _filesystem(base), _filesystem(local)

@@ -41,7 +41,7 @@ from .train.run.distributed import DistributedRun, is_distributed, node_keys_of,
 from .train.run.lineage import Lineage
 from .train.run.preemption import PreemptionGuard, default_grace_s
 from .train.run.run_identity import agreed_run_id, take_root_lease
-from .train.writer_client.client import WRITER_STARTUP_TIMEOUT_S, WriterClient
+from .train.writer_client.client import WriterClient
 from .train.writer_client.link import WriterLink
 
 log = logging.getLogger("overlapckpt")
@@ -125,11 +125,6 @@ def build(
                 signing_key=signing_key,
                 writer_threads=s.writer.writer_threads,
                 local_root=None if local_store is None else local_store.root,
-                # A replacement joins a group the live writers reach only once their collective in
-                # the old one fails: its start may take that long (WriterGroupSpec.regroup_join_timeout_s).
-                startup_timeout_s=WRITER_STARTUP_TIMEOUT_S if spec is None or not restarted else max(
-                    WRITER_STARTUP_TIMEOUT_S, spec.regroup_join_timeout_s
-                ),
             )
 
         writer = start_writer()

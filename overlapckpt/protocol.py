@@ -13,7 +13,9 @@ from .format.entries import TensorEntry
 from .format.manifest import CheckpointInfo
 
 # How long a writer whose collective failed waits for a replacement writer to open the next
-# generation of the writers' group before it reports the failure as it is (writer/group.py).
+# generation of the writers' group before it reports the failure as it is (writer/group.py;
+# capped there by the collective timeout); also the time a replacement takes to start, in
+# WriterGroupSpec.regroup_join_timeout_s.
 REGROUP_WAIT_S = 60.0
 
 

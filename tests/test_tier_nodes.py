@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from typing import Any
 
 import torch
@@ -197,12 +198,12 @@ def test_two_nodes_replicate_the_local_tier_and_resume_from_the_newest_reachable
         _assert_matches_twin(resumed, out, "resume", twin, twin_out)
 
 
-
 def test_a_writer_killed_while_replicas_are_sent_leaves_that_version_unlisted_and_the_next_commits(tmp_path):
-    # Rank 3 SIGKILLs its own writer once a replica file is arriving on its node. Before the
-    # writers freed their old group on a regroup, 7 runs in 10 failed here: a writer whose
-    # peer had already left waited out the collective timeout in the old group, and the
-    # others gave up joining the new one before it came (writer/group.py, regroup).
+    # Rank 3 SIGKILLs its own writer once a replica file is arriving on its node (the worker's
+    # replica cap spreads version 2's copies over seconds, so the kill lands during them).
+    # Before the writers freed their old group on a regroup, most runs failed here: a writer
+    # whose peer had already left waited out the collective timeout in the old group, and
+    # the others gave up joining the new one before it came (writer/group.py, regroup).
     root, tiers = str(tmp_path / "root"), str(tmp_path / "tiers")
     with two_hosts() as hosts:
         out = str(tmp_path / "kill")
@@ -230,11 +231,12 @@ def test_a_preemption_lifts_the_replicas_rate_cap_so_its_checkpoint_reaches_ever
     with two_hosts() as hosts:
         procs = _start(hosts, "preempt", out, root, tiers, FIRST_PORT + 30)
         started = []
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
         try:
             for p in procs:  # each node's 2 ranks are training
-                lines = [read_child_line(p, timeout_s=LAUNCH_TIMEOUT_S) for _ in range(2)]
+                lines: list[str] = []
                 while sum("READY" in line for line in lines) < 2:
-                    lines.append(read_child_line(p, timeout_s=LAUNCH_TIMEOUT_S))
+                    lines.append(read_child_line(p, timeout_s=max(1.0, deadline - time.monotonic())))
                 started.append("".join(lines))
         except BaseException:
             for p in procs:
@@ -255,4 +257,6 @@ def test_a_preemption_lifts_the_replicas_rate_cap_so_its_checkpoint_reaches_ever
         directory = _checkpoint_dir(tiers, node, agreed)
         shards = {n.split("_")[2] for n in os.listdir(directory) if n.endswith(".distcp")}
         assert shards == {str(r) for r in range(WORLD)}, (node, os.listdir(directory))  # every shard on both nodes
-    assert not any("forcefully exiting via" in o for o in outputs), [o[-3000:] for o in outputs]  # no rank outlived the grace
+    # A second look, in torch's own words (its agent logs this when it escalates to SIGKILL):
+    # the checks above, of what every rank and tier holds, are the test.
+    assert not any("forcefully exiting via" in o for o in outputs), [o[-3000:] for o in outputs]

@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -298,3 +299,29 @@ def test_a_request_for_a_version_only_the_local_tier_holds_reaches_the_root(tmp_
     fresh, fresh_opt, _, _ = make_run(seed=5)
     load(root, fresh, fresh_opt)
     assert_state_equal(*TWIN[4], fresh, fresh_opt)
+
+
+def test_replicas_go_in_rounds_of_a_tenth_of_a_second_at_the_cap():
+    from overlapckpt.writer.replicas import CHUNK_BYTES, MIN_PACED_CHUNK_BYTES, paced_chunk_bytes
+
+    assert paced_chunk_bytes(256 * 2**20) == CHUNK_BYTES  # the default cap: 25.6 MiB a tenth, held to 8 MiB a round
+    assert paced_chunk_bytes(10 * 2**20) == 2**20  # 10 MiB/s: 1 MiB a round
+    assert paced_chunk_bytes(1024) == MIN_PACED_CHUNK_BYTES  # 1 KiB/s: no round below 4 KiB
+    assert paced_chunk_bytes(float("inf")) == CHUNK_BYTES  # a restore's fetch: unpaced
+
+
+def test_a_preemption_during_a_paced_senders_wait_ends_it():
+    from overlapckpt.writer.replicas import pace_sender
+
+    asked: list[bool] = []
+
+    def preempted() -> bool:  # the preemption comes at the third look, while the sender waits
+        asked.append(True)
+        return len(asked) >= 3
+
+    # 1 GB already sent at 1 byte/s: without the preemption, a wait of 30 years.
+    sender = threading.Thread(target=pace_sender, args=(10**9, 1.0, time.monotonic(), preempted), daemon=True)
+    sender.start()
+    sender.join(timeout=30)
+    assert not sender.is_alive(), "the paced sender still waits after the preemption lifted the cap"
+    assert len(asked) == 3

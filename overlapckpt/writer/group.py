@@ -116,20 +116,20 @@ class WriterGroup:
         # The first generation's writers start together; a later one's join while others
         # are still failing out of the old group (WriterGroupSpec.regroup_join_timeout_s).
         # Gloo's rendezvous waits on the store under the store's timeout, and connects under the group's.
-        join = self._timeout if self.generation == 0 else timedelta(seconds=self.spec.regroup_join_timeout_s)
-        self._base.set_timeout(join)
+        join_timeout = self._timeout if self.generation == 0 else timedelta(seconds=self.spec.regroup_join_timeout_s)
+        self._base.set_timeout(join_timeout)
         try:
             dist.init_process_group(
                 "gloo",
                 store=dist.PrefixStore(self._where() + "pg/", self._base),
                 rank=self.rank,
                 world_size=self.world_size,
-                timeout=join,
+                timeout=join_timeout,
             )
         finally:
             self._base.set_timeout(self._timeout)
         self.group = dist.group.WORLD
-        if join != self._timeout:
+        if join_timeout != self._timeout:
             _set_group_timeout(self._timeout, self.group)  # every collective after the join: the collective timeout
 
     def reconnect(self) -> None:
@@ -163,7 +163,17 @@ class WriterGroup:
         forget_cached_plans()  # the new group's ranks plan afresh, the replacement has no cache
         gc.collect()  # the group's last references may sit in cycles: its connections close now
         self.generation = self._run_keys.increment(GENERATION_KEY, 0)
-        self._join()
+        try:
+            self._join()
+        except Exception as e:
+            # A writer left with no group would fail every checkpoint from now on and never be
+            # replaced, and joining this generation again would meet its stale addresses. Ending
+            # the process makes its training rank start a replacement, which opens a fresh generation.
+            log.error(
+                "overlapckpt: the writer of rank %d could not join generation %d of the writers' group (%s: %s); it exits, "
+                "and its training rank replaces it (max_writer_restarts)", self.rank, self.generation, type(e).__name__, e,
+            )
+            raise SystemExit(f"the writer of rank {self.rank} could not join generation {self.generation} of the writers' group") from e
 
     def mark_lost(self, name: str) -> None:
         """Checkpoint ``name`` is lost with the old group: every writer refuses it from now on (``was_lost``)."""
@@ -246,10 +256,13 @@ class WriterGroup:
 
 
 def _set_group_timeout(timeout: timedelta, group: Any) -> None:
-    # torch's private setter, in every release this runs on (2.11 on the GPU machine, 2.13 here);
-    # where it is missing, the group keeps the join's longer timeout, which only delays an error.
+    # torch's private setter (torch 2.2 and later, same signature). Where it is missing or
+    # refuses, the group keeps the join's longer timeout, which only delays an error.
     setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     if setter is None:
-        log.debug("overlapckpt: torch has no _set_pg_timeout; the writers' group keeps its join timeout")
+        log.warning("overlapckpt: this torch has no _set_pg_timeout: the writers' group keeps its join timeout for its collectives")
         return
-    setter(timeout, group)
+    try:
+        setter(timeout, group)
+    except (RuntimeError, TypeError) as e:
+        log.warning("overlapckpt: the writers' group keeps its join timeout for its collectives: _set_pg_timeout failed (%s)", e)

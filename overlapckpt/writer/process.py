@@ -76,7 +76,6 @@ class _WriterState:
         """A preemption is under way: the replicas of its checkpoint go at full speed (replicas.py)."""
         return self.preemption is not None and self.preemption.under_way()
 
-
     def tier_stores(self) -> dict[str, CheckpointStore]:
         stores = {ROOT_TIER: self.store}
         if self.local_store is not None:
@@ -126,6 +125,8 @@ def _persist(conn: Connection, state: _WriterState, req: p.PersistRequest) -> No
                     raise
                 group.mark_lost(req.name)  # before regrouping: the replacement refuses it too
                 lost_because = f"{type(e).__name__}: {e}"
+            # ``cause`` outlives the except block (``e`` does not): its traceback holds the
+            # frames that hold the old group. Dropped, the group is freed in regroup() below.
             del cause
         finally:
             # Retired before the answer (uncommitted, out of the listing), deleted now, whatever

@@ -14,7 +14,8 @@ gloo group (``group.py``), so they share no communicator with training.
   them from nodes that hold them; a node that lacked the checkpoint gets it published.
 
 **Rate.** Each writer sends at most ``bytes_per_s`` (``replica_mib_per_s``): a file goes in
-chunks, and after each round the sender waits until its bytes so far are within the cap.
+chunks of a tenth of a second's worth at the cap (``paced_chunk_bytes``), and before each
+round the sender waits until its bytes so far are within the cap.
 A replica is spread over seconds instead of taking the network in a burst. Once a
 preemption is under way (the writer's preemption watch has seen a rank's signal), the
 cap is lifted, mid-copy too: the last checkpoint has only the grace period to reach
@@ -47,7 +48,12 @@ from .group import WriterGroup
 
 log = logging.getLogger("overlapckpt")
 
-CHUNK_BYTES = 8 << 20  # per copy and round: the memory a round holds, per copy in flight
+CHUNK_BYTES = 8 << 20  # per copy and round at most: the memory a round holds, per copy in flight
+# A paced copy's rounds carry this many seconds' worth of bytes at the cap (no fewer than
+# MIN_PACED_CHUNK_BYTES): a shard smaller than 8 MiB is spread over rounds too, instead of
+# one burst followed by an idle wait.
+PACE_ROUND_S = 0.1
+MIN_PACED_CHUNK_BYTES = 4 << 10
 _PART_SUFFIX = ".replica-part"
 # The longest a paced sender sleeps before it asks again whether a preemption lifted the cap.
 _PACE_SLICE_S = 0.05
@@ -158,18 +164,21 @@ def copy_files(
         failure = e
     try:
         agree_on_failure(group, failure, "opening the files to copy between nodes")
-        rounds = max((-(-c.nbytes // CHUNK_BYTES) for c in copies), default=0)
+        chunk_bytes = paced_chunk_bytes(bytes_per_s)  # the same on every rank: the cap is the run's
+        rounds = max((-(-c.nbytes // chunk_bytes) for c in copies), default=0)
         started, sent = time.monotonic(), 0
         for k in range(rounds):
+            # Before the round, not after it: the last round is followed by no wait.
+            pace_sender(sent, bytes_per_s, started, unpaced)
             works: list[Any] = []
             received: list[tuple[int, torch.Tensor]] = []
             for index, c in outgoing:
-                chunk = readers[index].read(CHUNK_BYTES) if k * CHUNK_BYTES < c.nbytes else b""
+                chunk = readers[index].read(chunk_bytes) if k * chunk_bytes < c.nbytes else b""
                 if chunk:
                     works.append(dist.isend(torch.frombuffer(bytearray(chunk), dtype=torch.uint8), c.target, group=group.group, tag=index))
                     sent += len(chunk)
             for index, c in incoming:
-                length = min(CHUNK_BYTES, c.nbytes - k * CHUNK_BYTES)
+                length = min(chunk_bytes, c.nbytes - k * chunk_bytes)
                 if length > 0:
                     buffer = torch.empty(length, dtype=torch.uint8)
                     works.append(dist.irecv(buffer, c.source, group=group.group, tag=index))
@@ -178,7 +187,6 @@ def copy_files(
                 work.wait()  # gloo's isend/irecv always return a Work
             for index, buffer in received:
                 writers[index].write(buffer.numpy().tobytes())
-            _pace(sent, bytes_per_s, started, unpaced)
         for index, c in incoming:
             f = writers.pop(index)
             f.flush()
@@ -194,7 +202,14 @@ def copy_files(
     return total
 
 
-def _pace(sent: int, bytes_per_s: float, started: float, unpaced: Callable[[], bool] | None) -> None:
+def paced_chunk_bytes(bytes_per_s: float) -> int:
+    """The bytes of one copy in one round: ``PACE_ROUND_S`` at the cap, within [MIN_PACED_CHUNK_BYTES, CHUNK_BYTES]."""
+    if bytes_per_s == float("inf"):
+        return CHUNK_BYTES
+    return max(MIN_PACED_CHUNK_BYTES, min(CHUNK_BYTES, int(bytes_per_s * PACE_ROUND_S)))
+
+
+def pace_sender(sent: int, bytes_per_s: float, started: float, unpaced: Callable[[], bool] | None) -> None:
     """The cap: hold this sender until its bytes so far are within ``bytes_per_s`` of the copy's start."""
     while not (unpaced is not None and unpaced()):
         ahead_s = sent / bytes_per_s - (time.monotonic() - started)

@@ -184,6 +184,7 @@ def preempted(out: str, root: str, tiers: str) -> None:
         ckpt.step()
         if step == 3:
             os.write(sys.stdout.fileno(), f"READY {rank}\n".encode())  # one write: the other rank's line cannot split it
+    raise AssertionError("no preemption came: 100,000 steps trained without a SIGTERM")
 
 
 def main() -> None:

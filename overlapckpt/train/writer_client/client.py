@@ -52,10 +52,6 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-# How long a training process waits for its writer to start (in a distributed run: to join the writers' group).
-WRITER_STARTUP_TIMEOUT_S = 120.0
-
-
 class WriterClient:
     """One long-lived writer process and the pipe to it."""
 
@@ -64,7 +60,7 @@ class WriterClient:
         root: str,
         storage_options: dict[str, Any],
         store_class: tuple[str, str],
-        startup_timeout_s: float = WRITER_STARTUP_TIMEOUT_S,
+        startup_timeout_s: float = 120.0,
         group: Any = None,
         signing_key: bytes | None = None,
         writer_threads: int | None = None,
