@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import select
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -226,6 +228,38 @@ def launch_ranks(worker: str, scenario: str, world_size: int, out: str, timeout_
             if p.poll() is None:
                 p.kill()
     return read_rank_results([os.path.join(out, f"rank{rank}.json") for rank in range(world_size)], outputs)
+
+
+def write_rank_result_and_leave(path: str, scenario: Callable[[], dict]) -> None:
+    """A worker rank's end: ``scenario()``'s result (or its traceback, as ``crashed``) to ``path``, for
+    ``read_rank_results``; then a barrier, and ``os._exit(0)``: nothing is closed, as in a killed job, and
+    gloo's teardown, which can abort at exit, never runs."""
+    import traceback
+
+    import torch.distributed as dist
+
+    try:
+        result = scenario()
+    except BaseException:
+        result = {"crashed": traceback.format_exc()}
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    try:
+        dist.barrier()
+    finally:
+        sys.stdout.flush()
+        os._exit(0)
+
+
+class LogLines(logging.Handler):
+    """The messages of the records it is given, at INFO and above, in order."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 def read_rank_results(paths: list[str], outputs: list[str]) -> list[dict]:

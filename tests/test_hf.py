@@ -16,6 +16,8 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 from overlapckpt.hf import OverlapCallback  # noqa: E402
 
+from helpers import LogLines  # noqa: E402
+
 MAX_STEPS = 8
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -201,21 +203,12 @@ def test_refusals(tmp_path):
         Checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), "s3://bucket/x", export_formats=("hf_trainer",))
 
 
-class Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def test_adding_the_callback_is_the_only_change_and_resume_from_checkpoint_true_finds_the_newest(tmp_path, twin):
     """The callback follows TrainingArguments (output_dir, save_steps, save_total_limit), names checkpoint-N, and
     takes over the Trainer's own saves. Before: resume_from_checkpoint=True found "No valid checkpoint"."""
     save_args = {"save_strategy": "steps", "save_steps": 2, "save_total_limit": 2}
     trainer_log = transformers.utils.logging.get_logger("transformers.trainer")
-    lines = Lines()
+    lines = LogLines()
     trainer_log.addHandler(lines)
     level = trainer_log.level
     trainer_log.setLevel(logging.INFO)

@@ -16,7 +16,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from datetime import timedelta
 from typing import Any
 
@@ -29,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from overlapckpt import Checkpointer, ConfigError, list_checkpoints, load  # noqa: E402
 
-from helpers import StatefulSampler, TinyNet, exited_within, read_fifo_line  # noqa: E402
+from helpers import StatefulSampler, TinyNet, exited_within, read_fifo_line, write_rank_result_and_leave  # noqa: E402
 
 STEPS = 7
 REQUEST_AT = 3
@@ -828,17 +827,7 @@ SCENARIOS = {
 def main() -> None:
     scenario, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))
-    rank = dist.get_rank()
-    try:
-        result = SCENARIOS[scenario](out)
-    except BaseException:
-        result = {"crashed": traceback.format_exc()}
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    try:
-        dist.barrier()
-    finally:
-        os._exit(0)
+    write_rank_result_and_leave(os.path.join(out, f"rank{dist.get_rank()}.json"), lambda: SCENARIOS[scenario](out))
 
 
 if __name__ == "__main__":

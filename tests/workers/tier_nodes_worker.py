@@ -20,8 +20,8 @@ import signal
 import sys
 import threading
 import time
-import traceback
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -34,25 +34,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from overlapckpt import Checkpointer  # noqa: E402
 
-from helpers import StatefulSampler, TinyNet  # noqa: E402
+from helpers import LogLines, StatefulSampler, TinyNet, write_rank_result_and_leave  # noqa: E402
 
 STEPS = 8
 LOCAL_EVERY = 3  # local-tier checkpoints at 3 and 6; step 8's state is only the twin's
 ROOT_EVERY = 6
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def run(phase: str, out: str, root: str, tiers: str) -> dict[str, Any]:
     rank, node = dist.get_rank(), int(os.environ["GROUP_RANK"])
-    records = _Records()
+    records = LogLines()
     for name in ("overlapckpt", "overlapckpt.restore"):
         logging.getLogger(name).addHandler(records)
         logging.getLogger(name).setLevel(logging.INFO)
@@ -190,19 +181,13 @@ def preempted(out: str, root: str, tiers: str) -> None:
 def main() -> None:
     phase, out, root, tiers = sys.argv[1:5]
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))
-    rank = dist.get_rank()
-    try:
-        if phase == "preempt":
-            preempted(out, root, tiers)  # exits by the signal
-        result = kill_during_replication(out, root, tiers) if phase == "kill" else run(phase, out, root, tiers)
-    except BaseException:
-        result = {"crashed": traceback.format_exc()}
-    with open(os.path.join(out, f"{phase}-rank{rank}.json"), "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    try:
-        dist.barrier()
-    finally:
-        os._exit(0)  # no close: the job ends as a killed one does (gloo's teardown can abort, too)
+    scenarios: dict[str, Callable[[], dict[str, Any]]] = {
+        "preempt": lambda: preempted(out, root, tiers),  # exits by the signal
+        "kill": lambda: kill_during_replication(out, root, tiers),
+        "first": lambda: run(phase, out, root, tiers),
+        "resume": lambda: run(phase, out, root, tiers),
+    }
+    write_rank_result_and_leave(os.path.join(out, f"{phase}-rank{dist.get_rank()}.json"), lambda: scenarios[phase]())
 
 
 if __name__ == "__main__":

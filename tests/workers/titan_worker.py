@@ -17,10 +17,8 @@ leaves with os._exit(0) (gloo's teardown can abort).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 from datetime import timedelta
 from typing import Any
 
@@ -30,6 +28,7 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
 from torchtitan.components.checkpointer import CheckpointManager  # noqa: E402
@@ -39,6 +38,8 @@ from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer  
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig, default_adamw  # noqa: E402
 
 from overlapckpt.titan import OverlapCheckpointManager  # noqa: E402
+
+from helpers import write_rank_result_and_leave  # noqa: E402
 
 STEPS = 12
 INTERVAL = 4
@@ -397,17 +398,8 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     os.environ["TITAN_BASE"] = os.path.join(out_dir, "job")
-    try:
-        result = {"fsdp": scenario_fsdp, "parts": scenario_parts, "pipeline": scenario_pipeline}[scenario](rank, world)
-    except BaseException:
-        result = {"crashed": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    try:
-        dist.barrier()
-    finally:
-        sys.stdout.flush()
-        os._exit(0)
+    scenarios = {"fsdp": scenario_fsdp, "parts": scenario_parts, "pipeline": scenario_pipeline}
+    write_rank_result_and_leave(os.path.join(out_dir, f"rank{rank}.json"), lambda: scenarios[scenario](rank, world))
 
 
 if __name__ == "__main__":
