@@ -1,4 +1,5 @@
-"""Two "hosts" on this machine: two network namespaces joined by a veth pair (tests/test_two_hosts.py, test_tier_nodes.py).
+"""Several "hosts" on this machine: network namespaces joined by a veth pair (``two_hosts``:
+tests/test_two_hosts.py, test_tier_nodes.py), or by a bridge (``bridged_hosts``, three or more).
 
 Each namespace has its own interfaces and addresses (10.231.N.1 and 10.231.N.2) and
 its own loopback, so a process in one reaches the other only through the pair, as two
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import pytest
@@ -39,12 +40,52 @@ def two_hosts() -> Iterator[list[tuple[str, str, str]]]:
             _ip("-n", ns, "link", "set", ifname, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
     except (OSError, subprocess.SubprocessError) as e:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        _remove(made)
         detail = getattr(e, "stderr", None) or str(e)
         pytest.skip(f"network namespaces cannot be made here ({getattr(e, 'cmd', 'ip')}: {detail.strip()}); they need root with CAP_NET_ADMIN and iproute2")
     try:
         yield hosts
     finally:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # removes the veth pair too
+        _remove(made)
+
+
+@contextmanager
+def bridged_hosts(count: int) -> Iterator[list[tuple[str, str, str]]]:
+    """[(namespace, interface, address)] of ``count`` hosts, each with a veth pair to a bridge in a namespace of its own.
+
+    The bridge is a switch: every host reaches every other through it, as the nodes of a
+    cluster do. Removed afterwards.
+    """
+    tag = uuid.uuid4().hex[:6]
+    subnet = 1 + int(tag[:2], 16) % 250
+    switch, bridge = f"oc{tag}sw", f"oc{tag}br"
+    hosts = [(f"oc{tag}h{n}", f"oc{tag}v{n}", f"10.232.{subnet}.{n + 1}") for n in range(count)]
+    made: list[str] = []
+    try:
+        _ip("netns", "add", switch)
+        made.append(switch)
+        _ip("-n", switch, "link", "add", bridge, "type", "bridge")
+        _ip("-n", switch, "link", "set", bridge, "up")
+        for n, (ns, ifname, address) in enumerate(hosts):
+            _ip("netns", "add", ns)
+            made.append(ns)
+            port = f"oc{tag}p{n}"
+            _ip("-n", switch, "link", "add", port, "type", "veth", "peer", "name", ifname, "netns", ns)
+            _ip("-n", switch, "link", "set", port, "master", bridge)
+            _ip("-n", switch, "link", "set", port, "up")
+            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", ifname)
+            _ip("-n", ns, "link", "set", ifname, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+    except (OSError, subprocess.SubprocessError) as e:
+        _remove(made)
+        detail = getattr(e, "stderr", None) or str(e)
+        pytest.skip(f"network namespaces cannot be made here ({getattr(e, 'cmd', 'ip')}: {detail.strip()}); they need root with CAP_NET_ADMIN and iproute2")
+    try:
+        yield hosts
+    finally:
+        _remove(made)
+
+
+def _remove(namespaces: Sequence[str]) -> None:
+    for ns in namespaces:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # removes its veth pairs (and bridge) too

@@ -33,7 +33,7 @@ from overlapckpt.format.manifest import MANIFEST_NAME, step_of_name
 from overlapckpt.format.storage import CheckpointStore
 
 from helpers import read_child_line, read_rank_results
-from netns_hosts import two_hosts
+from netns_hosts import bridged_hosts, two_hosts
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "tier_nodes_worker.py")
 LAUNCH_TIMEOUT_S = 300
@@ -41,14 +41,16 @@ FIRST_PORT = 29531  # fresh namespaces: every port free; each launch takes the n
 WORLD = 4
 
 
-def _start(hosts: list[tuple[str, str, str]], phase: str, out: str, root: str, tiers: str, port: int) -> list[subprocess.Popen]:
-    """Each node's torchrun agent (2 ranks of ``WORKER``), in its namespace; stdout and stderr in one binary pipe."""
+def _start(
+    hosts: list[tuple[str, str, str]], phase: str, out: str, root: str, tiers: str, port: int, ranks_per_node: int = 2
+) -> list[subprocess.Popen]:
+    """Each node's torchrun agent (``ranks_per_node`` ranks of ``WORKER``), in its namespace; stdout and stderr in one binary pipe."""
     os.makedirs(out, exist_ok=True)
     procs = []
     for node, (ns, ifname, _) in enumerate(hosts):
         env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=ifname, TORCHELASTIC_ERROR_FILE="", PYTHONUNBUFFERED="1")
         command = [
-            "ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+            "ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)), "--nproc-per-node", str(ranks_per_node),
             "--node-rank", str(node), "--master-addr", hosts[0][2], "--master-port", str(port), WORKER, phase, out, root, tiers,
         ]
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
@@ -78,9 +80,12 @@ def _finish(procs: list[subprocess.Popen], phase: str, out: str, started: tuple[
     return [before + after for before, after in zip(started or ("",) * len(outputs), outputs)]
 
 
-def _launch(hosts: list[tuple[str, str, str]], phase: str, out: str, root: str, tiers: str, port: int) -> list[dict[str, Any]]:
-    outputs = _finish(_start(hosts, phase, out, root, tiers, port), phase, out)
-    return read_rank_results([os.path.join(out, f"{phase}-rank{rank}.json") for rank in range(WORLD)], outputs)
+def _launch(
+    hosts: list[tuple[str, str, str]], phase: str, out: str, root: str, tiers: str, port: int, ranks_per_node: int = 2
+) -> list[dict[str, Any]]:
+    outputs = _finish(_start(hosts, phase, out, root, tiers, port, ranks_per_node), phase, out)
+    world = len(hosts) * ranks_per_node
+    return read_rank_results([os.path.join(out, f"{phase}-rank{rank}.json") for rank in range(world)], outputs)
 
 
 def _kill_processes_naming(out: str) -> None:
@@ -115,10 +120,12 @@ def _assert_equal_states(a: Any, b: Any, where: str) -> None:
         assert a == b, where
 
 
-def _assert_matches_twin(results: list[dict[str, Any]], out: str, phase: str, twin: list[dict[str, Any]], twin_out: str) -> None:
+def _assert_matches_twin(
+    results: list[dict[str, Any]], out: str, phase: str, twin: list[dict[str, Any]], twin_out: str, twin_phase: str = "first"
+) -> None:
     for rank, result in enumerate(results):
         assert result["losses"] == {k: v for k, v in twin[rank]["losses"].items() if int(k) > 6}, (phase, rank)
-        _assert_equal_states(_final_state(out, phase, rank), _final_state(twin_out, "first", rank), f"{phase} rank {rank}")
+        _assert_equal_states(_final_state(out, phase, rank), _final_state(twin_out, twin_phase, rank), f"{phase} rank {rank}")
 
 
 def _checkpoint_dir(tiers: str, node: int, step: int) -> str:
@@ -196,6 +203,42 @@ def test_two_nodes_replicate_the_local_tier_and_resume_from_the_newest_reachable
         for rank, result in enumerate(resumed):
             assert result["restored_step"] == 6 and result["restored_path"].startswith(root), (rank, result["restored_path"])
         _assert_matches_twin(resumed, out, "resume", twin, twin_out)
+
+
+def _files_of(tiers: str, node: int, step: int) -> set[str]:
+    return set(os.listdir(_checkpoint_dir(tiers, node, step)))
+
+
+def test_three_nodes_restore_fetches_to_each_node_only_the_shards_its_ranks_read(tmp_path):
+    """FSDP2 on 3 nodes x 1 rank, R=1: node n's tier holds its rank's shard and node n-1's (the ring).
+
+    A rank's restore reads its own shard, and the file of rank 0, where the items every rank
+    holds (the optimizer's param_groups, BatchNorm's statistics) are written. With node 1
+    replaced, node 1 fetches shards 0 and 1 and node 2 fetches shard 0: no node gets the
+    whole checkpoint, and every rank resumes version 6 bit for bit, the root unreachable.
+    """
+    root, tiers = str(tmp_path / "root"), str(tmp_path / "tiers")
+    head = {".metadata", MANIFEST_NAME}
+    with bridged_hosts(3) as hosts:
+        port = iter(range(FIRST_PORT, FIRST_PORT + 10))
+        twin_out = str(tmp_path / "first")
+        twin = _launch(hosts, "sharded_first", twin_out, root, tiers, next(port), ranks_per_node=1)
+        for node in range(3):  # its own rank's shard, and the replica of the previous node's
+            assert _files_of(tiers, node, 6) == head | {f"__{node}_0.distcp", f"__{(node - 1) % 3}_0.distcp"}, node
+
+        shutil.rmtree(os.path.join(tiers, "node1"))
+        aside = root + ".aside"
+        os.rename(root, aside)
+        out = str(tmp_path / "replaced")
+        resumed = _launch(hosts, "sharded_resume", out, root, tiers, next(port), ranks_per_node=1)
+        for rank, result in enumerate(resumed):
+            assert result["restored_step"] == 6, (rank, result)
+            assert result["restored_path"] == _checkpoint_dir(tiers, rank, 6), (rank, result["restored_path"])
+            assert not result["warnings"], (rank, result["warnings"])
+        assert _files_of(tiers, 0, 6) == head | {"__0_0.distcp", "__2_0.distcp"}  # it had what rank 0 reads
+        assert _files_of(tiers, 1, 6) == head | {"__0_0.distcp", "__1_0.distcp"}  # replaced: what rank 1 reads
+        assert _files_of(tiers, 2, 6) == head | {"__0_0.distcp", "__1_0.distcp", "__2_0.distcp"}  # rank 0's file added
+        _assert_matches_twin(resumed, out, "sharded_resume", twin, twin_out, "sharded_first")
 
 
 def test_a_writer_killed_while_replicas_are_sent_leaves_that_version_unlisted_and_the_next_commits(tmp_path):

@@ -17,11 +17,15 @@ import pytest
 import torch
 
 from overlapckpt import Checkpointer, list_checkpoints, load
-from overlapckpt.errors import ConfigError
+from overlapckpt.errors import ConfigError, CorruptCheckpointError
 from overlapckpt.format.lease import LEASE_NAME, sweep_dead_tiers
+from overlapckpt.format.manifest import MANIFEST_NAME
 from overlapckpt.format.peers import NodeLayout
 from overlapckpt.format.storage import CheckpointStore
 from overlapckpt.format.tiers import default_local_dir
+from overlapckpt.format.verify import verify_checkpoint
+from overlapckpt.protocol import FileCopy
+from overlapckpt.restore.tiers import NodeListings
 
 from helpers import assert_state_equal, make_run, train_step, twin_states
 
@@ -325,3 +329,62 @@ def test_a_preemption_during_a_paced_senders_wait_ends_it():
     sender.join(timeout=30)
     assert not sender.is_alive(), "the paced sender still waits after the preemption lifted the cap"
     assert len(asked) == 3
+
+
+def _listing(version: int, held: set[str], files: dict[str, int]) -> dict:
+    """One node's listing of checkpoint "ckpt": it holds ``held`` of the checkpoint's ``files`` (name: bytes)."""
+    needed = {**files, ".metadata": 10, MANIFEST_NAME: -1}
+    return {"ckpt": (version, "run", {f: needed[f] if needed[f] >= 0 else 1 for f in held}, needed)}
+
+
+def test_a_restore_fetches_each_node_the_files_its_ranks_read_and_refuses_names_the_manifest_lacks():
+    # 3 nodes x 1 rank, R=1: node n holds its shard and node n-1's (the ring); node 1 was replaced.
+    files = {"__0_0.distcp": 100, "__1_0.distcp": 200, "__2_0.distcp": 300}
+    head = {".metadata", MANIFEST_NAME}
+    nodes = NodeListings.from_gathered([
+        ("n0", _listing(6, head | {"__0_0.distcp", "__2_0.distcp"}, files)),
+        ("n1", {}),
+        ("n2", _listing(6, head | {"__2_0.distcp", "__1_0.distcp"}, files)),
+    ])
+    assert nodes.newest_complete(None, None) == ("ckpt", 6)
+    # First the files every rank reads, each from one of the nodes holding it, in turn.
+    first = nodes.copies("ckpt", {n: frozenset(head) for n in nodes.listings})
+    assert first == [FileCopy(0, 1, ".metadata", 10), FileCopy(2, 1, MANIFEST_NAME, 1)]
+    nodes.received("ckpt", first)
+    # Then each rank's own shard and rank 0's file (which holds the items every rank reads).
+    wanted = {f"n{r}": frozenset(head | {f"__{r}_0.distcp", "__0_0.distcp"}) for r in range(3)}
+    assert nodes.copies("ckpt", wanted) == [
+        FileCopy(0, 1, "__0_0.distcp", 100), FileCopy(2, 1, "__1_0.distcp", 200), FileCopy(0, 2, "__0_0.distcp", 100)
+    ]
+    # Without load plans (a reader of whole checkpoints), every node is completed.
+    whole = nodes.copies("ckpt", {n: None for n in nodes.listings})
+    assert sorted((c.target, c.filename) for c in whole) == [
+        (0, "__1_0.distcp"), (1, "__0_0.distcp"), (1, "__1_0.distcp"), (1, "__2_0.distcp"), (2, "__0_0.distcp")
+    ]
+    # A name from a load plan that the manifest does not list is never copied.
+    with pytest.raises(CorruptCheckpointError, match=r"\['\.\./\.\./etc/passwd'\], which its manifest does not list"):
+        nodes.copies("ckpt", {"n1": frozenset({"../../etc/passwd"})})
+
+
+def test_a_shard_on_no_node_makes_the_version_incomplete_and_an_older_one_is_taken():
+    files = {"__0_0.distcp": 100, "__1_0.distcp": 200}
+    head = {".metadata", MANIFEST_NAME}
+    newer = _listing(8, head | {"__0_0.distcp"}, files)
+    older = _listing(6, head | set(files), files)
+    nodes = NodeListings.from_gathered([("n0", {"v8": newer["ckpt"], "v6": older["ckpt"]}), ("n1", {"v8": newer["ckpt"]})])
+    assert nodes.newest_complete(None, None) == ("v6", 6)
+    assert nodes.newest_complete(None, 7) is None  # the root's version 7 is newer than any complete one
+
+
+def test_verify_checks_the_named_files_instead_of_a_share(tmp_path):
+    root = str(tmp_path / "root")
+    _train(root, str(tmp_path / "local"), steps=6)
+    (info,) = list_checkpoints(root)
+    store = CheckpointStore(root)
+    name = os.path.basename(info.path)
+    shards = sorted(f for f in os.listdir(info.path) if f.endswith(".distcp"))
+    os.truncate(os.path.join(info.path, shards[0]), 8)
+    assert verify_checkpoint(store, name, read_blobs=False, files=frozenset()).ok  # the truncated shard is not named
+    report = verify_checkpoint(store, name, read_blobs=False, files=frozenset({shards[0]}))
+    assert report.files == 1 and not report.ok
+    assert shards[0] in report.problems[0]

@@ -147,7 +147,7 @@ class OverlapCallback(TrainerCallback):  # type: ignore[misc, valid-type]
         if local_dir is not None:
             candidate = local_candidate(local_dir, root, None, self.settings.options.get("storage_options"), None, 1)
             if candidate is not None:
-                return candidate
+                return candidate.url
         try:
             store, name = checkpoint_at(root, None, self.settings.options.get("storage_options"))
         except CheckpointNotFoundError:

@@ -29,7 +29,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..restore import CheckpointContents, optimizer_state_by_index, read_checkpoint
 from ..restore.apply import restore_rng
-from ..restore.tiers import from_newest_tier
+from ..restore.tiers import Source, from_newest_tier
 from . import AdapterSettings, commit_line, finish, metric_figures, require
 
 _pl = require("lightning")
@@ -228,9 +228,10 @@ class OverlapCheckpoint(Checkpoint):  # type: ignore[misc, valid-type]
         rank = dist.get_rank() if distributed else 0
         storage_options = self.settings.options.get("storage_options")
 
-        def read(source: str, is_root: bool) -> CheckpointContents:
+        def read(source: Source) -> CheckpointContents:
             return read_checkpoint(
-                source, storage_options=storage_options if is_root else None, signing_key=self.settings.options.get("signing_key"), rank=rank
+                source.url, storage_options=storage_options if source.is_root else None,
+                signing_key=self.settings.options.get("signing_key"), rank=rank,
             )
 
         # The root itself (fit(ckpt_path=dirpath)): the newest verified of the local tier and the root.

@@ -65,10 +65,20 @@ class LocalShard:
 
 
 def _planner_kwargs() -> dict[str, Any]:
+    accepted = inspect.signature(DefaultSavePlanner.__init__).parameters
+    kwargs: dict[str, Any] = {}
     # DCP caches the global plan across saves of the same layout where this torch has it.
-    if "enable_plan_caching" in inspect.signature(DefaultSavePlanner.__init__).parameters:
-        return {"enable_plan_caching": True}
-    return {}
+    if "enable_plan_caching" in accepted:
+        kwargs["enable_plan_caching"] = True
+    # An item several ranks hold is written once, by the lowest of them. The tensors' parts are
+    # already dealt to one rank each (train/copying/ownership.py), so this moves only what every
+    # rank holds whole: the optimizer's param_groups and scalars. Balanced by size instead, DCP
+    # would scatter those small items over every rank's file, and every rank's restore would read
+    # every file: a node-local tier's restore fetches a node only the files its ranks read
+    # (restore/tiers.py), which is then its own ranks' shards and rank 0's file.
+    if "dedup_save_to_lowest_rank" in accepted:
+        kwargs["dedup_save_to_lowest_rank"] = True
+    return kwargs
 
 
 def forget_cached_plans() -> None:

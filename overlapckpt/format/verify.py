@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +104,7 @@ def verify_checkpoint(
     signing_key: bytes | None = None,
     read_blobs: bool = True,
     on_progress: Callable[[int, int], None] | None = None,
+    files: Collection[str] | None = None,
 ) -> VerifyReport:
     """Verify every stored byte of checkpoint ``name`` against its manifest, blob by blob.
 
@@ -115,7 +116,9 @@ def verify_checkpoint(
     ``.metadata`` and each shard's kind and size only, not its blobs, and not the framework
     files: what ``load`` checks before its one read, which checks each blob as it arrives
     (``blob_reader.py``). ``on_progress(bytes_read, bytes_total)`` is called as the
-    shards are read (the CLI's progress line).
+    shards are read (the CLI's progress line). ``files``: verify these shard files on this
+    rank instead of its share (a node-local tier's directory holds only the files its ranks
+    read, ``restore/plan.py``); ``.metadata`` is still rank 0's.
 
     Raises CorruptCheckpointError when the manifest itself is damaged or cannot be
     verified, CheckpointReadError when storage cannot be read, and ConfigError when the
@@ -134,9 +137,9 @@ def verify_checkpoint(
         )
     report.algorithm = sums.algorithm
     metadata: dict[str, Any] = {"name": sums.metadata_name, "nbytes": sums.metadata_nbytes, "checksum": sums.metadata_checksum}
-    files = {f: (e.nbytes, [(b.key, b.offset, b.length, b.checksum) for b in e.blobs]) for f, e in sums.files.items()}
+    shards = {f: (e.nbytes, [(b.key, b.offset, b.length, b.checksum) for b in e.blobs]) for f, e in sums.files.items()}
     exports = {f: (e.nbytes, e.crc32) for f, e in manifest.exports.items()}
-    for filename, pattern in [(str(metadata["name"]), METADATA_RE)] + [(f, DATA_FILE_RE) for f in files]:
+    for filename, pattern in [(str(metadata["name"]), METADATA_RE)] + [(f, DATA_FILE_RE) for f in shards]:
         if not pattern.fullmatch(filename):
             raise CorruptCheckpointError(
                 f"{where}/{MANIFEST_NAME} lists the file {filename!r}, which is not a DCP file name: refused unread "
@@ -150,7 +153,11 @@ def verify_checkpoint(
             )
     update = updater(report.algorithm)
     rank, world = share
-    total_nbytes = sum(nbytes for index, (_, (nbytes, _)) in enumerate(sorted(files.items())) if index % world == rank)
+    mine = [
+        (filename, entry) for index, (filename, entry) in enumerate(sorted(shards.items()))
+        if (index % world == rank if files is None else filename in files)
+    ]
+    total_nbytes = sum(nbytes for _, (nbytes, _) in mine)
 
     def progress() -> None:
         if on_progress is not None:
@@ -166,9 +173,7 @@ def verify_checkpoint(
                     report.problems.append(str(e))
             for filename, (nbytes, crc) in sorted(exports.items()) if read_blobs else ():
                 _verify_export(store, name, filename, nbytes, crc, report)
-        for index, (filename, (nbytes, blobs)) in enumerate(sorted(files.items())):
-            if index % world != rank:
-                continue
+        for filename, (nbytes, blobs) in mine:
             if read_blobs:
                 _verify_file(store, name, filename, nbytes, blobs, update, report, progress)
             else:

@@ -41,12 +41,17 @@ def checked_manifest(
     per_rank_state: str,
     verify: bool,
     target: dict[str, Any] | Callable[[str], dict[str, Any]],
+    files: frozenset[str] | None = None,
 ) -> Manifest:
-    """The manifest of ``name``, once everything that can be checked before reading has passed."""
+    """The manifest of ``name``, once everything that can be checked before reading has passed.
+
+    ``files``: the files this rank reads (a local tier's directory, which holds only those):
+    checked instead of its ``share`` of all the files.
+    """
     where = store.checkpoint_url(name)
     manifest = read_manifest(store, name)
     try:
-        return _checked_fields(store, name, manifest, share, per_rank_state, verify, target, where)
+        return _checked_fields(store, name, manifest, share, per_rank_state, verify, target, where, files)
     except OverlapCkptError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -64,6 +69,7 @@ def _checked_fields(
     verify: bool,
     target: dict[str, Any] | Callable[[str], dict[str, Any]],
     where: str,
+    files: frozenset[str] | None,
 ) -> Manifest:
     if callable(target):
         target = target(manifest.key_layout)
@@ -83,10 +89,10 @@ def _checked_fields(
         # flipped bit, a truncated shard), not authenticity: whoever can write the files can
         # recompute CRCs. What keeps a crafted file from running code is the reading itself
         # (safe_unpickle.py), with or without verify.
-        report = verify_checkpoint(store, name, manifest, share, read_blobs=False)
+        report = verify_checkpoint(store, name, manifest, share, read_blobs=False, files=files)
         if not report.ok:
             # The detailed account (which blob a truncation cuts): read everything, once, on failure only.
-            report = verify_checkpoint(store, name, manifest, share)
+            report = verify_checkpoint(store, name, manifest, share, files=files)
             raise CorruptCheckpointError(
                 f"reading the checkpoint {where} failed verification: {describe_problems(report)}; restore from an "
                 "older checkpoint (list_checkpoints), or pass verify=False to inspect it"

@@ -30,8 +30,9 @@ from .check import (
     warn_of_stateful_not_given,
 )
 from .locate import checkpoint_at
+from .plan import files_in_load_plan
 from .read import agree_before_reading, empty_like_on_cpu, read_into, world_of
-from .tiers import Fetch, from_newest_tier
+from .tiers import Fetch, Source, from_newest_tier
 
 
 def load(
@@ -114,20 +115,34 @@ def _from_tiers(
     local_dir: str | os.PathLike[str] | None,
     fetch: Fetch | None,
 ) -> CheckpointInfo:
-    group, _, world = world_of(kwargs["process_group"])
+    group, rank, world = world_of(kwargs["process_group"])
+    # A wrapper: the optimizer inside; a container of optimizers (TorchTitan's): those it steps.
+    optimizers = None if optimizer is None else torch_optimizers(unwrap_optimizer(optimizer))
+    live = live_state_dicts(model, optimizers)  # collective for some parallelisms: every rank, first; once for every source
 
-    def read(source: str, is_root: bool) -> CheckpointInfo:
-        if is_root:
-            return _load_one(source, model, optimizer, stateful, step, storage_options, verify, **kwargs)
-        return _load_one(source, model, optimizer, stateful, None, None, verify, **kwargs)  # one local checkpoint directory
+    def read(source: Source) -> CheckpointInfo:
+        if source.is_root:
+            return _load_one(source.url, model, optimizer, optimizers, live, stateful, step, storage_options, verify, **kwargs)
+        # One local checkpoint directory: of it, this rank checks the files it reads.
+        return _load_one(source.url, model, optimizer, optimizers, live, stateful, None, None, verify, files=source.files, **kwargs)
 
-    return from_newest_tier(path, None if local_dir is None else os.fspath(local_dir), step, storage_options, group, world, read, fetch)
+    def files_read(where: str) -> frozenset[str]:
+        store, name = checkpoint_at(where, None, None)
+        manifest = read_manifest(store, name)
+        # With a key, authenticity first: nothing of .metadata is decoded before its signature holds.
+        check_signed(store, name, manifest, kwargs["signing_key"])
+        return files_in_load_plan(store, name, manifest, named_as(manifest.key_layout, *live), rank == 0)
+
+    directory = None if local_dir is None else os.fspath(local_dir)
+    return from_newest_tier(path, directory, step, storage_options, group, world, read, fetch, files_read)
 
 
 def _load_one(
     path: str,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
+    optimizers: list[torch.optim.Optimizer] | None,
+    live: tuple[dict[str, Any], dict[str, Any] | None],
     stateful: dict[str, Any] | None,
     step: int | None,
     storage_options: dict[str, Any] | None,
@@ -136,14 +151,13 @@ def _load_one(
     per_rank_state: str,
     process_group: Any,
     signing_key: str | bytes | None,
+    files: frozenset[str] | None = None,
 ) -> CheckpointInfo:
     """``load`` from one source: the root, or one checkpoint directory."""
     if per_rank_state not in PER_RANK_STATE_CHOICES:
         raise ConfigError(f"per_rank_state={per_rank_state!r} is invalid; use 'restore' or 'skip'")
     group, rank, world = world_of(process_group)
-    # A wrapper: the optimizer inside; a container of optimizers (TorchTitan's): those it steps.
-    optimizers = None if optimizer is None else torch_optimizers(unwrap_optimizer(optimizer))
-    msd, osd = live_state_dicts(model, optimizers)  # collective for some parallelisms: every rank, first
+    msd, osd = live
     target: dict[str, Any] = {}
     failure: BaseException | None = None
     name: str | None = None
@@ -157,7 +171,7 @@ def _load_one(
 
         # With a key, authenticity first: nothing of .metadata is decoded before its signature holds.
         check_signed(store, name, read_manifest(store, name), signing_key)
-        manifest = checked_manifest(store, name, (rank, world), per_rank_state, verify, target_for)
+        manifest = checked_manifest(store, name, (rank, world), per_rank_state, verify, target_for, files)
         if optimizer is not None:
             check_optimizer_matches(manifest, unwrap_optimizer(optimizer), store.checkpoint_url(name))
         check_items_stored(manifest, target, store.checkpoint_url(name))

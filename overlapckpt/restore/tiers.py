@@ -3,12 +3,15 @@
 ``load(..., local_dir=...)`` and ``Checkpointer.restore()`` consider, in order, this
 node's tier, then the partners' replicas on other nodes, then the root. Across nodes
 the ranks pool every node's listing and take the newest version of this world size
-whose every file some node holds, when it is at least as new as the root's; a node
-that lacks files (it was replaced, its tmpfs gone) gets them from a node that holds
-them, through the writers (``writer/replicas.py``, ``Checkpointer.restore()`` only).
-The load then verifies it as any load does, and a refused one (a corrupt replica, a
-missing file) falls back to the root with a warning naming it. Every choice, and why,
-is logged.
+whose every file some node holds, when it is at least as new as the root's. A node
+that lacks files its ranks read (it was replaced, its tmpfs gone; or, on more than two
+nodes, it holds only its own and its partners' shards) gets them from a node that holds
+them, through the writers (``writer/replicas.py``, ``Checkpointer.restore()`` only):
+``.metadata`` and the manifest first, then the files each rank's DCP load plan names
+(``plan.py``), never the whole checkpoint where the ranks read part of it.
+The load then verifies what it reads as any load does, and a refused one (a corrupt
+replica, a missing file) falls back to the root with a warning naming it. Every choice,
+and why, is logged.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ import os
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..errors import CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError, OverlapCkptError
-from ..format.manifest import MANIFEST_NAME
+from ..format.manifest import MANIFEST_NAME, METADATA_NAME
 from ..format.peers import node_key
 from ..format.storage import CheckpointStore
 from ..format.verify import read_manifest
@@ -32,11 +36,28 @@ log = logging.getLogger("overlapckpt.restore")
 # What makes a local-tier checkpoint unusable, so the next source is tried.
 FALLBACK_ERRORS = (CorruptCheckpointError, CheckpointReadError, CheckpointNotFoundError)
 Read = TypeVar("Read")
+# The files every rank's restore reads, whatever its share: DCP's .metadata and the manifest.
+HEAD_FILES = frozenset({MANIFEST_NAME, METADATA_NAME})
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a restore reads: the root, or one local-tier checkpoint directory."""
+
+    url: str
+    is_root: bool
+    # Of a local-tier directory: the files this rank's load reads from it (its node holds
+    # them; a node's directory holds only what its ranks read), so the checks before the read
+    # cover these. None: every rank checks its 1/N share of all the files.
+    files: frozenset[str] | None = None
 
 
 # At a restore through a Checkpointer: its writers copy files between nodes' tiers
 # (``writer/replicas.py``), given the checkpoint's name and the copies, on every rank at once.
 Fetch = Callable[[str, tuple[FileCopy, ...]], None]
+# The files of a local-tier checkpoint directory (its URL) that this rank's load reads: its
+# DCP load plan's (restore/plan.py). It reads .metadata, so it is called once the directory has it.
+FilesRead = Callable[[str], frozenset[str]]
 
 
 def from_newest_tier(
@@ -46,83 +67,137 @@ def from_newest_tier(
     storage_options: dict[str, Any] | None,
     group: Any,
     world: int,
-    read: Callable[[str, bool], Read],
+    read: Callable[[Source], Read],
     fetch: Fetch | None = None,
+    files_read: FilesRead | None = None,
 ) -> Read:
-    """``read(source, is_root)`` from the local tier's checkpoint when it is the one to restore, else from ``path``.
+    """``read(source)`` from the local tier's checkpoint when it is the one to restore, else from the root ``path``.
 
     A local-tier read that is refused (corrupt, missing, unreadable) is warned of, naming
     the checkpoint, and the root is read instead. The source and its time are logged.
+    ``files_read``: what each rank's load reads, so that a node is fetched only those files;
+    without it (a reader of whole checkpoints), every node is completed.
     """
     if local_dir is not None:
         started = time.perf_counter()
-        candidate = local_candidate(os.fspath(local_dir), path, step, storage_options, group, world, fetch)
+        candidate = local_candidate(os.fspath(local_dir), path, step, storage_options, group, world, fetch, files_read)
         if candidate is not None:
             chosen_s = time.perf_counter() - started
             started = time.perf_counter()
             try:
-                result = read(candidate, False)
+                result = read(candidate)
             except FALLBACK_ERRORS as e:
                 warnings.warn(
-                    f"overlapckpt: the local tier's {candidate} was refused ({type(e).__name__}: {e}); restoring from the root {path}",
+                    f"overlapckpt: the local tier's {candidate.url} was refused ({type(e).__name__}: {e}); restoring from the root {path}",
                     stacklevel=3,
                 )
             else:
                 log.info(
                     "restored from the local tier's %s in %.3f s (choosing it and fetching any replica took %.3f s)",
-                    candidate, time.perf_counter() - started, chosen_s,
+                    candidate.url, time.perf_counter() - started, chosen_s,
                 )
                 return result
     started = time.perf_counter()
-    result = read(path, True)
+    result = read(Source(path, is_root=True))
     if local_dir is not None:
         log.info("restored from the root %s in %.3f s", path, time.perf_counter() - started)
     return result
 
 
 def local_candidate(
-    local_dir: str, path: str, step: int | None, storage_options: dict[str, Any] | None, group: Any, world: int, fetch: Fetch | None = None
-) -> str | None:
+    local_dir: str,
+    path: str,
+    step: int | None,
+    storage_options: dict[str, Any] | None,
+    group: Any,
+    world: int,
+    fetch: Fetch | None = None,
+    files_read: FilesRead | None = None,
+) -> Source | None:
     """The local-tier checkpoint directory to restore, or None (the root's is then read); every rank gets the same answer.
 
     In a distributed run the ranks pool what each node's tier holds, and take the newest
     version whose every file is on some node (its own, or as a partner's replica). A node
-    that lacks some of them gets them through ``fetch`` (the writers); without it (``load``
-    called outside a Checkpointer) the root is read.
+    that lacks a file one of its ranks reads gets it through ``fetch`` (the writers): first
+    ``.metadata`` and the manifest, then, with ``files_read``, the files the ranks' load
+    plans name (else every file). Without ``fetch`` (``load`` called outside a
+    Checkpointer) the root is read instead.
     """
     if group is None:
         mine = _local_on_this_rank(local_dir, path, step, storage_options, world)
-        return mine[0] if mine is not None else None
+        return None if mine is None else Source(mine[0], is_root=False)
     import torch.distributed as dist
 
     root_version = _root_version(path, storage_options) if step is None and dist.get_rank(group) == 0 else None
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (node_key(), tier_listing(local_dir, world), root_version), group=group)
-    choice = choose_version([(key, listing) for key, listing, _ in gathered], step, gathered[0][2])
+    tiers = NodeListings.from_gathered([(key, listing) for key, listing, _ in gathered])
+    choice = tiers.newest_complete(step, gathered[0][2])
     if choice is None:
         log.info("the local tiers hold no complete checkpoint to restore%s: restoring from the root %s", "" if step is None else f" of step {step}", path)
         return None
-    name, version, copies = choice
-    if copies:
-        if fetch is None:
-            log.info(
-                "version %d is in the local tiers, but some node lacks %d of its files, and load() outside a Checkpointer cannot "
-                "fetch them from a partner (Checkpointer.restore() can): restoring from the root %s", version, len(copies), path,
-            )
-            return None
-        started = time.perf_counter()
-        try:
-            fetch(name, tuple(copies))
-        except OverlapCkptError as e:
-            warnings.warn(f"overlapckpt: fetching {name}'s replicas from partner nodes failed ({e}); restoring from the root {path}", stacklevel=4)
-            return None
-        log.info(
-            "fetched %d files (%d bytes) of %s from partner nodes in %.3f s",
-            len(copies), sum(c.nbytes for c in copies), name, time.perf_counter() - started,
-        )
+    name, version = choice
     where = CheckpointStore(local_dir).checkpoint_url(name)
-    log.info("restoring version %d from the local tier: %s", version, where)
-    return where
+    if files_read is None:
+        if not _fetched(tiers, name, version, {node: None for node in tiers.listings}, fetch, path):
+            return None
+        log.info("restoring version %d from the local tier: %s", version, where)
+        return Source(where, is_root=False)
+    # .metadata and the manifest first: a rank's load plan is read from them.
+    if not _fetched(tiers, name, version, {node: HEAD_FILES for node in tiers.listings}, fetch, path):
+        return None
+    reads: frozenset[str] | None = None
+    failure: str | None = None
+    try:
+        reads = HEAD_FILES | files_read(where)
+    except Exception as e:  # noqa: BLE001 - agreed on below, so that every rank reads the root
+        failure = f"{type(e).__name__}: {e}"
+    plans: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(plans, (node_key(), reads, failure), group=group)
+    failed = [(rank, why) for rank, (_, _, why) in enumerate(plans) if why is not None]
+    if failed:
+        rank, why = failed[0]
+        warnings.warn(f"overlapckpt: the local tier's {where} cannot be planned on rank {rank} ({why}); restoring from the root {path}", stacklevel=4)
+        return None
+    wanted: dict[str, frozenset[str] | None] = {}
+    for key, files, _ in plans:
+        wanted[key] = frozenset(files) | (wanted.get(key) or frozenset())
+    if not _fetched(tiers, name, version, wanted, fetch, path):
+        return None
+    log.info("restoring version %d from the local tier: %s (this rank reads %d of its files)", version, where, len(reads or ()))
+    return Source(where, is_root=False, files=reads)
+
+
+def _fetched(
+    tiers: NodeListings, name: str, version: int, wanted: dict[str, frozenset[str] | None], fetch: Fetch | None, path: str
+) -> bool:
+    """Whether every node holds the files of ``name`` it wants (None: all), fetching those it lacks; False: read the root."""
+    try:
+        copies = tiers.copies(name, wanted)
+    except CorruptCheckpointError as e:  # the same on every rank: each computes the copies from what all gathered
+        warnings.warn(f"overlapckpt: {e}; restoring from the root {path}", stacklevel=5)
+        return False
+    if not copies:
+        return True
+    if fetch is None:
+        log.info(
+            "version %d is in the local tiers, but some node lacks %d of the files its ranks read, and load() outside a "
+            "Checkpointer cannot fetch them from a partner (Checkpointer.restore() can): restoring from the root %s",
+            version, len(copies), path,
+        )
+        return False
+    started = time.perf_counter()
+    try:
+        fetch(name, tuple(copies))
+    except OverlapCkptError as e:
+        warnings.warn(f"overlapckpt: fetching {name}'s replicas from partner nodes failed ({e}); restoring from the root {path}", stacklevel=5)
+        return False
+    tiers.received(name, copies)
+    log.info(
+        "fetched %d files (%d bytes) of %s from partner nodes in %.3f s",
+        len(copies), sum(c.nbytes for c in copies), name, time.perf_counter() - started,
+    )
+    return True
 
 
 # A node's tier, as listed: per committed checkpoint, (its version, its run, its files and their
@@ -157,51 +232,86 @@ def tier_listing(local_dir: str, world: int) -> Listing:
     return out
 
 
-def choose_version(nodes_by_rank: list[tuple[str, Listing]], step: int | None, root_version: int | None) -> tuple[str, int, list[FileCopy]] | None:
-    """(name, version, the copies that complete every node's directory) of the newest complete version, or None.
+@dataclass
+class NodeListings:
+    """Every node's listing (by node key), and each node's lowest rank, which receives and sends for it."""
 
-    ``nodes_by_rank``: each rank's (node, listing). A version counts when every file its
-    manifest names is on some node at its size; it is refused below the root's version.
-    """
-    leaders: dict[str, int] = {}
-    for rank, (node, _) in enumerate(nodes_by_rank):
-        leaders.setdefault(node, rank)
-    listings = {node: nodes_by_rank[rank][1] for node, rank in leaders.items()}
-    entries = sorted(
-        {(entry[0], entry[1], name) for listing in listings.values() for name, entry in listing.items()}, reverse=True
-    )
-    for version, run_id, name in entries:
-        if step is not None and version != step:
-            continue
-        if step is None and root_version is not None and version < root_version:
-            log.info("the root holds version %d, newer than the local tiers' %d: restoring from the root", root_version, version)
-            return None
-        copies = _copies_completing(name, version, run_id, listings, leaders)
-        if copies is not None:
-            return name, version, copies
-    return None
+    listings: dict[str, Listing]
+    leaders: dict[str, int]
 
+    @classmethod
+    def from_gathered(cls, nodes_by_rank: list[tuple[str, Listing]]) -> NodeListings:
+        leaders: dict[str, int] = {}
+        for rank, (node, _) in enumerate(nodes_by_rank):
+            leaders.setdefault(node, rank)
+        return cls({node: nodes_by_rank[rank][1] for node, rank in leaders.items()}, leaders)
 
-def _copies_completing(
-    name: str, version: int, run_id: str, listings: dict[str, Listing], leaders: dict[str, int]
-) -> list[FileCopy] | None:
-    """The copies that give every node all of ``name``'s files, or None where a file is on no node (or a node holds another run's)."""
-    holding = {node: listing[name] for node, listing in listings.items() if name in listing}
-    if any(entry[:2] != (version, run_id) for entry in holding.values()):
-        log.info("checkpoint %s is another run's on some node: not restored from the local tiers", name)
+    def newest_complete(self, step: int | None, root_version: int | None) -> tuple[str, int] | None:
+        """(name, version) of the newest version whose every file some node holds, or None.
+
+        It is refused below the root's version, and where nodes hold different runs' under one name.
+        """
+        entries = sorted({(entry[0], entry[1], name) for listing in self.listings.values() for name, entry in listing.items()}, reverse=True)
+        for version, run_id, name in entries:
+            if step is not None and version != step:
+                continue
+            if step is None and root_version is not None and version < root_version:
+                log.info("the root holds version %d, newer than the local tiers' %d: restoring from the root", root_version, version)
+                return None
+            holding = self._holding(name)
+            if any(entry[:2] != (version, run_id) for entry in holding.values()):
+                log.info("checkpoint %s is another run's on some node: not restored from the local tiers", name)
+                continue
+            lacking = [file for file, nbytes in self._needed(name).items() if not self._holders(name, file, nbytes)]
+            if lacking:
+                log.info("version %d in the local tiers lacks %s on every node: an older version is considered", version, lacking[0])
+                continue
+            return name, version
         return None
-    needed = next(iter(holding.values()))[3]
-    copies: list[FileCopy] = []
-    for file, nbytes in sorted(needed.items()):
-        holders = [node for node, entry in holding.items() if file in entry[2] and (nbytes < 0 or entry[2][file] == nbytes)]
-        if not holders:
-            log.info("version %d in the local tiers lacks %s on every node: an older version is considered", version, file)
-            return None
-        size = holding[holders[0]][2][file]
-        for k, node in enumerate(n for n in sorted(listings, key=leaders.__getitem__) if n not in holders):
-            source = leaders[holders[k % len(holders)]]
-            copies.append(FileCopy(source, leaders[node], file, size))
-    return copies
+
+    def copies(self, name: str, wanted: dict[str, frozenset[str] | None]) -> list[FileCopy]:
+        """The copies that give each node the files of ``name`` it wants (None: all), each from a node holding it.
+
+        A file a node wants that is not one of the checkpoint's is refused: the name came from
+        storage (a load plan read from .metadata), and only the manifest's files are copied.
+        """
+        needed = self._needed(name)
+        copies: list[FileCopy] = []
+        for node in sorted(self.listings, key=self.leaders.__getitem__):
+            chosen = wanted.get(node)
+            files = frozenset(needed) if chosen is None else chosen
+            unknown = sorted(set(files) - needed.keys())
+            if unknown:
+                raise CorruptCheckpointError(f"the local tiers' checkpoint {name} is read from {unknown[:3]}, which its manifest does not list")
+            held = self.listings[node].get(name, (0, "", {}, {}))[2]
+            for k, file in enumerate(sorted(f for f in files if not self._holds(held, f, needed[f]))):
+                holders = self._holders(name, file, needed[file])
+                source = holders[k % len(holders)]  # spread over the nodes that hold it
+                copies.append(FileCopy(self.leaders[source], self.leaders[node], file, self._holding(name)[source][2][file]))
+        return copies
+
+    def received(self, name: str, copies: list[FileCopy]) -> None:
+        """Note the files a fetch gave each node."""
+        by_leader = {rank: node for node, rank in self.leaders.items()}
+        for copy in copies:
+            listing = self.listings[by_leader[copy.target]]
+            if name not in listing:
+                version, run_id, _, needed = self._holding(name)[by_leader[copy.source]]
+                listing[name] = (version, run_id, {}, needed)
+            listing[name][2][copy.filename] = copy.nbytes
+
+    def _holding(self, name: str) -> dict[str, tuple[int, str, dict[str, int], dict[str, int]]]:
+        return {node: listing[name] for node, listing in self.listings.items() if name in listing}
+
+    def _needed(self, name: str) -> dict[str, int]:
+        return next(iter(self._holding(name).values()))[3]
+
+    def _holders(self, name: str, file: str, nbytes: int) -> list[str]:
+        return sorted((node for node, entry in self._holding(name).items() if self._holds(entry[2], file, nbytes)), key=self.leaders.__getitem__)
+
+    @staticmethod
+    def _holds(held: dict[str, int], file: str, nbytes: int) -> bool:
+        return file in held and (nbytes < 0 or held[file] == nbytes)
 
 
 def _local_on_this_rank(

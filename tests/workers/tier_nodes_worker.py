@@ -2,7 +2,9 @@
 
     torchrun --nnodes 2 --nproc-per-node 2 --node-rank N ... tier_nodes_worker.py PHASE OUT ROOT TIERS
 
-PHASE is ``kill`` (rank 3 SIGKILLs its own writer while version 2's replicas are sent;
+PHASE is ``sharded_first`` or ``sharded_resume`` (as ``first`` and ``resume``, the model under
+FSDP2 across every rank: each rank reads its own shard at a restore, launched as 3 nodes x 1 rank),
+``kill`` (rank 3 SIGKILLs its own writer while version 2's replicas are sent;
 ``kill_during_replication``), ``preempt`` (trained until torchrun's agents forward a SIGTERM;
 ``preempted``), ``first`` (data parallel, train STEPS steps, a local-tier checkpoint every LOCAL_EVERY, the root
 every ROOT_EVERY; the uninterrupted twin) or ``resume`` (``ckpt.restore()``, then train to
@@ -53,6 +55,15 @@ def run(phase: str, out: str, root: str, tiers: str) -> dict[str, Any]:
     # so a resumed DDP run differs from its twin in the last bits, whatever it restored. Buffers
     # are broadcast from rank 0 before each forward, as DDP does.
     model = TinyNet(width=32, features=16, outputs=8, dropout=0.2)
+    sharded = phase.startswith("sharded_")
+    if sharded:  # FSDP2 over every rank: parameters and optimizer state sharded, BatchNorm's buffers whole
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in (model.inp, model.out):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sampler = StatefulSampler(seed=100 + rank, features=16, outputs=8)
     result: dict[str, Any] = {"node": node}
@@ -61,7 +72,7 @@ def run(phase: str, out: str, root: str, tiers: str) -> dict[str, Any]:
         local_dir=os.path.join(tiers, f"node{node}"), replica_mib_per_s=64,
     )
     start = 1
-    if phase == "resume":
+    if phase.endswith("resume"):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             info = ckpt.restore()
@@ -75,7 +86,7 @@ def run(phase: str, out: str, root: str, tiers: str) -> dict[str, Any]:
         loss = nn.functional.mse_loss(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        for p in model.parameters():
+        for p in () if sharded else model.parameters():  # FSDP2 reduce-scatters its gradients itself
             dist.all_reduce(p.grad)
             p.grad.div_(dist.get_world_size())
         opt.step()
@@ -84,8 +95,21 @@ def run(phase: str, out: str, root: str, tiers: str) -> dict[str, Any]:
     result["committed"] = [(i.step, i.path) for i in ckpt.wait(timeout_s=120)]
     result["losses"] = losses
     result["log"] = records.lines
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, os.path.join(out, f"{phase}-rank{rank}.pt"))
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    torch.save(_local_parts(state), os.path.join(out, f"{phase}-rank{rank}.pt"))
     return result
+
+
+def _local_parts(value: Any) -> Any:
+    """``value`` with each DTensor replaced by this rank's part of it (what ``torch.load(weights_only=True)`` reads back)."""
+    to_local = getattr(value, "to_local", None)
+    if isinstance(value, torch.Tensor) and callable(to_local):
+        return to_local().clone()
+    if isinstance(value, dict):
+        return {k: _local_parts(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_local_parts(v) for v in value]
+    return value
 
 
 def kill_during_replication(out: str, root: str, tiers: str) -> dict[str, Any]:
@@ -186,6 +210,8 @@ def main() -> None:
         "kill": lambda: kill_during_replication(out, root, tiers),
         "first": lambda: run(phase, out, root, tiers),
         "resume": lambda: run(phase, out, root, tiers),
+        "sharded_first": lambda: run(phase, out, root, tiers),
+        "sharded_resume": lambda: run(phase, out, root, tiers),
     }
     write_rank_result_and_leave(os.path.join(out, f"{phase}-rank{dist.get_rank()}.json"), lambda: scenarios[phase]())
 
