@@ -128,11 +128,17 @@ def local_candidate(
         return None if mine is None else Source(mine[0], is_root=False)
     import torch.distributed as dist
 
-    root_version = _root_version(path, storage_options) if step is None and dist.get_rank(group) == 0 else None
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (node_key(), tier_listing(local_dir, world), root_version), group=group)
-    tiers = NodeListings.from_gathered([(key, listing) for key, listing, _ in gathered])
-    choice = tiers.newest_complete(step, gathered[0][2])
+    rank = dist.get_rank(group)
+    root_version = _root_version(path, storage_options) if step is None and rank == 0 else None
+    keys: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(keys, (node_key(), root_version), group=group)
+    # Only each node's lowest rank lists its tier: the others' listings would be the same, and
+    # every rank receives every listing (a manifest names every file of the checkpoint).
+    leads = [key for key, _ in keys].index(keys[rank][0]) == rank
+    listings: list[Any] = [None] * len(keys)
+    dist.all_gather_object(listings, tier_listing(local_dir, world) if leads else {}, group=group)
+    tiers = NodeListings.from_gathered([(key, listing) for (key, _), listing in zip(keys, listings)])
+    choice = tiers.newest_complete(step, keys[0][1])
     if choice is None:
         log.info("the local tiers hold no complete checkpoint to restore%s: restoring from the root %s", "" if step is None else f" of step {step}", path)
         return None
