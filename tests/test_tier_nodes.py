@@ -193,7 +193,7 @@ def test_two_nodes_replicate_the_local_tier_and_resume_from_the_newest_reachable
         resumed = _launch(hosts, "resume", out, root, tiers, next(port))
         for rank, result in enumerate(resumed):
             assert result["restored_step"] == 6 and result["restored_path"].startswith(root), (rank, result["restored_path"])
-        assert any("newer than the local tiers" in line for r in resumed for line in r["log"])
+        assert any("newer than the local tier's newest complete version" in line for r in resumed for line in r["log"])
         _assert_matches_twin(resumed, out, "resume", twin, twin_out)
 
         # 4. Both nodes' tiers lost: the root.

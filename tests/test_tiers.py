@@ -113,8 +113,21 @@ def test_a_newer_root_wins_over_the_local_tier(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="overlapckpt"):
         info, model, opt = _fresh_load(root, local)
     assert info.step == 12 and info.path == os.path.join(root, "step-000000012")
-    assert "the root holds version 12, newer than the local tier's 8" in caplog.text
+    assert "the root holds version 12, newer than the local tier's newest complete version 8" in caplog.text
     assert_state_equal(*TWIN[12], model, opt)
+
+
+def test_a_local_checkpoint_whose_manifest_is_unreadable_is_skipped_and_an_older_local_one_still_newer_than_the_root_is_used(tmp_path):
+    root, local = str(tmp_path / "root"), str(tmp_path / "local")
+    _train(root, local, steps=10, every=6)
+    assert _steps(root) == [6] and _steps(local)[-2:] == [8, 10]
+    newest = os.path.join(local, "step-000000010", MANIFEST_NAME)
+    with open(newest, "r+b") as f:  # truncated: its manifest no longer parses
+        f.truncate(os.path.getsize(newest) // 2)
+    with pytest.warns(UserWarning, match=r"the local tier's .*step-000000010 is skipped"):
+        info, model, opt = _fresh_load(root, local)
+    assert info.step == 8 and info.path == os.path.join(local, "step-000000008")
+    assert_state_equal(*TWIN[8], model, opt)
 
 
 def test_a_corrupt_local_checkpoint_is_refused_with_a_warning_and_the_root_is_used(tmp_path):

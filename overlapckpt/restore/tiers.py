@@ -30,7 +30,7 @@ from ..format.peers import node_key
 from ..format.storage import CheckpointStore
 from ..format.verify import read_manifest
 from ..protocol import FileCopy
-from .locate import checkpoint_at, resolve_checkpoint
+from .locate import checkpoint_at
 
 log = logging.getLogger("overlapckpt.restore")
 # What makes a local-tier checkpoint unusable, so the next source is tried.
@@ -116,35 +116,40 @@ def local_candidate(
 ) -> Source | None:
     """The local-tier checkpoint directory to restore, or None (the root's is then read); every rank gets the same answer.
 
-    In a distributed run the ranks pool what each node's tier holds, and take the newest
-    version whose every file is on some node (its own, or as a partner's replica). A node
+    The ranks pool what each node's tier holds (one process: its own tier, the same way), and
+    take the newest version whose every file is on some node (its own, or as a partner's
+    replica), skipping a checkpoint whose manifest is unreadable with a warning. A node
     that lacks a file one of its ranks reads gets it through ``fetch`` (the writers): first
     ``.metadata`` and the manifest, then, with ``files_read``, the files the ranks' load
     plans name (else every file). Without ``fetch`` (``load`` called outside a
     Checkpointer) the root is read instead.
     """
+    if not os.path.isdir(local_dir):
+        log.info("no local tier at %s on this node", local_dir)
     if group is None:
-        mine = _local_on_this_rank(local_dir, path, step, storage_options, world)
-        return None if mine is None else Source(mine[0], is_root=False)
-    import torch.distributed as dist
+        root_version = _root_version(path, storage_options) if step is None else None
+        tiers = NodeListings.from_gathered([(node_key(), tier_listing(local_dir, world))])
+    else:
+        import torch.distributed as dist
 
-    rank = dist.get_rank(group)
-    root_version = _root_version(path, storage_options) if step is None and rank == 0 else None
-    keys: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(keys, (node_key(), root_version), group=group)
-    # Only each node's lowest rank lists its tier: the others' listings would be the same, and
-    # every rank receives every listing (a manifest names every file of the checkpoint).
-    leads = [key for key, _ in keys].index(keys[rank][0]) == rank
-    listings: list[Any] = [None] * len(keys)
-    dist.all_gather_object(listings, tier_listing(local_dir, world) if leads else {}, group=group)
-    tiers = NodeListings.from_gathered([(key, listing) for (key, _), listing in zip(keys, listings)])
-    choice = tiers.newest_complete(step, keys[0][1])
+        rank = dist.get_rank(group)
+        root_version = _root_version(path, storage_options) if step is None and rank == 0 else None
+        keys: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(keys, (node_key(), root_version), group=group)
+        # Only each node's lowest rank lists its tier: the others' listings would be the same, and
+        # every rank receives every listing (a manifest names every file of the checkpoint).
+        leads = [key for key, _ in keys].index(keys[rank][0]) == rank
+        listings: list[Any] = [None] * len(keys)
+        dist.all_gather_object(listings, tier_listing(local_dir, world) if leads else {}, group=group)
+        tiers = NodeListings.from_gathered([(key, listing) for (key, _), listing in zip(keys, listings)])
+        root_version = keys[0][1]
+    choice = tiers.newest_complete(step, root_version)
     if choice is None:
         log.info("the local tiers hold no complete checkpoint to restore%s: restoring from the root %s", "" if step is None else f" of step {step}", path)
         return None
     name, version = choice
     where = CheckpointStore(local_dir).checkpoint_url(name)
-    if files_read is None:
+    if files_read is None or group is None:  # one process reads every file: it has them all
         if not _fetched(tiers, name, version, {node: None for node in tiers.listings}, fetch, path):
             return None
         log.info("restoring version %d from the local tier: %s", version, where)
@@ -158,6 +163,8 @@ def local_candidate(
         reads = HEAD_FILES | files_read(where)
     except Exception as e:  # noqa: BLE001 - agreed on below, so that every rank reads the root
         failure = f"{type(e).__name__}: {e}"
+    import torch.distributed as dist
+
     plans: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(plans, (node_key(), reads, failure), group=group)
     failed = [(rank, why) for rank, (_, _, why) in enumerate(plans) if why is not None]
@@ -262,7 +269,10 @@ class NodeListings:
             if step is not None and version != step:
                 continue
             if step is None and root_version is not None and version < root_version:
-                log.info("the root holds version %d, newer than the local tiers' %d: restoring from the root", root_version, version)
+                log.info(
+                    "the root holds version %d, newer than the local tier's newest complete version %d: restoring from the root",
+                    root_version, version,
+                )
                 return None
             holding = self._holding(name)
             if any(entry[:2] != (version, run_id) for entry in holding.values()):
@@ -318,39 +328,6 @@ class NodeListings:
     @staticmethod
     def _holds(held: dict[str, int], file: str, nbytes: int) -> bool:
         return file in held and (nbytes < 0 or held[file] == nbytes)
-
-
-def _local_on_this_rank(
-    local_dir: str, path: str, step: int | None, storage_options: dict[str, Any] | None, world: int
-) -> tuple[str, int] | None:
-    """(directory, version) of this node's local-tier checkpoint to restore, or None, with why logged."""
-    if not os.path.isdir(local_dir):
-        log.info("no local tier at %s: restoring from the root %s", local_dir, path)
-        return None
-    local = CheckpointStore(local_dir)
-    try:
-        name = resolve_checkpoint(local, step)
-        manifest = read_manifest(local, name)
-    except CheckpointNotFoundError:
-        log.info("the local tier %s holds no checkpoint%s: restoring from the root", local_dir, "" if step is None else f" of step {step}")
-        return None
-    except (CorruptCheckpointError, CheckpointReadError) as e:
-        warnings.warn(f"overlapckpt: the local tier {local_dir} cannot be restored from ({e}); restoring from the root {path}", stacklevel=4)
-        return None
-    where = local.checkpoint_url(name)
-    if manifest.world_size != world:
-        log.info(
-            "the local tier's %s was written by %d ranks, and this run has %d: restoring from the root %s, which reshards",
-            where, manifest.world_size, world, path,
-        )
-        return None
-    if step is None:
-        root_version = _root_version(path, storage_options)
-        if root_version is not None and root_version > manifest.step:
-            log.info("the root holds version %d, newer than the local tier's %d (%s): restoring from the root", root_version, manifest.step, where)
-            return None
-    log.info("restoring version %d from the local tier: %s", manifest.step, where)
-    return where, manifest.step
 
 
 def _root_version(path: str, storage_options: dict[str, Any] | None) -> int | None:
