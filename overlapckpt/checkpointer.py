@@ -23,6 +23,7 @@ from .format.storage import CheckpointStore
 from .optimizers import torch_optimizers, unwrap_optimizer
 from .protocol import FileCopy
 from .restore.pipeline import load_fetching_replicas
+from .restore.tiers import RestoreReport
 from .restore_marks import take_restore_mark
 from .settings import (
     DEFAULT_LOCAL_KEEP,
@@ -227,6 +228,7 @@ class Checkpointer:
             built.distributed, built.preemption, built.control_page, built.lease,
         )
         self._lineage_starts_at = 0  # the first of self.stats in the current lineage (see continued_from)
+        self._restore_figures: dict[str, Any] | None = None  # the last restore()'s (restore_figures)
         # Never closed: at interpreter exit, commit what is complete, say what was lost, release the lease.
         # It holds the parts, not the Checkpointer: a script may drop that (a local of its main()).
         self._exit_commit = _ExitCommit(built, self.path, self.exit_timeout_s)
@@ -389,11 +391,12 @@ class Checkpointer:
         with self.steps_not_counted():
             # load() on this Checkpointer's objects; across nodes, a node that lacks the local tier's
             # newest files gets them from a partner's replica through the writers (restore/tiers.py).
+            report = RestoreReport()
             info = load_fetching_replicas(
                 self._fetch_replicas, self.path, self.model, self.optimizer, self.stateful, step, self.storage_options,
-                process_group=self.process_group, signing_key=self._signing_key, local_dir=self.local_dir,
+                process_group=self.process_group, signing_key=self._signing_key, local_dir=self.local_dir, report=report,
             )
-        self._continue_after_load(info)
+        self._continue_after_load(info, report)
         return info
 
     def _fetch_replicas(self, name: str, copies: tuple[FileCopy, ...]) -> None:
@@ -407,12 +410,29 @@ class Checkpointer:
         local = self._built.local_store
         return None if local is None else local.root
 
-    def _continue_after_load(self, info: CheckpointInfo) -> None:
-        """Continue from a loaded checkpoint: its lineage when it is the root's or the local tier's, else its count only."""
+    def _continue_after_load(self, info: CheckpointInfo, report: RestoreReport | None = None) -> None:
+        """Continue from a loaded checkpoint: its lineage when it is the root's or the local tier's, else its count only.
+
+        With ``report``: its figures go to ``on_commit`` with the next commit's (``restore_figures``).
+        """
         name = os.path.basename(info.path.rstrip("/"))
         local = self._built.local_store
         ours = self._store.checkpoint_url(name) == info.path or (local is not None and local.checkpoint_url(name) == info.path)
         self.continued_from(info if ours else info.step)
+        if report is not None:
+            self._report_restore(report, info.step)
+
+    def _report_restore(self, report: RestoreReport, step: int) -> None:
+        """A restore's figures: ``restore_figures`` now, and to ``on_commit`` with the next commit's."""
+        self._restore_figures = report.figures(step)
+        self._engine.dispatcher.figures_for_next_commit.update(self._restore_figures)
+
+    @property
+    def restore_figures(self) -> dict[str, Any] | None:
+        """The last ``restore()``'s figures: its source (``"local tier"``, ``"partner replicas"``, ``"root"``), version,
+        and seconds per part (``restore_choose_s``, ``restore_fetch_s``, ``restore_read_s``, ``restore_s``), fetched
+        files and bytes; None before one. ``on_commit`` receives them too, with the next commit's figures."""
+        return self._restore_figures
 
     @property
     def process_group(self) -> Any:

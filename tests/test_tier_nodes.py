@@ -183,6 +183,8 @@ def test_two_nodes_replicate_the_local_tier_and_resume_from_the_newest_reachable
         for rank, result in enumerate(resumed):
             assert result["restored_step"] == 6 and result["restored_path"].startswith(root), (rank, result["restored_path"])
             assert any("refused" in w and "restoring from the root" in w for w in result["warnings"]), (rank, result["warnings"])
+            assert result["restore_figures"]["restore_source"] == "root", (rank, result["restore_figures"])
+            assert isinstance(result["restore_figures"]["restore_refused_local_read_s"], float), (rank, result["restore_figures"])
         assert any(victim in w for r in resumed for w in r["warnings"]), [r["warnings"] for r in resumed]
         _assert_matches_twin(resumed, out, "resume", twin, twin_out)
 
@@ -238,6 +240,13 @@ def test_three_nodes_restore_fetches_to_each_node_only_the_shards_its_ranks_read
         assert _files_of(tiers, 0, 6) == head | {"__0_0.distcp", "__2_0.distcp"}  # it had what rank 0 reads
         assert _files_of(tiers, 1, 6) == head | {"__0_0.distcp", "__1_0.distcp"}  # replaced: what rank 1 reads
         assert _files_of(tiers, 2, 6) == head | {"__0_0.distcp", "__1_0.distcp", "__2_0.distcp"}  # rank 0's file added
+        # Reported to the figures callback: 5 files fetched (2 + 2 to node 1, 1 to node 2), on every rank.
+        fetched = {(1, f) for f in head | {"__0_0.distcp", "__1_0.distcp"}} | {(2, "__0_0.distcp")}
+        fetched_bytes = sum(os.path.getsize(os.path.join(_checkpoint_dir(tiers, node, 6), f)) for node, f in fetched)
+        for rank, result in enumerate(resumed):
+            figures = result["restore_figures"]
+            assert (figures["restore_source"], figures["restore_step"]) == ("partner replicas", 6), (rank, figures)
+            assert (figures["restore_fetched_files"], figures["restore_fetched_bytes"]) == (5, fetched_bytes), (rank, figures)
         _assert_matches_twin(resumed, out, "sharded_resume", twin, twin_out, "sharded_first")
 
 

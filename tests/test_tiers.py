@@ -153,6 +153,38 @@ def test_restore_from_the_local_tier_continues_the_run_bit_exact(tmp_path):
     assert_state_equal(*TWIN[8], model, opt)
 
 
+def test_a_restore_reports_its_source_and_times_to_the_figures_callback_with_the_next_commit(tmp_path):
+    root, local = str(tmp_path / "root"), str(tmp_path / "local")
+    _train(root, local, steps=8, every=6, local_every=2)
+    model, opt, sched, sampler = make_run(seed=1)
+    figures: list[dict] = []
+    with Checkpointer(model, opt, root, every=6, local_every=2, local_dir=local, on_commit=figures.append) as ckpt:
+        assert ckpt.restore_figures is None
+        ckpt.restore()
+        restored = ckpt.restore_figures
+        assert restored is not None
+        assert (restored["restore_source"], restored["restore_step"], restored["restore_fetched_files"]) == ("local tier", 8, 0)
+        assert restored["restore_refused_local_read_s"] is None
+        assert restored["restore_s"] == restored["restore_choose_s"] + restored["restore_read_s"]
+        for _ in range(4):  # versions 9..12: the local tier takes 10 and 12
+            train_step(model, opt, sched, sampler)
+            ckpt.step()
+        ckpt.wait()
+    assert [f["step"] for f in figures] == [10, 12]
+    assert {k: v for k, v in figures[0].items() if k.startswith("restore_")} == restored  # with the first commit only
+    assert not any(k.startswith("restore_") for k in figures[1])
+
+    # A refused local checkpoint: the root, and the refused read's time.
+    _flip_one_byte(list_checkpoints(local)[-1].path)
+    model, opt, _, _ = make_run(seed=1)
+    with Checkpointer(model, opt, root, every=6, local_every=2, local_dir=local) as ckpt:
+        with pytest.warns(UserWarning, match="was refused"):
+            ckpt.restore()
+        restored = ckpt.restore_figures
+    assert restored is not None and (restored["restore_source"], restored["restore_step"]) == ("root", 12)
+    assert isinstance(restored["restore_refused_local_read_s"], float)
+
+
 def test_without_a_local_tier_load_reads_the_root_and_logs_nothing_of_tiers(tmp_path, caplog):
     root, local = str(tmp_path / "root"), str(tmp_path / "missing-local")
     _train(root, str(tmp_path / "local"), steps=6, every=6)

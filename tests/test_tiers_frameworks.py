@@ -68,7 +68,10 @@ def test_lightning_local_every_n_train_steps_and_resume_from_the_newer_local_tie
     _flip_root_shards(root)
 
     rec = RecordStates()
-    resumed = fit([callback(), rec], max_epochs=2, ckpt_path=root)
+    resuming = callback()
+    resumed = fit([resuming, rec], max_epochs=2, ckpt_path=root)
+    assert resuming.restore_figures is not None
+    assert (resuming.restore_figures["restore_source"], resuming.restore_figures["restore_step"]) == ("local tier", 4)
     # Resumed from the local tier's step 4 (the root's 3 is older, and corrupt): the second epoch as the twin's.
     assert torch.equal(torch.stack(resumed.losses), losses[STEPS_PER_EPOCH:])
     assert rec.states.keys() == {5, 6, 7, 8}
@@ -108,6 +111,8 @@ def test_titan_local_interval_and_resume_from_the_local_tier(tmp_path, monkeypat
     try:
         assert manager.load() is True
         assert manager.ckpt.local_dir == local and manager.ckpt.step_count == 12
+        assert manager.ckpt.restore_figures["restore_source"] == "local tier"
+        assert manager.ckpt.restore_figures["restore_step"] == 12
         after = resumed.local_state()
     finally:
         manager.close()

@@ -79,8 +79,9 @@ def finish(ckpt: Any, save_on_train_end: bool) -> None:
 
 
 # The figures a user reads per commit, for the framework's loggers: which version, how long the loop
-# waited for our hooks, and how long until it was durable. The rest stay in ckpt.stats and the manifest.
-LOGGED_FIGURES = ("step", "hook_host_s", "copy_s", "time_to_commit_s", "state_bytes")
+# waited for our hooks, and how long until it was durable; with the first commit after a resume, how
+# long its restore took. The rest stay in ckpt.stats, restore_figures and the manifest.
+LOGGED_FIGURES = ("step", "hook_host_s", "copy_s", "time_to_commit_s", "state_bytes", "restore_s")
 
 
 def metric_figures(figures: dict[str, Any]) -> dict[str, float]:

@@ -29,7 +29,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..restore import CheckpointContents, optimizer_state_by_index, read_checkpoint
 from ..restore.apply import restore_rng
-from ..restore.tiers import Source, from_newest_tier
+from ..restore.tiers import RestoreReport, Source, from_newest_tier
 from . import AdapterSettings, commit_line, finish, metric_figures, require
 
 _pl = require("lightning")
@@ -116,7 +116,9 @@ class OverlapCheckpoint(Checkpoint):  # type: ignore[misc, valid-type]
         )
         self.dirpath = self.settings.root
         self.ckpt: Any = None  # the Checkpointer, from on_train_start to on_train_end
-        self._resumed: CheckpointContents | None = None
+        self._resumed: tuple[CheckpointContents, RestoreReport] | None = None
+        # The resume's figures (Checkpointer.restore_figures: its source and times); the loggers get restore_s too.
+        self.restore_figures: dict[str, Any] | None = None
         self._figures: list[dict[str, Any]] = []
 
     @property
@@ -162,8 +164,11 @@ class OverlapCheckpoint(Checkpoint):  # type: ignore[misc, valid-type]
         )
         resumed, self._resumed = self._resumed, None
         if resumed is not None:
-            self.ckpt.continued_from(resumed.info)
-            log.info("resumed from %s (version %d, global step %d)", resumed.info.path, resumed.info.step, trainer.global_step)
+            contents, report = resumed
+            self.ckpt.continued_from(contents.info)
+            self.ckpt._report_restore(report, contents.info.step)
+            self.restore_figures = self.ckpt.restore_figures
+            log.info("resumed from %s (version %d, global step %d)", contents.info.path, contents.info.step, trainer.global_step)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self.ckpt is not None:
@@ -236,9 +241,10 @@ class OverlapCheckpoint(Checkpoint):  # type: ignore[misc, valid-type]
 
         # The root itself (fit(ckpt_path=dirpath)): the newest verified of the local tier and the root.
         at_root = path.rstrip("/") == self.dirpath.rstrip("/")
+        report = RestoreReport()
         contents = from_newest_tier(
             path, self.settings.local_dir() if at_root else None, None, storage_options,
-            dist.group.WORLD if distributed else None, dist.get_world_size() if distributed else 1, read,
+            dist.group.WORLD if distributed else None, dist.get_world_size() if distributed else 1, read, report=report,
         )
         if STATE_NAME not in contents.stateful:
             raise ConfigError(
@@ -254,7 +260,7 @@ class OverlapCheckpoint(Checkpoint):  # type: ignore[misc, valid-type]
         # loader iterator drew its seed; Lightning's resume builds that iterator after this
         # restore and before on_train_start, so they are set here, as Lightning restores the rest.
         restore_rng(contents.rng)
-        self._resumed = contents  # its version is taken up in on_train_start
+        self._resumed = contents, report  # its version is taken up in on_train_start, its figures with the next commit
         log.info("reading %s for Lightning's resume", contents.info.path)
         return checkpoint
 

@@ -285,17 +285,19 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
     def _load_newest_tier(self) -> bool:
         """Resume from the newest verified of this node's local tier and the folder (``restore/tiers.py``)."""
         from ..restore.pipeline import load_fetching_replicas
+        from ..restore.tiers import RestoreReport
 
         stateful, optimizer = self._load_targets()
         local_dir = self.ckpt.local_dir
         assert local_dir is not None  # _local_tier_holds_any() said so
+        report = RestoreReport()
         with self.ckpt.steps_not_counted():
             # Across nodes a replaced node's ranks get the files through the writers (restore/tiers.py).
             info = load_fetching_replicas(
                 self.ckpt._fetch_replicas, self.folder, self._model, optimizer, stateful, None, dict(self.config.storage_options),
-                process_group=self.ckpt.process_group, signing_key=self.ckpt._signing_key, local_dir=local_dir,
+                process_group=self.ckpt.process_group, signing_key=self.ckpt._signing_key, local_dir=local_dir, report=report,
             )
-        self.ckpt._continue_after_load(info)
+        self.ckpt._continue_after_load(info, report)
         log.info("restored %s", info.path)
         return True
 

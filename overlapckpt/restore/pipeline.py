@@ -32,7 +32,7 @@ from .check import (
 from .locate import checkpoint_at
 from .plan import files_in_load_plan
 from .read import agree_before_reading, empty_like_on_cpu, read_into, world_of
-from .tiers import Fetch, Source, from_newest_tier
+from .tiers import Fetch, RestoreReport, Source, from_newest_tier
 
 
 def load(
@@ -81,7 +81,7 @@ def load(
     The choice, and the time the load took, are logged.
     """
     kwargs: dict[str, Any] = {"per_rank_state": per_rank_state, "process_group": process_group, "signing_key": signing_key}
-    return _from_tiers(path, model, optimizer, stateful, step, storage_options, verify, kwargs, local_dir, None)
+    return _from_tiers(path, model, optimizer, stateful, step, storage_options, verify, kwargs, local_dir, None, None)
 
 
 def load_fetching_replicas(
@@ -96,11 +96,13 @@ def load_fetching_replicas(
     process_group: Any,
     signing_key: str | bytes | None,
     local_dir: str | None,
+    report: RestoreReport,
 ) -> CheckpointInfo:
     """``load`` (verified, per-rank state restored) for ``Checkpointer.restore()`` and TorchTitan's resume: across
-    nodes, a node that lacks local-tier files gets them through ``fetch`` (the writers); in one process it is never called."""
+    nodes, a node that lacks local-tier files gets them through ``fetch`` (the writers); in one process it is never called.
+    ``report`` is filled with where it read from and what each part took."""
     kwargs: dict[str, Any] = {"per_rank_state": "restore", "process_group": process_group, "signing_key": signing_key}
-    return _from_tiers(path, model, optimizer, stateful, step, storage_options, True, kwargs, local_dir, fetch)
+    return _from_tiers(path, model, optimizer, stateful, step, storage_options, True, kwargs, local_dir, fetch, report)
 
 
 def _from_tiers(
@@ -114,6 +116,7 @@ def _from_tiers(
     kwargs: dict[str, Any],
     local_dir: str | os.PathLike[str] | None,
     fetch: Fetch | None,
+    report: RestoreReport | None,
 ) -> CheckpointInfo:
     group, rank, world = world_of(kwargs["process_group"])
     # A wrapper: the optimizer inside; a container of optimizers (TorchTitan's): those it steps.
@@ -134,7 +137,7 @@ def _from_tiers(
         return files_in_load_plan(store, name, manifest, named_as(manifest.key_layout, *live), rank == 0)
 
     directory = None if local_dir is None else os.fspath(local_dir)
-    return from_newest_tier(path, directory, step, storage_options, group, world, read, fetch, files_read)
+    return from_newest_tier(path, directory, step, storage_options, group, world, read, fetch, files_read, report)
 
 
 def _load_one(

@@ -52,6 +52,37 @@ class Source:
     files: frozenset[str] | None = None
 
 
+@dataclass
+class RestoreReport:
+    """Where a restore read from, and what each part took (also logged): for the figures callback.
+
+    A Checkpointer hands ``figures()`` to ``on_commit`` with the first commit after its
+    restore (``Checkpointer.restore_figures`` holds them at once).
+    """
+
+    source: str = "root"  # "local tier", "partner replicas" (the local tier, some files fetched first) or "root"
+    choose_s: float = 0.0  # listing every node's tier, agreeing on a version, and the fetch
+    fetch_s: float = 0.0  # of which: the writers' copies between nodes
+    fetched_files: int = 0
+    fetched_bytes: int = 0
+    read_s: float = 0.0  # the load from the source it came from
+    refused_local_read_s: float | None = None  # a local-tier read that was refused before the root was read
+
+    def figures(self, step: int) -> dict[str, Any]:
+        """Flat, units in the names, as a commit's figures are."""
+        return {
+            "restore_source": self.source,
+            "restore_step": step,
+            "restore_s": self.choose_s + self.read_s + (self.refused_local_read_s or 0.0),
+            "restore_choose_s": self.choose_s,
+            "restore_fetch_s": self.fetch_s,
+            "restore_fetched_files": self.fetched_files,
+            "restore_fetched_bytes": self.fetched_bytes,
+            "restore_read_s": self.read_s,
+            "restore_refused_local_read_s": self.refused_local_read_s,
+        }
+
+
 # At a restore through a Checkpointer: its writers copy files between nodes' tiers
 # (``writer/replicas.py``), given the checkpoint's name and the copies, on every rank at once.
 Fetch = Callable[[str, tuple[FileCopy, ...]], None]
@@ -70,37 +101,44 @@ def from_newest_tier(
     read: Callable[[Source], Read],
     fetch: Fetch | None = None,
     files_read: FilesRead | None = None,
+    report: RestoreReport | None = None,
 ) -> Read:
     """``read(source)`` from the local tier's checkpoint when it is the one to restore, else from the root ``path``.
 
     A local-tier read that is refused (corrupt, missing, unreadable) is warned of, naming
     the checkpoint, and the root is read instead. The source and its time are logged.
     ``files_read``: what each rank's load reads, so that a node is fetched only those files;
-    without it (a reader of whole checkpoints), every node is completed.
+    without it (a reader of whole checkpoints), every node is completed. ``report``: filled
+    with the source and the time each part took.
     """
+    report = report if report is not None else RestoreReport()
     if local_dir is not None:
         started = time.perf_counter()
-        candidate = local_candidate(os.fspath(local_dir), path, step, storage_options, group, world, fetch, files_read)
+        candidate = local_candidate(os.fspath(local_dir), path, step, storage_options, group, world, fetch, files_read, report)
+        report.choose_s = chosen_s = time.perf_counter() - started
         if candidate is not None:
-            chosen_s = time.perf_counter() - started
             started = time.perf_counter()
             try:
                 result = read(candidate)
             except FALLBACK_ERRORS as e:
+                report.refused_local_read_s = time.perf_counter() - started
                 warnings.warn(
                     f"overlapckpt: the local tier's {candidate.url} was refused ({type(e).__name__}: {e}); restoring from the root {path}",
                     stacklevel=3,
                 )
             else:
+                report.read_s = time.perf_counter() - started
+                report.source = "partner replicas" if report.fetched_files else "local tier"
                 log.info(
                     "restored from the local tier's %s in %.3f s (choosing it and fetching any replica took %.3f s)",
-                    candidate.url, time.perf_counter() - started, chosen_s,
+                    candidate.url, report.read_s, chosen_s,
                 )
                 return result
     started = time.perf_counter()
     result = read(Source(path, is_root=True))
+    report.source, report.read_s = "root", time.perf_counter() - started
     if local_dir is not None:
-        log.info("restored from the root %s in %.3f s", path, time.perf_counter() - started)
+        log.info("restored from the root %s in %.3f s", path, report.read_s)
     return result
 
 
@@ -113,6 +151,7 @@ def local_candidate(
     world: int,
     fetch: Fetch | None = None,
     files_read: FilesRead | None = None,
+    report: RestoreReport | None = None,
 ) -> Source | None:
     """The local-tier checkpoint directory to restore, or None (the root's is then read); every rank gets the same answer.
 
@@ -150,12 +189,12 @@ def local_candidate(
     name, version = choice
     where = CheckpointStore(local_dir).checkpoint_url(name)
     if files_read is None or group is None:  # one process reads every file: it has them all
-        if not _fetched(tiers, name, version, {node: None for node in tiers.listings}, fetch, path):
+        if not _fetched(tiers, name, version, {node: None for node in tiers.listings}, fetch, path, report):
             return None
         log.info("restoring version %d from the local tier: %s", version, where)
         return Source(where, is_root=False)
     # .metadata and the manifest first: a rank's load plan is read from them.
-    if not _fetched(tiers, name, version, {node: HEAD_FILES for node in tiers.listings}, fetch, path):
+    if not _fetched(tiers, name, version, {node: HEAD_FILES for node in tiers.listings}, fetch, path, report):
         return None
     reads: frozenset[str] | None = None
     failure: str | None = None
@@ -175,14 +214,20 @@ def local_candidate(
     wanted: dict[str, frozenset[str] | None] = {}
     for key, files, _ in plans:
         wanted[key] = frozenset(files) | (wanted.get(key) or frozenset())
-    if not _fetched(tiers, name, version, wanted, fetch, path):
+    if not _fetched(tiers, name, version, wanted, fetch, path, report):
         return None
     log.info("restoring version %d from the local tier: %s (this rank reads %d of its files)", version, where, len(reads or ()))
     return Source(where, is_root=False, files=reads)
 
 
 def _fetched(
-    tiers: NodeListings, name: str, version: int, wanted: dict[str, frozenset[str] | None], fetch: Fetch | None, path: str
+    tiers: NodeListings,
+    name: str,
+    version: int,
+    wanted: dict[str, frozenset[str] | None],
+    fetch: Fetch | None,
+    path: str,
+    report: RestoreReport | None,
 ) -> bool:
     """Whether every node holds the files of ``name`` it wants (None: all), fetching those it lacks; False: read the root."""
     try:
@@ -206,10 +251,12 @@ def _fetched(
         warnings.warn(f"overlapckpt: fetching {name}'s replicas from partner nodes failed ({e}); restoring from the root {path}", stacklevel=5)
         return False
     tiers.received(name, copies)
-    log.info(
-        "fetched %d files (%d bytes) of %s from partner nodes in %.3f s",
-        len(copies), sum(c.nbytes for c in copies), name, time.perf_counter() - started,
-    )
+    fetch_s, nbytes = time.perf_counter() - started, sum(c.nbytes for c in copies)
+    if report is not None:
+        report.fetch_s += fetch_s
+        report.fetched_files += len(copies)
+        report.fetched_bytes += nbytes
+    log.info("fetched %d files (%d bytes) of %s from partner nodes in %.3f s", len(copies), nbytes, name, fetch_s)
     return True
 
 

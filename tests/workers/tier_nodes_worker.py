@@ -76,7 +76,9 @@ def run(phase: str, out: str, root: str, tiers: str) -> dict[str, Any]:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             info = ckpt.restore()
-        result.update(restored_step=info.step, restored_path=info.path, warnings=[str(w.message) for w in caught])
+        result.update(
+            restored_step=info.step, restored_path=info.path, warnings=[str(w.message) for w in caught], restore_figures=ckpt.restore_figures,
+        )
         start = info.step + 1
     losses: dict[int, float] = {}
     for it in range(start, STEPS + 1):

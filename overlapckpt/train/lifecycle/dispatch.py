@@ -74,6 +74,8 @@ class PersistDispatcher:
         self.export_formats = export_formats
         self.key_layout = key_layout
         self.on_commit = on_commit
+        # Figures of something other than a commit (a restore's), handed to on_commit with the next commit's.
+        self.figures_for_next_commit: dict[str, Any] = {}
         self.link = link
         link.on_replaced(self._hand_to)
         # Distributed: the writer may report, unasked, that other ranks claimed a checkpoint
@@ -314,9 +316,11 @@ class PersistDispatcher:
             log.info("retention (keep=%s) removed %s", self.keep, name)
         for text in response.warnings:
             log.warning("%s", text)
+        figures = {**commit_figures(stats), **self.figures_for_next_commit}
+        self.figures_for_next_commit = {}
         if self.on_commit is not None:
             try:
-                self.on_commit(commit_figures(stats))
+                self.on_commit(figures)
             except Exception:  # a metrics sink must not fail the checkpoint it reports
                 log.exception("on_commit raised for the checkpoint of step %s; the checkpoint is committed", stats.step)
 
