@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import pytest
@@ -28,18 +28,25 @@ def two_hosts() -> Iterator[list[tuple[str, str, str]]]:
     tag = uuid.uuid4().hex[:6]
     subnet = 1 + int(tag[:2], 16) % 250  # another run's pair, if one is left, has another subnet
     hosts = [(f"oc{tag}{side}", f"oc{tag}v{side}", f"10.231.{subnet}.{n}") for n, side in ((1, "a"), (2, "b"))]
-
-    def build(made: list[str]) -> None:
+    made: list[str] = []
+    try:
         for ns, _, _ in hosts:
             _ip("netns", "add", ns)
             made.append(ns)
         _ip("link", "add", hosts[0][1], "type", "veth", "peer", "name", hosts[1][1])
         for ns, ifname, address in hosts:
             _ip("link", "set", ifname, "netns", ns)
-            _address_and_up(ns, ifname, address)
-
-    with _namespaces(build):
+            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", ifname)
+            _ip("-n", ns, "link", "set", ifname, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+    except (OSError, subprocess.SubprocessError) as e:
+        _remove(made)
+        detail = getattr(e, "stderr", None) or str(e)
+        pytest.skip(f"network namespaces cannot be made here ({getattr(e, 'cmd', 'ip')}: {detail.strip()}); they need root with CAP_NET_ADMIN and iproute2")
+    try:
         yield hosts
+    finally:
+        _remove(made)
 
 
 @contextmanager
@@ -53,8 +60,8 @@ def bridged_hosts(count: int) -> Iterator[list[tuple[str, str, str]]]:
     subnet = 1 + int(tag[:2], 16) % 250
     switch, bridge = f"oc{tag}sw", f"oc{tag}br"
     hosts = [(f"oc{tag}h{n}", f"oc{tag}v{n}", f"10.232.{subnet}.{n + 1}") for n in range(count)]
-
-    def build(made: list[str]) -> None:
+    made: list[str] = []
+    try:
         _ip("netns", "add", switch)
         made.append(switch)
         _ip("-n", switch, "link", "add", bridge, "type", "bridge")
@@ -66,30 +73,15 @@ def bridged_hosts(count: int) -> Iterator[list[tuple[str, str, str]]]:
             _ip("-n", switch, "link", "add", port, "type", "veth", "peer", "name", ifname, "netns", ns)
             _ip("-n", switch, "link", "set", port, "master", bridge)
             _ip("-n", switch, "link", "set", port, "up")
-            _address_and_up(ns, ifname, address)
-
-    with _namespaces(build):
-        yield hosts
-
-
-def _address_and_up(ns: str, ifname: str, address: str) -> None:
-    _ip("-n", ns, "addr", "add", f"{address}/24", "dev", ifname)
-    _ip("-n", ns, "link", "set", ifname, "up")
-    _ip("-n", ns, "link", "set", "lo", "up")
-
-
-@contextmanager
-def _namespaces(build: Callable[[list[str]], None]) -> Iterator[None]:
-    """Run ``build`` (it appends each namespace it makes); skip the test, naming why, where they cannot be made; remove them after."""
-    made: list[str] = []
-    try:
-        build(made)
+            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", ifname)
+            _ip("-n", ns, "link", "set", ifname, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
     except (OSError, subprocess.SubprocessError) as e:
         _remove(made)
         detail = getattr(e, "stderr", None) or str(e)
         pytest.skip(f"network namespaces cannot be made here ({getattr(e, 'cmd', 'ip')}: {detail.strip()}); they need root with CAP_NET_ADMIN and iproute2")
     try:
-        yield
+        yield hosts
     finally:
         _remove(made)
 
