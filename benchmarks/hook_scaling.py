@@ -19,7 +19,8 @@ model's forward.
 Each configuration runs in a fresh process (a fresh Checkpointer, as a user's job meets
 it) on the emulated CUDA device, with tensors placed as CUDA places them
 (``torch_cuda_placement``: AdamW's step counters in host memory, the rest on the device),
-under each of two schedules of its side stream (``--schedules``):
+taking CUDA's road for replay's gradients (``clone_is_cheap``: each window step's gradients
+cloned on the training stream, then drained with no fence), under each of two schedules of its side stream (``--schedules``):
 
 * ``held``, the hooks' host time apart from the copies' time: a side-stream copy runs only
   when something waits for it (a fence inside a hook, or the untimed wait between cycles),
@@ -87,8 +88,9 @@ def measure_one(tensors: int, mode: str, cycles: int, every: int, schedule: str 
 
     class CountingDevice(EmulatedDevice):
         """The emulated device, counting the copy launches it is asked for, the tensors in each, and the
-        device work it runs on the host: a copy queued on the training stream (stage mode's clones) and a
-        wait on it (a fence) run at the call here, where on a GPU they are a kernel and a stream wait."""
+        device work it runs on the host: a copy queued on the training stream (stage mode's clones, replay's
+        packed gradient clone) and a wait on it (a fence) run at the call here, where on a GPU they are a
+        kernel and a stream wait."""
 
         launches = 0
         tensors_copied = 0
@@ -100,6 +102,13 @@ def measure_one(tensors: int, mode: str, cycles: int, every: int, schedule: str 
                 CountingDevice.tensors_copied += len(sources)
             on_host = self.current_stream() is self.host_stream
             self._timed(on_host, lambda: super(CountingDevice, self).copy_(destinations, sources))
+
+        def flatten(self, sources: Any, dtype: Any, numel: int) -> Any:
+            CountingDevice.launches += 1
+            CountingDevice.tensors_copied += len(sources)
+            out: list[Any] = []
+            self._timed(self.current_stream() is self.host_stream, lambda: out.append(super(CountingDevice, self).flatten(sources, dtype, numel)))
+            return out[0]
 
         def wait_event(self, stream: Any, event: Any) -> None:
             self._timed(stream is self.host_stream, lambda: super(CountingDevice, self).wait_event(stream, event))
@@ -138,7 +147,7 @@ def measure_one(tensors: int, mode: str, cycles: int, every: int, schedule: str 
     carried: list[int] = []
     with tempfile.TemporaryDirectory() as root:
         # Placed as CUDA places them: AdamW's step counters stay in host memory (copied by the host).
-        copier = StreamCopier(CountingDevice(schedule, host_resident=torch_cuda_placement(optimizer)))
+        copier = StreamCopier(CountingDevice(schedule, clone_is_cheap=True, host_resident=torch_cuda_placement(optimizer)))
         with Checkpointer(model, optimizer, root, every=every, keep=1, copier=copier, **MODES[mode]) as ckpt:  # type: ignore[arg-type]
             for cycle in range(cycles + 1):  # the first cycle warms up (allocation, plan)
                 this_cycle, this_cpu, this_host_only = [], [], []

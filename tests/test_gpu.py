@@ -373,3 +373,25 @@ def test_replay_stays_correct_when_gradients_are_zeroed_in_place(tmp_path, rig):
     assert stats["step"] == version
     restored = restored_state(tmp_path, rig, spec, "fused", version)
     assert mismatches(restored, twin[version], rig.replay_tolerance(window)) == {}
+
+
+def test_replay_of_a_single_gradient_packed_clone_is_a_copy_not_a_view(tmp_path, rig):
+    # Window 2 over two layers: the window's one logged step holds one layer's gradient, and
+    # its packed clone is of one tensor, of which torch's flatten returns a view, not a copy.
+    # Zeroed in place by the next iteration before the held-back drain reads it, a view would
+    # log the next step's gradient.
+    def step(model, opt, x):
+        opt.zero_grad(set_to_none=False)
+        model(x).square().mean().backward()
+        opt.step()
+
+    spec = ModelSpec(width=512, depth=2).on(rig)
+    window, version = 2, _version(2, "replay")
+    twin = twin_states(rig, spec, "foreach", versions=(version,), step_fn=step)
+    (stats,) = checkpointed_run(
+        tmp_path, rig, spec, "foreach", steps=8, request_at=[REQUEST_AT], step_fn=step,
+        window=window, consistency="replay", copier=lambda opt: DelayedCopier(rig, opt),
+    )
+    assert stats["step"] == version
+    restored = restored_state(tmp_path, rig, spec, "foreach", version)
+    assert mismatches(restored, twin[version], rig.replay_tolerance(window)) == {}

@@ -11,7 +11,11 @@ Two ways to copy a gradient, chosen by the copier (``clone_is_cheap``):
 * clone, then drain (CUDA): the pre-hook clones the gradients device-to-device on
   the compute stream (HBM: milliseconds for gigabytes) and the side stream drains
   the clones to the host with no fence at all, since nothing writes a clone. The
-  cost is device memory for one step's logged gradients while they drain.
+  cost is device memory for one step's logged gradients while they drain. Where a
+  step's gradients are plain tensors of one dtype (``gradient_layout`` lays them out
+  gapless), the clone is one packed tensor made in one call (``Copier.clone_packed``)
+  and drained in one copy: no Python per gradient, whatever their count (a
+  Mixture-of-Experts rank logs thousands). Otherwise each is cloned on its own.
 * copy, then fence (CPU): the copy reads ``.grad`` itself; the compute stream waits
   for it right after the optimizer step (the next iteration may write gradients in
   place), or before the step for an optimizer whose step writes them (SGD's foreach
@@ -72,6 +76,9 @@ class _LogTargets:
     params: list[torch.Tensor]
     destinations: list[torch.Tensor]
     all_plain: bool  # no DTensor among them: a gradient is its own local part
+    # The destinations as one gapless run of the gradient buffer, where they are one (every
+    # parameter plain, device-resident and of one dtype): a packed clone drains into it in one copy.
+    packed_run: torch.Tensor | None = None
 
 
 @dataclass
@@ -145,6 +152,15 @@ class GradientLogger:
             GradientStep(step=step, groups=list(range(copied_groups)), hyperparameters=hyperparameters, grad_none=none)
         )
         out = LoggedGradients(tickets=[hp_ticket] if hp_ticket is not None else [])
+        if self.copier.clone_is_cheap and targets.packed_run is not None and not none:
+            # Every gradient cloned into one allocation in one call, drained in one copy: no
+            # work per tensor, whatever the count (a Mixture-of-Experts rank logs thousands).
+            # Cloned on the compute stream before the step, as below: no fence.
+            run = targets.packed_run
+            packed = self.copier.clone_packed(sources, run.dtype, run.numel())
+            route = slot.route(self.copier, ("gradients-packed", slot.grad_buffer_id, i, copied_groups), [packed], [run])
+            out.tickets.append(self.copier.copy_async([packed], [run], keepalive=[packed], route=route))
+            return out
         # Made on the first step that logs into these views; the sources are each step's gradients.
         route = slot.route(self.copier, ("gradients", slot.grad_buffer_id, i, copied_groups, tuple(none)), sources, destinations)
         if self.copier.clone_is_cheap:
@@ -166,14 +182,31 @@ class GradientLogger:
         key = (int(slot.grad_buffer_id or 0), plan.fingerprint, plan.window_steps, i, copied_groups)
         targets = self._targets_by_key.get(key)
         if targets is None:
-            _, views = self._slot_views(slot, plan, layout)
+            offsets, views = self._slot_views(slot, plan, layout)
             by_fqn = dict(zip(layout.param_fqns, layout.params))
             fqns = [fqn for group in plan.groups[:copied_groups] for fqn in group.param_fqns]
             params = [by_fqn[f] for f in fqns]
             targets = _LogTargets(fqns, params, [views[(i, f)] for f in fqns], not any(map(is_dtensor, params)))
+            targets.packed_run = self._packed_run(slot, targets, [offsets[(i, f)] for f in fqns])
             self._targets_by_key = {k: v for k, v in self._targets_by_key.items() if k[0] != key[0] or k[:3] == key[:3]}  # this buffer's older plans go
             self._targets_by_key[key] = targets
         return targets
+
+    def _packed_run(self, slot: HostSlot, targets: _LogTargets, offsets: list[int]) -> torch.Tensor | None:
+        """The gradient buffer's bytes from the first destination to the last, as one tensor of their
+        dtype, where the destinations lie there one after another in order (``gradient_layout``
+        makes a step's gradients of one dtype so) and a packed clone can fill them: else None."""
+        params = targets.params
+        if not params or not targets.all_plain or slot.grad_buffer is None:
+            return None
+        dtype = params[0].dtype
+        if any(p.dtype != dtype or not self.copier.is_device_resident(p) for p in params):
+            return None
+        itemsize = params[0].element_size()
+        ends = [off + p.numel() * itemsize for off, p in zip(offsets, params)]
+        if offsets[1:] != ends[:-1]:
+            return None
+        return slot.grad_buffer.view(offsets[0], dtype, ((ends[-1] - offsets[0]) // itemsize,))
 
     def release(self) -> None:
         """Drop the views into gradient buffers, so releasing a buffer unmaps it."""

@@ -72,15 +72,17 @@ class CudaDevice:
         # No autograd: a source may be a parameter (a copy route passes them undetached), and
         # a recorded copy would tie the destination to the parameter's graph.
         with torch.no_grad():
-            same = [k for k, (d, s) in enumerate(zip(destinations, sources)) if d.device == s.device]
-            if len(same) == len(sources):
-                torch._foreach_copy_(list(destinations), list(sources))  # one grouped launch (a route's gather)
-                return
-            if same:
-                torch._foreach_copy_([destinations[k] for k in same], [sources[k] for k in same])
-            for k in sorted(set(range(len(sources))) - set(same)):
-                # Into pinned host memory: an asynchronous DMA (non_blocking=False would sync the host).
-                destinations[k].copy_(sources[k], non_blocking=True)
+            # One call for any mix, with no Python per pair: pairs on one device take the grouped
+            # kernel (a route's gather), the others torch's per-pair copy_, non-blocking into
+            # pinned host memory (an asynchronous DMA; non_blocking=False would sync the host).
+            torch._foreach_copy_(list(destinations), list(sources), non_blocking=True)
+
+    def flatten(self, sources: Sequence[torch.Tensor], dtype: torch.dtype, numel: int) -> torch.Tensor:
+        with torch.no_grad():
+            # One cat on the current stream, allocated there by the caching allocator.
+            flat = torch._C._nn.flatten_dense_tensors(list(sources))
+            # Of one tensor torch returns a view of it, not a copy: the caller needs a copy.
+            return flat.clone() if len(sources) == 1 and flat.data_ptr() == sources[0].data_ptr() else flat
 
     def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=True)

@@ -84,6 +84,12 @@ class StreamDevice(Protocol):
         """Queue non-blocking copies on the current stream."""
         ...
 
+    def flatten(self, sources: Sequence[torch.Tensor], dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """A fresh 1-D device tensor of ``numel`` elements: the sources (all of ``dtype``, device
+        memory) one after another, queued on the current stream in one call, with no per-tensor
+        Python (a packed clone of thousands of gradients)."""
+        ...
+
     def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A small host tensor a device-to-host copy may target without a host sync (pinned on CUDA)."""
         ...

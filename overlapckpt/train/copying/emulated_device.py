@@ -407,6 +407,19 @@ class EmulatedDevice:
 
         self.current_stream().enqueue(run, host_ranges)
 
+    def flatten(self, sources: Sequence[torch.Tensor], dtype: torch.dtype, numel: int) -> torch.Tensor:
+        # A fresh block (garbage until the op runs), filled in the current stream's order.
+        flat = self.empty(numel * torch.empty((), dtype=dtype).element_size()).view(dtype)
+        srcs = self._device_views(sources)
+        dst = self._device_view(flat)
+
+        def run() -> None:
+            with torch.no_grad():  # in C++, as CUDA's cat: no Python object per source
+                dst.copy_(torch._C._nn.flatten_dense_tensors(srcs))
+
+        self.current_stream().enqueue(run)
+        return flat
+
     def _run_views(
         self, tensors: Sequence[torch.Tensor], with_host_ranges: bool
     ) -> tuple[list[torch.Tensor], tuple[tuple[int, int], ...]]:

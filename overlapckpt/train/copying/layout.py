@@ -55,25 +55,24 @@ class StateLayout:
     # This layout's generation (new_generation()): the key its plans, views and routes are cached under.
     fingerprint: int = 0
     identity: LiveIdentity | None = None  # what it was built from: PlanCache rebuilds it when that no longer matches
-    shape_signature: tuple[int, int, int] = (0, 0, 0)  # optimizer_shape_signature() when built
+    shape_signature: tuple[int, int] = (0, 0)  # optimizer_shape_signature() when built
 
     @functools.cached_property
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries)  # once per layout: its entries never change
 
 
-def optimizer_shape_signature(optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
-    """(parameters with state, state entries, parameters optimized): one dict length per parameter.
+def optimizer_shape_signature(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """(state entries, parameters optimized): one dict length per parameter.
 
     It moves when the optimizer creates state for a parameter (one unfrozen, or stepped
-    for the first time), when a hook adds a state entry lazily, or when it gains a param
-    group: what a layout built earlier lacks.
+    for the first time: its entries add to the count), when a hook adds a state entry
+    lazily, or when it gains a param group: what a layout built earlier lacks.
     """
     # optimizer.state is a defaultdict: reading state[p] anywhere adds an empty entry, which
-    # is not state; counting it would restart a window for nothing, at every step.
-    # Counted in C: it runs at every step of a replay window, over every parameter.
-    states = optimizer.state.values()
-    return sum(map(bool, states)), sum(map(len, states)), sum(len(g["params"]) for g in optimizer.param_groups)
+    # adds no entries to the count, so it restarts no window. Counted in C, in one pass: it
+    # runs at every step of a replay window, over every parameter.
+    return sum(map(len, optimizer.state.values())), sum(len(g["params"]) for g in optimizer.param_groups)
 
 
 def check_optimizer_matches_model(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

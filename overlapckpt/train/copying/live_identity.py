@@ -166,13 +166,14 @@ class LiveIdentity:
                 return False
             self.state_keys, self.state_dicts = list(state.keys()), list(state.values())
             self.state_lengths = list(map(len, self.state_dicts))
-        if list(map(len, self.state_dicts)) != self.state_lengths:
-            return False
-        # The lengths are the captured ones: the chained values are as many as captured.
         if self.tensor_values_only:
-            if not _same_counted(_chain(map(dict.values, self.state_dicts)), self.state_values):
+            # One pass: the chained values, as many and the very objects captured. An entry added
+            # or removed anywhere changes their count or shifts every value after it.
+            if not _same(_chain(map(dict.values, self.state_dicts)), self.state_values):
                 return False
         else:
+            if list(map(len, self.state_dicts)) != self.state_lengths:
+                return False
             values = list(_chain(map(dict.values, self.state_dicts)))
             if list(map(type, values)) != self.state_types or not _same(self.pick_state_tensors(values), self.state_tensors):
                 return False

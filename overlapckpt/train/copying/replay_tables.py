@@ -8,22 +8,30 @@ and sent with every snapshot: at 30,000 state tensors, pickling them cost 8 ms p
 from __future__ import annotations
 
 from ...protocol import ReplayTables
+from .device import align_up
 from .layout import StateLayout
 from .plan import CopyPlan, align_bytes
 
 
 def gradient_layout(plan: CopyPlan, layout: StateLayout) -> tuple[dict[tuple[int, str], int], int]:
-    """Offsets of every gradient a full window logs: step i (1..W-1) holds groups 0..i-1."""
+    """Offsets of every gradient a full window logs: step i (1..W-1) holds groups 0..i-1.
+
+    A step's gradients lie one after another, each aligned to its own element size only
+    (a step starts on the entry alignment): gradients of one dtype are then one gapless
+    run, which a packed clone (``Copier.clone_packed``) fills in one copy.
+    """
     shapes = dict(zip(layout.param_fqns, layout.param_locals))
     offsets: dict[tuple[int, str], int] = {}
     cursor = 0
     for i in range(1, plan.window_steps):
+        cursor = align_bytes(cursor)
         for group in plan.groups[:i]:
             for fqn in group.param_fqns:
                 p = shapes[fqn]
+                cursor = align_up(cursor, p.element_size())
                 offsets[(i, fqn)] = cursor
-                cursor += align_bytes(p.numel() * p.element_size())
-    return offsets, max(cursor, align_bytes(1))
+                cursor += p.numel() * p.element_size()
+    return offsets, align_bytes(max(cursor, 1))
 
 
 def replay_tables(plan: CopyPlan, layout: StateLayout) -> ReplayTables:

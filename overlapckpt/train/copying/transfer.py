@@ -126,6 +126,11 @@ class Copier(Protocol):
 
     def stage(self, sources: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
 
+    def clone_packed(self, sources: Sequence[torch.Tensor], dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """One fresh 1-D tensor holding device-resident ``sources`` (all of ``dtype``, ``numel`` elements
+        together) one after another, cloned on the training stream in one call (``stage``, packed)."""
+        ...
+
     def allocate_on_training_stream(self, nbytes: int) -> torch.Tensor:
         """Device memory whose writes and reuse are ordered on the training stream (stage mode's region)."""
         ...
@@ -304,6 +309,10 @@ class CpuCopier:
     def stage(self, sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         # The copy happens at the call, before any later mutation: nothing to protect.
         return list(sources)
+
+    def clone_packed(self, sources: Sequence[torch.Tensor], dtype: torch.dtype, numel: int) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([s.reshape(-1) for s in sources]) if len(sources) != 1 else sources[0].reshape(-1).clone()
 
     def allocate_on_training_stream(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -491,6 +500,16 @@ class StreamCopier:
             if not r:
                 out[k] = out[k].clone()  # the host's own program order
         return out
+
+    def clone_packed(self, sources: Sequence[torch.Tensor], dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """``stage`` of many tensors of one dtype as one grouped clone: no per-tensor Python.
+
+        Queued on the training stream after the step that wrote the sources, so it reads
+        exactly what that step left; nothing writes the clone later, so the copy that drains
+        it needs no fence, and holding the returned tensor (a ticket's keepalive) keeps it.
+        """
+        with self.device.stream_context(self.training_stream):
+            return self.device.flatten(sources, dtype, numel)
 
     def allocate_on_training_stream(self, nbytes: int) -> torch.Tensor:
         with self.device.stream_context(self.training_stream):
