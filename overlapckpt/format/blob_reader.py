@@ -75,6 +75,13 @@ def read_thread_count() -> int:
     return max(1, min(MAX_READ_THREADS, usable_cores() // 2))
 
 
+def check_thread_count() -> int:
+    """Threads of a CHECK pass: one per core. It hashes local files through a map of the page
+    cache (no fault in a buffer of ours, no allocation) with a checksum that releases the GIL,
+    so it is bound by the cores alone, where a read into fresh memory is bound by its faults."""
+    return max(1, min(MAX_READ_THREADS, usable_cores()))
+
+
 @dataclass(frozen=True)
 class TensorSum:
     """The checksum of one tensor (or rank part) of the host snapshot that was saved."""
@@ -151,7 +158,7 @@ def verified_reader_class(base: type) -> type:
                 raise ValueError("mode=CHECK reads to check, and needs the sums to check against: pass expected")
             self._active = True
             self._expected = expected
-            self._threads = threads or read_thread_count()
+            self._threads = threads or (check_thread_count() if mode == CHECK else read_thread_count())
             self._mode = mode
             self._checked_files = checked_files
             self.files_read: dict[str, FileIdentity] = {}
