@@ -354,24 +354,33 @@ def test_auto_window_times_forward_backward_with_events_and_stays_exact(tmp_path
     assert mismatches(restored_state(tmp_path, rig, AUTO_MODEL, "fused", 10), twin[10]) == {}
 
 
-def test_replay_stays_correct_when_gradients_are_zeroed_in_place(tmp_path, rig):
-    # zero_grad(set_to_none=False) writes, in the next iteration, the tensors a gradient copy
-    # reads: the copy, held back on the side stream, must still read the step's gradients.
-    def step(model, opt, x):
-        opt.zero_grad(set_to_none=False)
-        model(x).square().mean().backward()
-        opt.step()
+def _step_zeroing_gradients_in_place(model, opt, x):
+    opt.zero_grad(set_to_none=False)
+    model(x).square().mean().backward()
+    opt.step()
 
-    spec = AUTO_MODEL.on(rig)
-    window, version = 4, _version(4, "replay")
-    twin = twin_states(rig, spec, "fused", versions=(version, version + 1), step_fn=step)
-    assert mismatches(twin[version + 1], twin[version], rig.replay_tolerance(window))
+
+def _replay_zeroing_gradients_in_place(tmp_path, rig, spec, optimizer_kind: str, window: int, steps: int, twin_versions=()):
+    """A replay checkpoint while each iteration zeroes the gradients in place, drains held back:
+    the twin's states at the version (and ``twin_versions``), and the restored state."""
+    version = _version(window, "replay")
+    twin = twin_states(rig, spec, optimizer_kind, versions=(version, *twin_versions), step_fn=_step_zeroing_gradients_in_place)
     (stats,) = checkpointed_run(
-        tmp_path, rig, spec, "fused", steps=12, request_at=[REQUEST_AT], step_fn=step,
+        tmp_path, rig, spec, optimizer_kind, steps=steps, request_at=[REQUEST_AT], step_fn=_step_zeroing_gradients_in_place,
         window=window, consistency="replay", copier=lambda opt: DelayedCopier(rig, opt),
     )
     assert stats["step"] == version
-    restored = restored_state(tmp_path, rig, spec, "fused", version)
+    return twin, version, restored_state(tmp_path, rig, spec, optimizer_kind, version)
+
+
+def test_replay_stays_correct_when_gradients_are_zeroed_in_place(tmp_path, rig):
+    # zero_grad(set_to_none=False) writes, in the next iteration, the tensors a gradient copy
+    # reads: the copy, held back on the side stream, must still read the step's gradients.
+    window = 4
+    twin, version, restored = _replay_zeroing_gradients_in_place(
+        tmp_path, rig, AUTO_MODEL.on(rig), "fused", window, steps=12, twin_versions=(_version(window, "replay") + 1,)
+    )
+    assert mismatches(twin[version + 1], twin[version], rig.replay_tolerance(window))
     assert mismatches(restored, twin[version], rig.replay_tolerance(window)) == {}
 
 
@@ -380,18 +389,8 @@ def test_replay_of_a_single_gradient_packed_clone_is_a_copy_not_a_view(tmp_path,
     # its packed clone is of one tensor, of which torch's flatten returns a view, not a copy.
     # Zeroed in place by the next iteration before the held-back drain reads it, a view would
     # log the next step's gradient.
-    def step(model, opt, x):
-        opt.zero_grad(set_to_none=False)
-        model(x).square().mean().backward()
-        opt.step()
-
-    spec = ModelSpec(width=512, depth=2).on(rig)
-    window, version = 2, _version(2, "replay")
-    twin = twin_states(rig, spec, "foreach", versions=(version,), step_fn=step)
-    (stats,) = checkpointed_run(
-        tmp_path, rig, spec, "foreach", steps=8, request_at=[REQUEST_AT], step_fn=step,
-        window=window, consistency="replay", copier=lambda opt: DelayedCopier(rig, opt),
+    window = 2
+    twin, version, restored = _replay_zeroing_gradients_in_place(
+        tmp_path, rig, ModelSpec(width=512, depth=2).on(rig), "foreach", window, steps=8
     )
-    assert stats["step"] == version
-    restored = restored_state(tmp_path, rig, spec, "foreach", version)
     assert mismatches(restored, twin[version], rig.replay_tolerance(window)) == {}
