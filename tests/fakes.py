@@ -266,3 +266,25 @@ class DiesInRootWriteStore(CheckpointStore):
                 pass
             os.kill(os.getpid(), signal.SIGKILL)
         return super().make_writer(name, before_commit, **kwargs)
+
+
+class WritesTheSlotAfterItsChecksumStore(CheckpointStore):
+    """Breaks the slot protocol on purpose: a byte of every snapshot tensor of 1 MiB or more is flipped
+    in the writer's memory after the snapshot was checksummed and before DCP stores it.
+
+    The stored blobs then carry the snapshot's checksums (known_sums.py) over changed bytes:
+    a verified load must refuse them.
+    """
+
+    def make_writer(self, name, before_commit, **kwargs):
+        writer = super().make_writer(name, before_commit, **kwargs)
+        write_data = writer.write_data
+
+        def write_changed_slot(plan, planner):
+            for value in planner.state_dict.values():
+                if isinstance(value, torch.Tensor) and value.numel() * value.element_size() >= 1 << 20:
+                    value.view(-1).view(torch.uint8)[0] ^= 1
+            return write_data(plan, planner)
+
+        writer.write_data = write_changed_slot
+        return writer

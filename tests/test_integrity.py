@@ -35,9 +35,10 @@ from overlapckpt.cli import main
 from overlapckpt.errors import CheckpointWriteError
 from overlapckpt.format import verify as verify_module
 from overlapckpt.format.blobsums import ChecksummingStream, FileSegments, attach_checksums
-from overlapckpt.format.checksum import ALGORITHM_ENV, CRC32, CRC32C
+from overlapckpt.format.checksum import ALGORITHM_ENV, CRC32, CRC32C, checksum_bytes, default_algorithm
 from overlapckpt.format.extra_state import tensor_bytes
-from overlapckpt.format.manifest import MANIFEST_NAME, dump_manifest, parse_manifest
+from overlapckpt.format.known_sums import KNOWN_SUM_MIN_BYTES, KnownChecksums
+from overlapckpt.format.manifest import MANIFEST_NAME, dump_manifest, parse_manifest, tensor_checksum
 from overlapckpt.format.storage import CheckpointStore
 from overlapckpt.format.verify import read_manifest, verify_checkpoint
 
@@ -470,6 +471,70 @@ def test_bytes_outside_every_item_are_refused_at_write(tmp_path):
         attach_checksums([result(0, 3)], {"f": stream.segments}, CRC32)
     with pytest.raises(CheckpointWriteError, match="was not written between two tell"):
         attach_checksums([result(0, 2)], {"f": FileSegments(3, {(0, 3): 1})}, CRC32)
+
+
+def test_a_snapshot_tensor_is_hashed_once_on_its_way_to_storage(tmp_path):
+    # The writer hashed the snapshot's tensors already (the manifest's per-item checksums):
+    # the stream combines that checksum into the blob's instead of hashing the tensor's bytes
+    # again. Failed before: every stored byte was hashed a second time.
+    algorithm = default_algorithm()
+    tensor = torch.arange(2 * KNOWN_SUM_MIN_BYTES // 4, dtype=torch.float32)
+    known = KnownChecksums(algorithm)
+    known.add(tensor, int(tensor_checksum(tensor, algorithm), 16))
+    hashed = {}
+    for name, stored in (("known", tensor), ("a copy elsewhere", tensor.clone())):
+        with open(tmp_path / name, "wb") as raw:
+            stream = ChecksummingStream(raw, algorithm, known)
+            stream.tell()
+            torch.save(stored, stream)
+            stream.tell()
+        blob = (tmp_path / name).read_bytes()
+        assert stream.segments.spans == {(0, len(blob)): checksum_bytes(algorithm, blob)}  # the blob's true checksum
+        hashed[name] = stream.segments.hashed_nbytes
+    assert hashed["known"] == len(blob) - tensor.nbytes  # torch.save's framing only
+    assert hashed["a copy elsewhere"] == len(blob)  # other memory: hashed whole
+
+
+def _big_run() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(3)
+    model = torch.nn.Linear(1024, 512)  # a 2 MiB weight and 2 MiB moments: over KNOWN_SUM_MIN_BYTES
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 1024)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_stored_checksums_taken_from_the_snapshot_verify_every_byte(tmp_path):
+    model, opt = _big_run()
+    with Checkpointer(model, opt, str(tmp_path)) as ckpt:
+        ckpt.request()
+        ckpt.step()
+        ckpt.wait(timeout_s=120)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    (name,) = [p.name for p in tmp_path.iterdir() if p.name.startswith("step-")]
+    report = verify_checkpoint(CheckpointStore(str(tmp_path)), name)  # every stored byte hashed against the manifest
+    assert report.ok, report
+    fresh, fresh_opt = _big_run()
+    torch.nn.init.zeros_(fresh.weight)
+    load(str(tmp_path), fresh, fresh_opt)
+    assert all(torch.equal(v, expected[k]) for k, v in fresh.state_dict().items())
+
+
+def test_a_slot_changed_after_its_checksum_is_refused_at_load(tmp_path):
+    # What the stored checksums trust (known_sums.py): the slot is not written between its
+    # snapshot checksum and its store. Broken on purpose here, the load must see it.
+    from fakes import WritesTheSlotAfterItsChecksumStore
+
+    model, opt = _big_run()
+    with Checkpointer(model, opt, str(tmp_path), store_class=WritesTheSlotAfterItsChecksumStore) as ckpt:
+        ckpt.request()
+        ckpt.step()
+        ckpt.wait(timeout_s=120)
+    fresh, fresh_opt = _big_run()
+    before = fresh.weight.detach().clone()
+    with pytest.raises(CorruptCheckpointError, match=r"checksum mismatch for 'model\.weight'"):
+        load(str(tmp_path), fresh, fresh_opt)
+    assert torch.equal(fresh.weight, before)  # refused before anything changed
 
 
 _TWO_RANK_SAVE = r"""

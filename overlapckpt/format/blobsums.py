@@ -39,6 +39,7 @@ from typing import Any
 
 from ..errors import CheckpointWriteError
 from .checksum import hex32, updater
+from .known_sums import KnownChecksums, extend
 from .writeback import WRITEBACK_EVERY_BYTES, start_writeback
 
 METADATA_FILE_RE = re.compile(r"^(__\d+)?\.metadata$")  # DCP's global or per-rank commit marker
@@ -67,6 +68,7 @@ class FileSegments:
 
     nbytes: int = 0
     spans: dict[tuple[int, int], int] = field(default_factory=dict)  # (start, end) -> checksum
+    hashed_nbytes: int = 0  # of nbytes, those hashed here; the rest took the snapshot's checksum (known_sums.py)
     timings: StreamTimings = field(default_factory=lambda: StreamTimings())
 
 
@@ -102,9 +104,12 @@ class ChecksummingStream:
     ``tell()`` costs nothing on object stores.
     """
 
-    def __init__(self, raw: Any, algorithm: str) -> None:
+    def __init__(self, raw: Any, algorithm: str, known: KnownChecksums | None = None) -> None:
         self._raw = raw
+        self._algorithm = algorithm
         self._update = updater(algorithm)
+        # The host snapshot's tensors, already hashed by the writer: their bytes are not hashed again.
+        self._known = known if known is not None and known.algorithm == algorithm and len(known) else None
         self._position = 0
         self._span_start = 0
         self._running = 0
@@ -141,8 +146,12 @@ class ChecksummingStream:
         if written is None:  # a raw stream that does not report: it wrote everything or raised
             written = view.nbytes
         wrote = time.perf_counter()
-        # The bytes handed to storage, read in place: no copy of the tensor.
-        self._running = self._update(view[:written], self._running)
+        # The bytes handed to storage, read in place: no copy of the tensor; a snapshot tensor's
+        # checksum, already computed, is combined instead of hashing its bytes a second time.
+        stored = view if written == view.nbytes else view[:written]
+        self._running, was_hashed = extend(self._update, self._algorithm, self._running, stored, self._known)
+        if was_hashed:
+            self.segments.hashed_nbytes += written
         self._position += written
         hashed = time.perf_counter()
         timings.write_s += wrote - started
@@ -219,6 +228,8 @@ class ChecksummingFileSystem:
         self._before_commit = before_rename_to_metadata
         self._lock = threading.Lock()  # DCP may write several files from several threads
         self.files: dict[str, FileSegments] = {}
+        # Set by the writer before DCP's save: the snapshot's tensors and their checksums.
+        self.known_checksums: KnownChecksums | None = None
 
     def timings(self) -> StreamTimings:
         """The sum over the files written so far (their threads' times add up)."""
@@ -245,7 +256,7 @@ class ChecksummingFileSystem:
         stream: ChecksummingStream | None = None
         try:
             with self._inner.create_stream(path, mode) as raw:
-                stream = ChecksummingStream(raw, self._algorithm)
+                stream = ChecksummingStream(raw, self._algorithm, self.known_checksums)
                 yield stream
                 stream.tell()  # closes the last span
                 stream.note_end_of_writes()

@@ -21,11 +21,12 @@ import torch.distributed as dist
 from .. import protocol as p
 from ..errors import CheckpointExistsError, CheckpointWriteError, InternalError
 from ..format.attempts import Attempt, already_committed, new_attempt_id
-from ..format.blobsums import StoredChecksums, StreamTimings
+from ..format.blobsums import ChecksummingFileSystem, StoredChecksums, StreamTimings
 from ..format.checksum import default_algorithm
 from ..format.entries import TensorEntry, build_state_dict
 from ..format.extra_state import encode
 from ..format.key_layout import TORCHTITAN
+from ..format.known_sums import KnownChecksums
 from ..format.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -119,15 +120,20 @@ def persist_snapshot(
     # Per local part: the checksum of the host snapshot, checked against what DCP decodes at
     # load. The same algorithm as the stored bytes' (the storage writer's default_algorithm()).
     algorithm = default_algorithm()
+    checksums = [tensor_checksum(t, algorithm) for t in tensors]
     parts = {
         e.key: ItemRecord(
             dtype=_dtype_name(e.dtype),
             shape=tuple(e.shape),
-            checksum=tensor_checksum(t, algorithm),
+            checksum=checksum,
             offset=tuple(e.global_offset or (0,) * len(e.shape)),
         )
-        for e, t in zip(entries, tensors)
+        for e, checksum in zip(entries, checksums)
     }
+    # DCP stores these very bytes next: their checksums are not computed a second time (known_sums.py).
+    known = KnownChecksums(algorithm)
+    for t, checksum in zip(tensors, checksums):
+        known.add(t, int(checksum, 16))
     phases.lap("snapshot_checksums")
     section = RankSection(
         rank=0 if group is None else group.rank,
@@ -150,7 +156,7 @@ def persist_snapshot(
         if _held_already(store, group, req, layout):  # this run committed it here (before a writer's death, or a local-only checkpoint)
             answers.append(_committed_already(store, tier, req, started, purge_later, _leads(group, layout)))
             continue
-        write = _TierWrite(store, tier, keep, group, req, manifest, algorithm, signing_key, phases, layout, unpaced)
+        write = _TierWrite(store, tier, keep, group, req, manifest, algorithm, signing_key, phases, layout, unpaced, known)
         answers.append(write.run(state_dict, entries, global_shapes, write_threads, purge_later, started))
     agreed_window = group.agree_window(req.proposed_next_window) if group is not None else req.proposed_next_window
     if group is not None:
@@ -189,7 +195,9 @@ class _TierWrite:
         phases: PhaseClock,
         layout: NodeLayout | None = None,
         unpaced: Callable[[], bool] | None = None,
+        known: KnownChecksums | None = None,
     ) -> None:
+        self.known = known  # the snapshot's checksums, for the shards' (known_sums.py)
         self.store, self.tier, self.keep, self.group, self.req = store, tier, keep, group, req
         # Across nodes (the local tier's peer replicas): each node's leader makes, publishes and
         # retires its node's directory; on one node (and in the root) the coordinator does.
@@ -241,7 +249,9 @@ class _TierWrite:
             if req.export_formats:  # one process only (the Checkpointer refuses it distributed): whole tensors
                 written = write_exports(store, attempt.directory, req.export_formats, state_dict, req.extra_state)
                 exports.update({name: ExportRecord(**sums) for name, sums in written.items()})
-            streams = _save(store, attempt.directory, state_dict, write_manifest, global_shapes, group, self.signing_key is not None, write_threads)
+            streams = _save(
+                store, attempt.directory, state_dict, write_manifest, global_shapes, group, self.signing_key is not None, write_threads, self.known
+            )
             if not wrote_manifest:  # a rank that does not write the manifest: its write ends here
                 phases.lap(self.prefix + "write")
             if self.layout is not None:
@@ -515,6 +525,7 @@ def _save(
     group: WriterGroup | None,
     wants_metadata_bytes: bool = False,
     write_threads: int = 1,
+    known: KnownChecksums | None = None,
 ) -> StreamTimings | None:
     """DCP's save of ``state_dict`` into ``name``; where the shards' time went, when the store's writer says."""
     import torch.distributed.checkpoint as dcp
@@ -525,6 +536,9 @@ def _save(
     if write_threads > 1:
         extra["thread_count"] = write_threads
     writer = store.make_writer(name, before_commit=write_manifest, **extra)
+    fs = getattr(writer, "fs", None)
+    if known is not None and isinstance(fs, ChecksummingFileSystem):
+        fs.known_checksums = known
     planner = CoveringSavePlanner(global_shapes)
     if group is None:
         with warnings.catch_warnings():
