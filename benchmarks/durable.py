@@ -214,8 +214,10 @@ def _storage_run(model: nn.Module, opt: torch.optim.Optimizer, base: str, repeat
     steady: dict[str, list[float]] = {"overlapckpt window=1": [], "dcp.async_save PROCESS": [], "raw write": []}
     if staged is not None:
         steady[staged.label] = []
+    synced_label = "torch_checkpointing async, then fsync of its files"
     if titan2 is not None:
         steady[titan2.label] = []
+        steady[synced_label] = []
     dcp_cold = None
     dcp_was_running = _dcp_daemon_pid() is not None  # DCP keeps its process: only the run's first save starts it
     try:
@@ -224,7 +226,7 @@ def _storage_run(model: nn.Module, opt: torch.optim.Optimizer, base: str, repeat
             shutil.rmtree(os.path.join(base, f"dcp-{i - 1}"), ignore_errors=True)  # keep one, as ours keeps two
             staged_s = None if staged is None else staged.save_s(model, opt, os.path.join(base, f"staged-{i}"))
             shutil.rmtree(os.path.join(base, f"staged-{i - 1}"), ignore_errors=True)
-            titan2_s = None if titan2 is None else titan2.save_s(model, opt, i)
+            titan2_s, synced_s = (None, None) if titan2 is None else titan2.save_and_sync_s(model, opt, i)
             raw_s = _raw_write_s(nbytes, os.path.join(base, "raw"))
             if i == 0:
                 dcp_cold = None if dcp_was_running else dcp_s
@@ -233,8 +235,9 @@ def _storage_run(model: nn.Module, opt: torch.optim.Optimizer, base: str, repeat
             steady["dcp.async_save PROCESS"].append(dcp_s)
             if staged is not None and staged_s is not None:
                 steady[staged.label].append(staged_s)
-            if titan2 is not None and titan2_s is not None:
+            if titan2 is not None and titan2_s is not None and synced_s is not None:
                 steady[titan2.label].append(titan2_s)
+                steady[synced_label].append(synced_s)
             steady["raw write"].append(raw_s)
     finally:
         writer_peak = ours.close()
@@ -437,11 +440,15 @@ def _report(result: dict[str, Any]) -> str:
         peers = {k: _median(v) for k, v in run["steady_s"].items() if k not in ("overlapckpt window=1", "raw write") and v}
         strongest = min(peers, key=lambda k: peers[k])
         ratios = ", ".join(f"{ours / v:.2f}× {k}" for k, v in peers.items())
+        # torch_checkpointing calls no fsync: its own figure is the time to the page cache.
+        durable_peers = {k: v for k, v in peers.items() if k != "torch_checkpointing async"}
+        strongest_durable = min(durable_peers, key=lambda k: durable_peers[k]) if durable_peers else strongest
         state_mib = run["state_bytes"] / MIB
         lines += [
             "",
             f"overlapckpt's median against each peer's: {ratios}; against the strongest ({strongest}): {ours / peers[strongest]:.2f}× "
-            f"(goal ≤ 0.5×). Share of the raw write's bandwidth: {raw / ours:.0%} (goal ≥ 50%). Peak RSS: overlapckpt's writer {run['writer_peak_rss_mib']:.0f} MiB "
+            f"(goal ≤ 0.5×); against the strongest whose bytes are on the storage when it reports ({strongest_durable}): "
+            f"{ours / peers[strongest_durable]:.2f}×. Share of the raw write's bandwidth: {raw / ours:.0%} (goal ≥ 50%). Peak RSS: overlapckpt's writer {run['writer_peak_rss_mib']:.0f} MiB "
             f"({run['writer_peak_rss_mib'] / state_mib:.2f}× the state; the goal 1.2× + 512 MiB is "
             f"{1.2 * state_mib + 512:.0f} MiB), DCP's checkpoint process {run['dcp_daemon_peak_rss_mib']:.0f} MiB; "
             f"the training process gained {run['trainer_extra_rss_mib']:.0f} MiB with the Checkpointer (its host slot).",
