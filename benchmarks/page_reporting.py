@@ -2,18 +2,19 @@
 
 The build VM is a Firecracker guest whose balloon device reports free pages to the
 host (virtio-balloon ``VIRTIO_BALLOON_F_REPORTING``, ``page_reporting_order`` on the
-kernel command line): a while after memory is freed, the host takes its backing away,
-and the next touch of those pages faults in the host too. Memory freed a moment ago
-is still backed, and the allocator hands it out first. So a buffer that needs more
-pages than were freed recently (a fresh load target, a new checkpoint file on tmpfs,
-a fresh host slot) is several times slower to fill the first time than the second,
+kernel command line): some time after memory is freed, the host takes its backing
+away, and the next touch of those pages faults in the host too. Memory freed a moment
+ago is still backed, and the allocator hands it out first. So a buffer that needs more
+pages than were freed recently (a fresh load target, a new checkpoint file on tmpfs, a
+fresh host slot) is several times slower to fill than the same buffer filled again,
 whichever method fills it. This is the mechanism behind the bimodal loads and the long
 tails of ``durable.py``'s saves on this machine, and why the library fills memory it
 already holds (``direct_read.py``, the host slots) instead of fresh buffers.
 
-Each repeat: the machine idles ``--idle-s`` seconds (the reporter runs), then
-``--mib`` MiB of new anonymous memory are touched (mostly reported pages), freed, and
-touched again at once (the pages just freed), then the same for a file on tmpfs.
+A diagnostic, not a figure: ``--chunks`` files of ``--mib`` MiB are written to tmpfs and
+kept (the first land on pages freed recently, the later ones on pages free for long,
+which the host has taken back), then removed and written again at once (every page just
+freed). Each file's time is printed, in order.
 
     python benchmarks/page_reporting.py --out benchmarks/results/page-reporting
 """
@@ -24,13 +25,10 @@ import argparse
 import mmap
 import os
 import re
-import statistics
 import tempfile
 import time
-from typing import Any
 
 from measure import write_results
-from stats import MIN_REPEATS, parse_repeated, spread_text
 
 MIB = 2**20
 PAGE = mmap.PAGESIZE
@@ -63,66 +61,52 @@ def free_page_reporting() -> str:
     return "no virtio-balloon device: free pages stay with this machine"
 
 
-def _touch_anonymous_s(nbytes: int) -> float:
-    """Seconds to fault in ``nbytes`` of new anonymous memory (one byte per page), which is then freed."""
-    started = time.perf_counter()
-    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    for offset in range(0, nbytes, PAGE):
-        area[offset] = 1
-    elapsed = time.perf_counter() - started
-    area.close()
-    return elapsed
-
-
-def _write_tmpfs_s(directory: str, data: bytes) -> float:
-    """Seconds to write ``data`` into a new file on tmpfs (the file's pages are new memory), which is then removed."""
-    path = os.path.join(directory, "page-reporting.bin")
+def _write_s(path: str, data: bytes) -> float:
+    """Seconds to write ``data`` into a new file (on tmpfs, the file's pages are new memory)."""
     started = time.perf_counter()
     with open(path, "wb") as f:
         f.write(data)
-    elapsed = time.perf_counter() - started
-    os.remove(path)
-    return elapsed
+    return time.perf_counter() - started
+
+
+def _round(directory: str, data: bytes, chunks: int) -> list[float]:
+    """Write ``chunks`` files, keeping them all; then remove them. Each file's seconds."""
+    paths = [os.path.join(directory, f"chunk-{i}.bin") for i in range(chunks)]
+    try:
+        return [_write_s(path, data) for path in paths]
+    finally:
+        for path in paths:
+            if os.path.exists(path):
+                os.remove(path)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=int, default=768)
-    parser.add_argument("--repeats", type=int, default=MIN_REPEATS)
-    parser.add_argument("--idle-s", type=float, default=10.0, help="idle time before each repeat's first touch (the reporter's turn)")
+    parser.add_argument("--chunks", type=int, default=6, help="files kept at once (their total should exceed what was freed lately)")
     parser.add_argument("--tmpfs", default="/dev/shm")
     parser.add_argument("--out", default="benchmarks/results/page-reporting")
-    args = parse_repeated(parser)
-    nbytes = args.mib * MIB
-    data = bytes(nbytes)  # the source, touched once here: only the destination's pages are new
-    series: dict[str, list[float]] = {k: [] for k in ("anonymous, after idle", "anonymous, just freed", "tmpfs file, after idle", "tmpfs file, just freed")}
+    args = parser.parse_args()
+    data = bytes(args.mib * MIB)  # the source, touched here once: only the files' pages are new
     directory = tempfile.mkdtemp(dir=args.tmpfs, prefix="page-reporting-")
     try:
-        for _ in range(args.repeats):
-            time.sleep(args.idle_s)  # the condition measured: memory left free this long
-            series["anonymous, after idle"].append(_touch_anonymous_s(nbytes))
-            series["anonymous, just freed"].append(_touch_anonymous_s(nbytes))
-            time.sleep(args.idle_s)
-            series["tmpfs file, after idle"].append(_write_tmpfs_s(directory, data))
-            series["tmpfs file, just freed"].append(_write_tmpfs_s(directory, data))
+        first = _round(directory, data, args.chunks)
+        again = _round(directory, data, args.chunks)
     finally:
         os.rmdir(directory)
     reporting = free_page_reporting()
     lines = [
-        f"# First touch of {args.mib} MiB: memory left free {args.idle_s:g} s, against memory freed a moment ago",
+        f"# {args.chunks} files of {args.mib} MiB written to tmpfs and kept, then removed and written again",
         "",
         f"Machine: {os.cpu_count()} CPUs; {reporting}.",
         "",
-        f"`python benchmarks/page_reporting.py --mib {args.mib} --repeats {args.repeats} --idle-s {args.idle_s:g}`",
+        f"`python benchmarks/page_reporting.py --mib {args.mib} --chunks {args.chunks}` (a diagnostic: one round each)",
         "",
-        "| memory | seconds: median (min / p90 / max) | GiB/s, median |",
+        "| file | first round, s | again at once, s |",
         "|---|---|---|",
     ]
-    result: dict[str, Any] = {"mib": args.mib, "idle_s": args.idle_s, "free_page_reporting": reporting, "seconds": series}
-    for name, values in series.items():
-        median = statistics.median(values)
-        lines.append(f"| {name} | {spread_text(values, 's')} | {nbytes / 2**30 / median:.2f} |")
-    write_results(args.out, "page_reporting", result, "\n".join(lines) + "\n")
+    lines += [f"| {i + 1} | {a:.2f} | {b:.2f} |" for i, (a, b) in enumerate(zip(first, again))]
+    write_results(args.out, "page_reporting", {"mib": args.mib, "free_page_reporting": reporting, "first_s": first, "again_s": again}, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
