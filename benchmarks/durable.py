@@ -214,10 +214,9 @@ def _storage_run(model: nn.Module, opt: torch.optim.Optimizer, base: str, repeat
     steady: dict[str, list[float]] = {"overlapckpt window=1": [], "dcp.async_save PROCESS": [], "raw write": []}
     if staged is not None:
         steady[staged.label] = []
-    synced_label = "torch_checkpointing async, then fsync of its files"
     if titan2 is not None:
         steady[titan2.label] = []
-        steady[synced_label] = []
+        steady[titan2.synced_label] = []
     dcp_cold = None
     dcp_was_running = _dcp_daemon_pid() is not None  # DCP keeps its process: only the run's first save starts it
     try:
@@ -237,7 +236,7 @@ def _storage_run(model: nn.Module, opt: torch.optim.Optimizer, base: str, repeat
                 steady[staged.label].append(staged_s)
             if titan2 is not None and titan2_s is not None and synced_s is not None:
                 steady[titan2.label].append(titan2_s)
-                steady[synced_label].append(synced_s)
+                steady[titan2.synced_label].append(synced_s)
             steady["raw write"].append(raw_s)
     finally:
         writer_peak = ours.close()
@@ -441,7 +440,9 @@ def _report(result: dict[str, Any]) -> str:
         strongest = min(peers, key=lambda k: peers[k])
         ratios = ", ".join(f"{ours / v:.2f}× {k}" for k, v in peers.items())
         # torch_checkpointing calls no fsync: its own figure is the time to the page cache.
-        durable_peers = {k: v for k, v in peers.items() if k != "torch_checkpointing async"}
+        from peer_torch_checkpointing import TorchCheckpointingAsync
+
+        durable_peers = {k: v for k, v in peers.items() if k != TorchCheckpointingAsync.label}
         strongest_durable = min(durable_peers, key=lambda k: durable_peers[k]) if durable_peers else strongest
         state_mib = run["state_bytes"] / MIB
         lines += [

@@ -109,7 +109,7 @@ class ChecksummingStream:
         self._algorithm = algorithm
         self._update = updater(algorithm)
         # The host snapshot's tensors, already hashed by the writer: their bytes are not hashed again.
-        self._known = known if known is not None and known.algorithm == algorithm and len(known) else None
+        self._known = known if known is not None and known.algorithm == algorithm else None
         self._position = 0
         self._span_start = 0
         self._running = 0
