@@ -24,6 +24,7 @@ $(VENV)/.installed: $(PY) pyproject.toml
 	$(PY) -m pip install --quiet --no-deps $(TITAN_TEST_PKGS)
 	@# The optional native helper (csrc/): built ahead where a C compiler exists, else the Python twin runs.
 	$(PY) -c 'from overlapckpt.train.copying.native import build; print("native helper:", build() or "not built (the Python twin runs)")'
+	$(PY) -c 'from overlapckpt.train.copying.tensor_passes import build; print("tensor passes:", build() or "not built (the Python twins run)")'
 	touch $@
 
 install: $(VENV)/.installed

@@ -49,6 +49,7 @@ they carry.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -83,6 +84,7 @@ def measure_one(tensors: int, mode: str, cycles: int, every: int, schedule: str 
     from torch import nn
 
     from overlapckpt.seams import Checkpointer
+    from overlapckpt.train.copying import tensor_passes
     from overlapckpt.train.copying.emulated_device import EmulatedDevice, torch_cuda_placement
     from overlapckpt.train.copying.transfer import StreamCopier
 
@@ -172,6 +174,7 @@ def measure_one(tensors: int, mode: str, cycles: int, every: int, schedule: str 
                     carried.clear()
     return {
         "tensors_requested": tensors, "state_tensors": state_tensors, "mode": mode, "schedule": schedule, "cycles": cycles, "every": every,
+        "passes": "native" if tensor_passes.passes() is not None else "python",
         "optimizer_step_ms_median": statistics.median(baseline) * 1e3,
         "added_mean_ms": statistics.mean(per_step) * 1e3, "added_worst_ms": max(per_step) * 1e3,
         "cpu_mean_ms": statistics.mean(per_step_cpu) * 1e3, "cpu_worst_ms": max(per_step_cpu) * 1e3,
@@ -182,17 +185,26 @@ def measure_one(tensors: int, mode: str, cycles: int, every: int, schedule: str 
     }
 
 
+def _passes(row: dict[str, Any]) -> str:
+    """Which road the hooks' per-tensor passes took (tensor_passes.py); rows measured before the extension, the Python one."""
+    return str(row.get("passes", "python"))
+
+
+def _key(row: dict[str, Any]) -> tuple[Any, ...]:
+    return (row["tensors_requested"], row["mode"], row["schedule"], _passes(row), row["cycles"], row["every"])
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     out = [
-        "| state tensors | mode | schedule | added mean / worst ms | less emulated device work, mean / worst ms | "
+        "| state tensors | mode | schedule | passes | added mean / worst ms | less emulated device work, mean / worst ms | "
         "hooks' CPU mean / worst ms | cycle mean ms min / median / p90 / max (n) | within 1.5x | "
         "launches per step mean / max | tensors per launch | optimizer.step ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         c = r["cycle_mean_ms"]
         out.append(
-            f"| {r['state_tensors']:,} | {r['mode']} | {r.get('schedule', 'async')} | {r['added_mean_ms']:.2f} / {r['added_worst_ms']:.1f} | "
+            f"| {r['state_tensors']:,} | {r['mode']} | {r.get('schedule', 'async')} | {_passes(r)} | {r['added_mean_ms']:.2f} / {r['added_worst_ms']:.1f} | "
             f"{r['host_only_mean_ms']:.2f} / {r['host_only_worst_ms']:.1f} | {r['cpu_mean_ms']:.2f} / {r['cpu_worst_ms']:.1f} | "
             f"{c['min']:.2f} / {c['median']:.2f} / {c['p90']:.2f} / {c['max']:.2f} ({c['n']}) | "
             f"{'yes' if c['within_1_5x'] else 'no'} | {r['launches_per_step_mean']:.2f} / {r['launches_per_step_max']} | "
@@ -208,6 +220,8 @@ def main() -> None:
     parser.add_argument("--schedules", default="held,async")
     parser.add_argument("--cycles", type=int, default=7)
     parser.add_argument("--every", type=int, default=8)
+    parser.add_argument("--passes", default="native", help="native,python: the hooks' passes through the extension "
+                        "(where built: make install) and through their Python twins (OVERLAPCKPT_NATIVE=0)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--resume", action="store_true", help="keep the rows already measured into OUT")
     parser.add_argument("--one", nargs=3, metavar=("TENSORS", "MODE", "SCHEDULE"), help=argparse.SUPPRESS)
@@ -227,9 +241,13 @@ def main() -> None:
         with open(rows_path) as f:
             for line in f:
                 r = json.loads(line)
-                done_rows[(r["tensors_requested"], r["mode"], r["schedule"], r["cycles"], r["every"])] = r
+                done_rows[_key(r)] = r
     rows = []
     schedules = args.schedules.split(",")
+    passes_roads = args.passes.split(",")
+    for passes in passes_roads:
+        if passes not in ("native", "python"):
+            raise SystemExit(f"--passes: {passes!r} is not one of ['native', 'python']")
     for schedule in schedules:
         if schedule not in ("held", "async"):
             raise SystemExit(f"--schedules: {schedule!r} is not one of ['async', 'held']")
@@ -237,36 +255,40 @@ def main() -> None:
         for mode in args.modes.split(","):
             if mode not in MODES:
                 raise SystemExit(f"--modes: {mode!r} is not one of {sorted(MODES)}")
-            for schedule in schedules:
-                kept = done_rows.get((tensors, mode, schedule, args.cycles, args.every))
+            for schedule, passes in itertools.product(schedules, passes_roads):
+                kept = done_rows.get((tensors, mode, schedule, passes, args.cycles, args.every))
                 if kept is not None:
                     rows.append(kept)
-                    print(f"{kept['state_tensors']:>7,} {mode:>6} {schedule:>5}: kept from {rows_path}", flush=True)
+                    print(f"{kept['state_tensors']:>7,} {mode:>6} {schedule:>5} {passes:>6}: kept from {rows_path}", flush=True)
                     continue
                 started = time.perf_counter()
+                # The twins road: the extension turned off for that process alone.
+                env = {**os.environ, "OVERLAPCKPT_NATIVE": "0"} if passes == "python" else None
                 done = subprocess.run(
                     [sys.executable, __file__, "--one", str(tensors), mode, schedule, "--cycles", str(args.cycles),
                      "--every", str(args.every)],
-                    check=True, capture_output=True, text=True,
+                    check=True, capture_output=True, text=True, env=env,
                 )
                 row = json.loads(done.stdout.strip().splitlines()[-1])
+                if row["passes"] != passes:
+                    raise SystemExit(f"--passes {passes}: the hooks took the {row['passes']} road; run `make install` to build the extension")
                 rows.append(row)
                 if rows_path:
                     os.makedirs(args.out, exist_ok=True)
                     with open(rows_path, "a") as f:
                         f.write(json.dumps(row) + "\n")
                 print(
-                    f"{row['state_tensors']:>7,} {mode:>6} {schedule:>5}: added mean {row['added_mean_ms']:.2f} ms, "
+                    f"{row['state_tensors']:>7,} {mode:>6} {schedule:>5} {passes:>6}: added mean {row['added_mean_ms']:.2f} ms, "
                     f"worst {row['added_worst_ms']:.1f} ms, launches/step {row['launches_per_step_mean']:.2f} "
                     f"({time.perf_counter() - started:.0f} s)",
                     flush=True,
                 )
     if rows_path:
         # The table holds every configuration measured into OUT, by this run or an earlier one.
-        measured = {(r["tensors_requested"], r["mode"], r["schedule"], r["cycles"], r["every"]): r for r in rows}
+        measured = {_key(r): r for r in rows}
         rows = list({**done_rows, **measured}.values())
         mode_order = list(MODES)
-        rows.sort(key=lambda r: (r["tensors_requested"], mode_order.index(r["mode"]), r["schedule"] != "held"))
+        rows.sort(key=lambda r: (r["tensors_requested"], mode_order.index(r["mode"]), r["schedule"] != "held", _passes(r) != "native"))
     table = markdown(rows)
     print(table)
     goal = [r for r in rows if r["tensors_requested"] == GOAL_AT_TENSORS]
@@ -277,7 +299,7 @@ def main() -> None:
             ("hooks' CPU", "cpu_mean_ms", "cpu_worst_ms"),
         ):
             met = r[mean_key] <= GOAL_MEAN_MS and r[worst_key] <= GOAL_WORST_MS
-            print(f"goal at {GOAL_AT_TENSORS:,} tensors, {r['mode']}, {r['schedule']} schedule, {what}: mean <= {GOAL_MEAN_MS} ms and worst <= "
+            print(f"goal at {GOAL_AT_TENSORS:,} tensors, {r['mode']}, {r['schedule']} schedule, {_passes(r)} passes, {what}: mean <= {GOAL_MEAN_MS} ms and worst <= "
                   f"{GOAL_WORST_MS} ms: {'met' if met else 'missed'} ({r[mean_key]:.2f} / {r[worst_key]:.1f} ms)")
     if args.out:
         import torch

@@ -7,12 +7,22 @@ tests check the checkpoint itself, bit for bit, against the live state at its st
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from overlapckpt import load
 from overlapckpt.seams import Checkpointer
 from overlapckpt.train.copying.live_identity import LiveIdentity
+
+from tensor_roads import ROADS, take_road
+
+
+@pytest.fixture(autouse=True, params=ROADS)
+def road(request, monkeypatch):
+    """Every test here on both roads of the passes (tensor_passes.py): native and the Python twins."""
+    take_road(request.param, monkeypatch)
+    return request.param
 
 
 class Net(nn.Module):
@@ -76,6 +86,21 @@ def test_every_replacement_a_layout_must_follow_is_seen():
         identity = LiveIdentity.capture(model, optimizer)
         change(model, optimizer)
         assert not identity.matches(), change.__name__
+
+
+def test_a_state_value_moved_to_the_next_parameters_dict_is_seen():
+    # The chained values stay the very objects in the same order; only the per-parameter
+    # dicts' lengths show that exp_avg_sq now belongs to the bias (before, this matched).
+    model, optimizer = _stepped()
+    identity = LiveIdentity.capture(model, optimizer)
+    weight_state, bias_state = optimizer.state[model.lin.weight], optimizer.state[model.lin.bias]
+    assert list(weight_state)[-1] == "exp_avg_sq"
+    moved = weight_state.pop("exp_avg_sq")
+    kept = list(bias_state.items())
+    bias_state.clear()
+    bias_state["exp_avg_sq_of_weight"] = moved
+    bias_state.update(kept)
+    assert not identity.matches()
 
 
 def test_a_non_persistent_buffer_or_a_python_number_in_the_state_changing_is_no_replacement():

@@ -43,6 +43,7 @@ from ..copying.ownership import is_dtensor, local_tensor
 from ..copying.plan import CopyPlan
 from ..copying.replay_tables import gradient_layout
 from ..copying.slots import HostSlot
+from ..copying.tensor_passes import grads_of
 from ..copying.transfer import Copier, CopyTicket, copy_values_to_host
 
 
@@ -63,9 +64,6 @@ def capture_hyperparameters(
     for (gi, k), h in zip(where, host):
         groups[gi][k] = h
     return groups, ticket
-
-
-_grad_of = operator.attrgetter("grad")
 
 
 @dataclass(eq=False)
@@ -138,7 +136,7 @@ class GradientLogger:
             return None
         targets = self._targets(slot, plan, layout, i, copied_groups)
         # .grad is read every step: zero_grad(set_to_none=True) gives each backward new gradient tensors.
-        grads = list(map(_grad_of, targets.params))
+        grads: list[Any] = grads_of(targets.params)
         if any(map(operator.is_, grads, itertools.repeat(None))):  # by identity: == on a tensor is Python
             none = [f for f, g in zip(targets.fqns, grads) if g is None]
             sources = [local_tensor(g) for g in grads if g is not None]

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from .native import gather_library
+from .tensor_passes import DataPointers
 
 
 def copy_on_host(sources: Sequence[torch.Tensor], destinations: Sequence[torch.Tensor]) -> None:
@@ -46,8 +47,7 @@ class _ScalarPositions:
         self.positions = torch.tensor([(d.data_ptr() - base) // itemsize for d in destinations], dtype=torch.int64)
         self.itemsize = itemsize
         self._native = gather_library()
-        self._addresses: list[int] = []
-        self._address_array = torch.empty(0, dtype=torch.int64)
+        self._addresses: DataPointers | None = None
 
     @staticmethod
     def fit(sources: Sequence[torch.Tensor], destinations: Sequence[torch.Tensor]) -> bool:
@@ -65,14 +65,14 @@ class _ScalarPositions:
     def read(self, sources: Sequence[torch.Tensor]) -> torch.Tensor:
         if self._native is None:
             return self.read_python(sources)
-        addresses = list(map(torch.Tensor.data_ptr, sources))
-        if addresses != self._addresses:
+        tensors = sources if isinstance(sources, list) else list(sources)
+        if self._addresses is None or not self._addresses.unchanged(tensors):
             # First use, or a storage moved: the addresses the C loop reads are the live ones.
-            self._addresses = addresses
-            self._address_array = torch.tensor(addresses, dtype=torch.int64)
-        out = torch.empty(len(addresses), dtype=self.dtype)
+            self._addresses = DataPointers(tensors)
+        addresses = self._addresses.array
+        out = torch.empty(len(tensors), dtype=self.dtype)
         self._native.overlapckpt_gather_values(
-            ctypes.c_void_p(self._address_array.data_ptr()), len(addresses), self.itemsize, ctypes.c_void_p(out.data_ptr())
+            ctypes.c_void_p(addresses.data_ptr()), len(tensors), self.itemsize, ctypes.c_void_p(out.data_ptr())
         )
         return out
 

@@ -33,7 +33,7 @@ _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
 
-def _cache_dir() -> Path:
+def native_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "overlapckpt"
 
@@ -43,7 +43,7 @@ def library_path() -> Path | None:
     if not SOURCE.is_file():
         return None
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-    return _cache_dir() / f"gather_values-{digest}.so"
+    return native_cache_dir() / f"gather_values-{digest}.so"
 
 
 def build(quiet: bool = True) -> Path | None:
@@ -57,27 +57,35 @@ def build(quiet: bool = True) -> Path | None:
     if compiler is None:
         log.info("no C compiler found: host values are gathered by the Python twin (set CC to build %s)", SOURCE)
         return None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Built under a temporary name and renamed: a concurrent build (two ranks) never loads half a file.
-    fd, partial = tempfile.mkstemp(prefix=target.name, suffix=".partial", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [compiler, "-O2", "-shared", "-fPIC", "-o", partial, str(SOURCE)], capture_output=True, text=True, timeout=120
-        )
-        if done.returncode != 0:
-            log.warning("building %s failed (%s); the Python twin is used: %s", SOURCE, compiler, done.stderr.strip()[-500:])
-            return None
-        os.replace(partial, target)
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("building %s failed (%s); the Python twin is used", SOURCE, e)
+    if not compile_into(target, [compiler, "-O2", "-shared", "-fPIC"], [str(SOURCE)], SOURCE):
         return None
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
     if not quiet:
         log.info("built %s", target)
     return target
+
+
+def compile_into(target: Path, compiler_and_flags: list[str], inputs_and_libraries: list[str], source: Path) -> bool:
+    """Run ``compiler_and_flags -o PARTIAL inputs_and_libraries`` and rename PARTIAL to ``target``.
+
+    Built under a temporary name and renamed: a concurrent build (two ranks) never loads
+    half a file. A failure is logged with the compiler's last words, and the twin runs.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(prefix=target.name, suffix=".partial", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([*compiler_and_flags, "-o", partial, *inputs_and_libraries], capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            log.warning("building %s failed (%s); the Python twin is used: %s", source, compiler_and_flags[0], done.stderr.strip()[-500:])
+            return False
+        os.replace(partial, target)
+        return True
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("building %s failed (%s); the Python twin is used", source, e)
+        return False
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
 
 
 def gather_library() -> ctypes.CDLL | None:
