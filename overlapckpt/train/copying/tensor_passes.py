@@ -44,7 +44,8 @@ MODULE_NAME = "overlapckpt_tensor_passes"  # its PyInit_ name
 _chain = itertools.chain.from_iterable
 _grad_of = operator.attrgetter("grad")
 _lock = threading.Lock()
-_loaded: dict[str, ModuleType | None] = {}
+_loaded: dict[str, ModuleType | None] = {}  # by torch version
+_NOT_LOOKED_UP = object()
 
 
 def library_path() -> Path | None:
@@ -86,26 +87,38 @@ def build(quiet: bool = True) -> Path | None:
 
 
 def passes() -> ModuleType | None:
-    """The loaded extension, or None: disabled, or not built for this source, torch and Python (it is never built here)."""
+    """The loaded extension, or None: disabled, or not built for this source, torch and Python (it is never built here).
+
+    Called at every pass inside the hooks: after the first call it is a dict lookup (the
+    source is hashed once per torch version, not per call).
+    """
     if os.environ.get("OVERLAPCKPT_NATIVE", "1") == "0":
         return None
-    path = library_path()
-    key = str(path)
+    key = torch.__version__
+    loaded = _loaded.get(key, _NOT_LOOKED_UP)
+    if loaded is not _NOT_LOOKED_UP:
+        return loaded  # type: ignore[return-value]
     with _lock:
         if key not in _loaded:
-            module = None
-            if path is not None and path.is_file():
-                try:
-                    loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(path))
-                    spec = importlib.util.spec_from_file_location(MODULE_NAME, str(path), loader=loader)
-                    assert spec is not None
-                    module = importlib.util.module_from_spec(spec)
-                    loader.exec_module(module)
-                except (ImportError, OSError) as e:
-                    log.warning("loading %s failed (%s); the hooks' passes run as their Python twins", path, e)
-                    module = None
-            _loaded[key] = module
+            _loaded[key] = _load(library_path())
         return _loaded[key]
+
+
+def _load(path: Path | None) -> ModuleType | None:
+    if path is None or not path.is_file():
+        log.info("the hooks' passes run as their Python twins: no extension built for this source and torch %s "
+                 "(make install, or tensor_passes.build(), builds it)", torch.__version__)
+        return None
+    try:
+        loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(path))
+        spec = importlib.util.spec_from_file_location(MODULE_NAME, str(path), loader=loader)
+        assert spec is not None
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        return module
+    except (ImportError, OSError) as e:
+        log.warning("loading %s failed (%s); the hooks' passes run as their Python twins", path, e)
+        return None
 
 
 # The twins: the same answers, from passes in C over Python calls.
