@@ -126,7 +126,13 @@ PyObject* data_ptrs_equal(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     int64_t address = 0;
     if (THPVariable_CheckExact(item)) {
       // As Tensor.data_ptr() reads it for a Tensor or Parameter: the storage's address plus the offset.
-      address = reinterpret_cast<int64_t>(THPVariable_Unpack(item).const_data_ptr());
+      // A tensor with no storage (sparse) throws, as Tensor.data_ptr() raises: never past this C frame.
+      try {
+        address = reinterpret_cast<int64_t>(THPVariable_Unpack(item).const_data_ptr());
+      } catch (const std::exception& e) {
+        PyErr_SetString(PyExc_RuntimeError, e.what());
+        return nullptr;
+      }
     } else {
       // A subclass may answer data_ptr() through __torch_function__: ask it, as the twin does.
       PyObject* answer = PyObject_CallMethod(item, "data_ptr", nullptr);
@@ -173,8 +179,13 @@ PyObject* grads_of(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       PyList_SET_ITEM(out, k, grad);
       continue;
     }
-    const at::Tensor& grad = THPVariable_Unpack(item).grad();
-    PyObject* wrapped = THPVariable_Wrap(grad);  // the grad's own Python object where it has one; None when undefined
+    PyObject* wrapped = nullptr;
+    try {
+      // The grad's own Python object where it has one; None when it is undefined.
+      wrapped = THPVariable_Wrap(THPVariable_Unpack(item).grad());
+    } catch (const std::exception& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
     if (wrapped == nullptr) {
       Py_DECREF(out);
       return nullptr;

@@ -96,6 +96,9 @@ def test_the_native_passes_refuse_arguments_of_the_wrong_type(monkeypatch):
         native.data_ptrs_equal([object()], torch.zeros(1, dtype=torch.int64))
     with pytest.raises(AttributeError, match="grad"):
         native.grads_of([object()])
+    # torch's own error for a tensor with no storage, as Tensor.data_ptr() raises it, not an abort.
+    with pytest.raises(RuntimeError, match="storage"):
+        native.data_ptrs_equal([torch.zeros(2, 2).to_sparse()], torch.zeros(1, dtype=torch.int64))
 
 
 def test_the_extension_is_built_per_torch_and_never_loaded_when_disabled(monkeypatch):
