@@ -66,6 +66,7 @@ bench: install
 	$(PY) benchmarks/durable.py --out benchmarks/results/durable
 	$(PY) benchmarks/load.py --out benchmarks/results/load
 	$(PY) benchmarks/hook_scaling.py --tensors 300,3000,30000 --cycles 7 --out benchmarks/results/hook-scaling
+	$(PY) benchmarks/hook_scaling.py --tensors 30000 --passes python --cycles 7 --out benchmarks/results/hook-scaling --resume
 	$(PY) benchmarks/hook_scaling.py --tensors 100000 --schedules held --cycles 7 --out benchmarks/results/hook-scaling --resume
 	$(PY) benchmarks/tiers.py --out benchmarks/results/tiers-warm
 	-$(PY) benchmarks/tiers_nodes.py --out benchmarks/results/tiers-nodes  # needs root (network namespaces): skipped, saying why, elsewhere

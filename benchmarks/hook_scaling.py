@@ -1,12 +1,17 @@
 """Host time of overlapckpt's hooks per training step, against the number of state tensors.
 
     .venv/bin/python benchmarks/hook_scaling.py [--tensors 300,3000,30000,100000]
-        [--modes w1,replay,stage] [--schedules held,async] [--cycles 7] [--every 8]
-        [--out benchmarks/results/hook-scaling] [--resume]
+        [--modes w1,replay,stage] [--schedules held,async] [--passes native,python]
+        [--cycles 7] [--every 8] [--out benchmarks/results/hook-scaling] [--resume]
+
+``--passes`` picks the road of the hooks' per-tensor passes (``tensor_passes.py``):
+``native``, the torch extension ``make install`` builds (a row asked for it that finds it
+not built stops the run), and ``python``, its twins (``OVERLAPCKPT_NATIVE=0`` for that row's
+process). Each row names its road.
 
 Each configuration's row is appended to ``OUT/rows.jsonl`` as it is measured. With
 ``--resume``, a run that finds a row of the same configuration (tensors, mode, schedule,
-cycles, every) there keeps it and goes on with the next: an interrupted run resumes where
+passes, cycles, every) there keeps it and goes on with the next: an interrupted run resumes where
 it stopped, and the table written to OUT holds every row in OUT and names every command
 that measured them. Without it, OUT's rows are measured anew.
 
