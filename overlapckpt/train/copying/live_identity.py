@@ -48,9 +48,9 @@ def new_generation() -> int:
 
 
 def _same(now: Sequence[Any] | Any, then: Sequence[Any]) -> bool:
-    """Whether ``now`` holds the very objects of ``then``, in order (compared in C)."""
-    now = list(now)
-    return len(now) == len(then) and all(map(operator.is_, now, then))
+    """Whether ``now`` holds the very objects of ``then``, in order: the twin pass of ``tensor_passes.same_items``
+    for the short lists (param groups, picked state tensors, buffers, local shards) not worth a native call."""
+    return tensor_passes.same_items_python(list(now), then)
 
 
 def _picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:

@@ -29,6 +29,7 @@ import shutil
 import sys
 import sysconfig
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -59,6 +60,15 @@ def library_path() -> Path | None:
     return native_cache_dir() / f"tensor_passes-{key.hexdigest()[:16]}.so"
 
 
+def toolchain() -> tuple[str, str] | None:
+    """The C++ compiler (``$CXX``, else ``c++`` or ``g++``) and Python's header directory that ``build()`` uses, or None without them."""
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    python_headers = sysconfig.get_paths()["include"]
+    if compiler is None or not os.path.isfile(os.path.join(python_headers, "Python.h")):
+        return None
+    return compiler, python_headers
+
+
 def build(quiet: bool = True) -> Path | None:
     """Compile the extension if it is not built yet (about 20 s); its path, or None where it cannot be built."""
     target = library_path()
@@ -66,11 +76,11 @@ def build(quiet: bool = True) -> Path | None:
         return None
     if target.is_file():
         return target
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    python_headers = sysconfig.get_paths()["include"]
-    if compiler is None or not os.path.isfile(os.path.join(python_headers, "Python.h")):
+    tools = toolchain()
+    if tools is None:
         log.info("no C++ compiler or Python headers here: the hooks' passes run as their Python twins (%s)", SOURCE)
         return None
+    compiler, python_headers = tools
     from torch.utils.cpp_extension import include_paths, library_paths
 
     torch_lib = library_paths()[0]
@@ -124,7 +134,7 @@ def _load(path: Path | None) -> ModuleType | None:
 # The twins: the same answers, from passes in C over Python calls.
 
 
-def same_items_python(items: list[Any], expected: list[Any]) -> bool:
+def same_items_python(items: Sequence[Any], expected: Sequence[Any]) -> bool:
     return len(items) == len(expected) and all(map(operator.is_, items, expected))
 
 
