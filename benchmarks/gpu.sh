@@ -2,10 +2,19 @@
 # The GPU run on one H200, in under 8 minutes, each part writing its results as it goes:
 #   0. pre-flight (seconds): torch imports in isolated mode, CUDA is visible, a writer starts
 #      from this source checkout and commits (benchmarks/preflight.py). It stops the run.
+#      Then the optional native helpers (csrc/) are built for this torch and Python, as
+#      `make install` builds them (about 20 s; where no compiler exists the twins run)
+#      -> RESULTS_DIR/build.log;
 #   1. the correctness check (about a minute): the CUDA defects the CPU tests found, on the
 #      device (benchmarks/gpu_check.py) -> RESULTS_DIR/check.jsonl;
 #   2. the GPU tests (pytest -m "gpu or device"), a per-test timeout, one line per outcome
-#      as it comes -> RESULTS_DIR/tests/; the pinning probe first (benchmarks/probe.py);
+#      as it comes -> RESULTS_DIR/tests/; the pinning probe first (benchmarks/probe.py); then
+#      the torch extension's own tests on this torch and Python -> RESULTS_DIR/tests/passes.log,
+#      and the hooks' host time at 3,000 state tensors on the GPU (benchmarks/hook_scaling.py
+#      --schedules cuda, about 25 s a mode) -> RESULTS_DIR/hook-scaling/. At 30,000 a row takes
+#      about 3.5 minutes there (each cycle waits 25 s for the writer's commit of 30,000 tensors,
+#      seen on an H200 machine): run it on its own, `benchmarks/hook_scaling.py --tensors 30000
+#      --schedules cuda`;
 #   3. the benchmark (about 1.04 B parameters, 12.5 GB of fp32 AdamW state, bf16 autocast,
 #      fused AdamW), in what is left of the budget -> RESULTS_DIR/.
 # Uses the machine's own python3 and packages, from the source checkout, with no installs.
@@ -39,8 +48,11 @@ py=${PYTHON:-python3}
 started=$(date +%s)
 elapsed() { echo $(($(date +%s) - started)); }
 
-TOTAL_BUDGET_S=460          # everything; the timeouts below add at most 20 s to it
+TOTAL_BUDGET_S=${GPU_SH_BUDGET_S:-460}   # everything; the timeouts below add at most 20 s to it
 PREFLIGHT_TIMEOUT_S=60
+BUILD_TIMEOUT_S=90
+PASSES_TESTS_TIMEOUT_S=60
+HOOK_SCALING_TIMEOUT_S=120
 CHECK_TIMEOUT_S=90
 PINNING_TIMEOUT_S=40
 TESTS_TIMEOUT_S=200
@@ -80,6 +92,14 @@ if [ "${PIPESTATUS[0]}" -ne 0 ]; then
   exit 2
 fi
 
+# The native helpers, built as `make install` builds them: the tests and figures below then run
+# the code a user's install runs. Not fatal: without a compiler the Python twins run, and say so.
+timeout "$BUILD_TIMEOUT_S" "$py" -c '
+from overlapckpt.train.copying import native, tensor_passes
+print("native helper:", native.build() or "not built (the Python twin runs)")
+print("tensor passes:", tensor_passes.build() or "not built (the Python twins run)")' >"$out/build.log" 2>&1
+echo "native build: exit $? after $(elapsed) s: $(tr '\n' ' ' <"$out/build.log" | tail -c 300)"
+
 shm_free_gb() { df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9; }
 rc=0
 if [ "$what" != bench ]; then
@@ -104,6 +124,29 @@ if [ "$what" != bench ]; then
   tests_rc=$?
   echo "gpu tests: exit $tests_rc after $(elapsed) s: $(tail -1 "$out/tests/gpu-tests.log")"
   [ "$tests_rc" -ne 0 ] && rc=1
+
+  # The torch extension's tests (tensor_passes.cpp and its Python twins, and the staleness check
+  # on both) against this machine's torch and Python, which CI never has.
+  timeout "$PASSES_TESTS_TIMEOUT_S" "$py" -m pytest -q tests/test_tensor_passes.py tests/test_live_identity.py \
+    -p no:cacheprovider >"$out/tests/passes.log" 2>&1
+  passes_rc=$?
+  echo "extension tests: exit $passes_rc after $(elapsed) s: $(tail -1 "$out/tests/passes.log")"
+  [ "$passes_rc" -ne 0 ] && rc=1
+
+  # The hooks' host time per step on the GPU (the copies are the GPU's; this is what the training
+  # loop waits for), at 3,000 state tensors to fit the run. The rehearsal runs one tiny row.
+  if [ "$emulate" = 1 ]; then
+    scaling=(--tensors 300 --modes w1 --schedules held --cycles 1)
+  else
+    scaling=(--tensors 3000 --modes w1,replay,stage --schedules cuda --cycles 7)
+  fi
+  # Without the extension built the hooks take the twins' road: measure that road, named in each row.
+  grep -q "^tensor passes: not built" "$out/build.log" && scaling+=(--passes python)
+  timeout "$HOOK_SCALING_TIMEOUT_S" "$py" benchmarks/hook_scaling.py "${scaling[@]}" --out "$out/hook-scaling" \
+    >"$out/hook-scaling.log" 2>&1
+  scaling_rc=$?
+  echo "hook scaling: exit $scaling_rc after $(elapsed) s: $(grep -c '^goal at .*: met' "$out/hook-scaling.log") goal lines met"
+  [ "$scaling_rc" -ne 0 ] && rc=1
 fi
 
 if [ "$what" != probe ]; then

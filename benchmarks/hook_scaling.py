@@ -33,6 +33,10 @@ cloned on the training stream, then drained with no fence), under each of two sc
 * ``async``: the copies run at once on the stream's worker thread, beside the hooks, and
   compete with them for this machine's cores and the GIL, which a GPU's copies do not.
 
+A third, ``cuda``, runs the same loop on a real GPU with the copier's CUDA backend
+(``cuda_device.py``, counting its launches): there the copies and fences are the GPU's
+work, so the three columns differ only by the hooks' CPU time.
+
 A cycle is
 ``--every`` steps ending at a scheduled checkpoint (``every=``, so a window opens its W-1
 steps early, as in a real run); between cycles the loop waits, untimed, for the commit (the writer's persist is not the hooks' cost). Per step it reads
@@ -84,7 +88,7 @@ def spread(values: list[float]) -> dict[str, Any]:
 
 
 def measure_one(tensors: int, mode: str, cycles: int, every: int, schedule: str = "held") -> dict[str, Any]:
-    """One configuration, in this process."""
+    """One configuration, in this process; schedule ``cuda`` runs it on the GPU, with the copier's CUDA backend."""
     import torch
     from torch import nn
 
@@ -93,26 +97,29 @@ def measure_one(tensors: int, mode: str, cycles: int, every: int, schedule: str 
     from overlapckpt.train.copying.emulated_device import EmulatedDevice, torch_cuda_placement
     from overlapckpt.train.copying.transfer import StreamCopier
 
+    class Counts:
+        """Copy launches asked of the device, the tensors in them, and the device work run on the host."""
+
+        launches = 0
+        tensors_copied = 0
+        device_on_host_s = 0.0
+
     class CountingDevice(EmulatedDevice):
         """The emulated device, counting the copy launches it is asked for, the tensors in each, and the
         device work it runs on the host: a copy queued on the training stream (stage mode's clones, replay's
         packed gradient clone) and a wait on it (a fence) run at the call here, where on a GPU they are a
         kernel and a stream wait."""
 
-        launches = 0
-        tensors_copied = 0
-        device_on_host_s = 0.0
-
         def copy_(self, destinations: Any, sources: Any) -> None:
             if sources:
-                CountingDevice.launches += 1
-                CountingDevice.tensors_copied += len(sources)
+                Counts.launches += 1
+                Counts.tensors_copied += len(sources)
             on_host = self.current_stream() is self.host_stream
             self._timed(on_host, lambda: super(CountingDevice, self).copy_(destinations, sources))
 
         def flatten(self, sources: Any, dtype: Any, numel: int) -> Any:
-            CountingDevice.launches += 1
-            CountingDevice.tensors_copied += len(sources)
+            Counts.launches += 1
+            Counts.tensors_copied += len(sources)
             out: list[Any] = []
             self._timed(self.current_stream() is self.host_stream, lambda: out.append(super(CountingDevice, self).flatten(sources, dtype, numel)))
             return out[0]
@@ -128,12 +135,31 @@ def measure_one(tensors: int, mode: str, cycles: int, every: int, schedule: str 
                 run()
             finally:
                 if on_host:
-                    CountingDevice.device_on_host_s += time.perf_counter() - started
+                    Counts.device_on_host_s += time.perf_counter() - started
+
+    def counting_cuda_device() -> Any:
+        """The CUDA backend itself, counting its copy launches; its device work is the GPU's, so none is run on the host."""
+        from overlapckpt.train.copying.cuda_device import CudaDevice
+
+        class CountingCudaDevice(CudaDevice):
+            def copy_(self, destinations: Any, sources: Any) -> None:
+                if sources:
+                    Counts.launches += 1
+                    Counts.tensors_copied += len(sources)
+                super().copy_(destinations, sources)
+
+            def flatten(self, sources: Any, dtype: Any, numel: int) -> Any:
+                Counts.launches += 1
+                Counts.tensors_copied += len(sources)
+                return super().flatten(sources, dtype, numel)
+
+        return CountingCudaDevice(torch.device("cuda"))
 
     torch.set_num_threads(1)  # the trainer on one thread; the writer and the copy thread take the other core
     torch.manual_seed(0)
     layers = max(1, round(tensors / 8))
-    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
+    on_gpu = schedule == "cuda"
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)]).to("cuda" if on_gpu else "cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
@@ -145,30 +171,38 @@ def measure_one(tensors: int, mode: str, cycles: int, every: int, schedule: str 
     for _ in range(2 * every):
         started = time.perf_counter()
         optimizer.step()
-        baseline.append(time.perf_counter() - started)
+        baseline.append(time.perf_counter() - started)  # on the GPU: the host's launch time, as the hooks' figure
+    if on_gpu:
+        torch.cuda.synchronize()
     per_step: list[float] = []
     per_step_cpu: list[float] = []
     per_step_host_only: list[float] = []
     cycle_means: list[float] = []
     launches: list[int] = []
     carried: list[int] = []
+    row_started = time.perf_counter()
     with tempfile.TemporaryDirectory() as root:
         # Placed as CUDA places them: AdamW's step counters stay in host memory (copied by the host).
-        copier = StreamCopier(CountingDevice(schedule, clone_is_cheap=True, host_resident=torch_cuda_placement(optimizer)))
+        # On the GPU, AdamW (foreach, not capturable) keeps its step counters in host memory itself.
+        device = counting_cuda_device() if on_gpu else CountingDevice(schedule, clone_is_cheap=True, host_resident=torch_cuda_placement(optimizer))
+        copier = StreamCopier(device)
         with Checkpointer(model, optimizer, root, every=every, keep=1, copier=copier, **MODES[mode]) as ckpt:  # type: ignore[arg-type]
             for cycle in range(cycles + 1):  # the first cycle warms up (allocation, plan)
                 this_cycle, this_cpu, this_host_only = [], [], []
                 for _ in range(every):
                     counted, counted_cpu = ckpt.hook_host_s, ckpt.hook_cpu_s
-                    launched, copied, on_host = CountingDevice.launches, CountingDevice.tensors_copied, CountingDevice.device_on_host_s
+                    launched, copied, on_host = Counts.launches, Counts.tensors_copied, Counts.device_on_host_s
                     optimizer.step()
                     ckpt.step()
                     this_cycle.append(ckpt.hook_host_s - counted)
                     this_cpu.append(ckpt.hook_cpu_s - counted_cpu)
-                    this_host_only.append(this_cycle[-1] - (CountingDevice.device_on_host_s - on_host))
-                    launches.append(CountingDevice.launches - launched)
-                    carried.append(CountingDevice.tensors_copied - copied)
+                    this_host_only.append(this_cycle[-1] - (Counts.device_on_host_s - on_host))
+                    launches.append(Counts.launches - launched)
+                    carried.append(Counts.tensors_copied - copied)
                 ckpt.wait()
+                # Progress, on stderr: a row's parent keeps only its stdout line (a 30,000-tensor row takes minutes).
+                print(f"{state_tensors} tensors, {mode}, {schedule}: cycle {cycle} of {cycles} done at {time.perf_counter() - row_started:.1f} s",
+                      file=sys.stderr, flush=True)
                 if cycle:
                     per_step += this_cycle
                     per_step_cpu += this_cpu
@@ -254,8 +288,8 @@ def main() -> None:
         if passes not in ("native", "python"):
             raise SystemExit(f"--passes: {passes!r} is not one of ['native', 'python']")
     for schedule in schedules:
-        if schedule not in ("held", "async"):
-            raise SystemExit(f"--schedules: {schedule!r} is not one of ['async', 'held']")
+        if schedule not in ("held", "async", "cuda"):
+            raise SystemExit(f"--schedules: {schedule!r} is not one of ['async', 'cuda', 'held']")
     for tensors in [int(t) for t in args.tensors.split(",")]:
         for mode in args.modes.split(","):
             if mode not in MODES:
@@ -318,7 +352,8 @@ def main() -> None:
         with open(commands_path) as f:
             command = "`, then `".join(line.strip() for line in f if line.strip())
         with open(os.path.join(args.out, "hook_scaling.json"), "w") as f:
-            json.dump({"command": command, "machine": machine_description(torch.device("cpu")), "rows": rows}, f, indent=1)
+            on_gpu = any(r["schedule"] == "cuda" for r in rows)
+            json.dump({"command": command, "machine": machine_description(torch.device("cuda" if on_gpu else "cpu")), "rows": rows}, f, indent=1)
         with open(os.path.join(args.out, "hook_scaling.md"), "w") as f:
             f.write(f"Command: `{command}`\n\n{table}\n")
 

@@ -281,6 +281,11 @@ def test_the_gpu_run_rehearses_on_the_emulated_device(tmp_path):
     assert [c["check"] for c in checks if not c["ok"]] == []
     tests = [json.loads(line) for line in (out / "tests" / "results.jsonl").read_text().splitlines()]
     assert len(tests) == 2 and {t["outcome"] for t in tests} == {"passed"}, tests
+    # The native helpers built as make install builds them, their tests on this torch, one hook-scaling row.
+    assert "tensor passes:" in (out / "build.log").read_text()
+    assert " passed in " in (out / "tests" / "passes.log").read_text().splitlines()[-1]
+    (row,) = [json.loads(line) for line in (out / "hook-scaling" / "rows.jsonl").read_text().splitlines()]
+    assert (row["state_tensors"], row["mode"], row["schedule"]) == (304, "w1", "held")
     with open(out / "results.json") as f:
         bench = json.load(f)
     assert set(bench["methods"]) == {"baseline", "dcp_async_thread", "overlapckpt_w1"} and not bench["failed"]
