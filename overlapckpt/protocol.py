@@ -88,6 +88,9 @@ class ReplayLog:
     base_step: int  # the step s at which the snapshot was requested
     group_versions: list[int | None] = field(default_factory=list)
     steps: list[GradientStep] = field(default_factory=list)
+    # How to replay fused Adam / AdamW groups: a name from fused_adam_math (the device's kernel,
+    # measured on the training side), or None: the CPU's own fused kernel, which CPU training ran.
+    fused_arithmetic: str | None = None
 
 
 @dataclass

@@ -63,8 +63,13 @@ def _version(window: int, consistency: str) -> int:
     return REQUEST_AT + window - 1 if consistency == "replay" and window > 1 else REQUEST_AT
 
 
-def _tolerance(rig, window: int, consistency: str) -> float:
-    return rig.replay_tolerance(window) if consistency == "replay" and window > 1 else 0.0
+def _tolerance(rig, window: int, consistency: str, optimizer_kind: str = "fused") -> float:
+    # Fused AdamW is replayed by CUDA's own fused arithmetic (fused_adam_math.py, chosen by measuring
+    # the device): bit for bit on an H200 with torch 2.11. The foreach road runs torch's CPU kernels,
+    # whose roundings differ from CUDA's by about an ulp per replayed step.
+    if consistency != "replay" or window == 1 or optimizer_kind == "fused":
+        return 0.0
+    return rig.replay_tolerance(window)
 
 
 def _made(copiers: list, cls, rig):
@@ -81,7 +86,7 @@ def _made(copiers: list, cls, rig):
 @pytest.mark.parametrize("window,consistency", MODES)
 def test_delayed_copies_hold_the_twins_state(tmp_path, rig, window, consistency, optimizer_kind, request):
     spec = DELAY_MODEL.on(rig)
-    version, tol = _version(window, consistency), _tolerance(rig, window, consistency)
+    version, tol = _version(window, consistency), _tolerance(rig, window, consistency, optimizer_kind)
     twin = twin_states(rig, spec, optimizer_kind, versions=(version, version + 1))
     assert mismatches(twin[version + 1], twin[version], tol)  # a copy of the next version would show
 
@@ -132,7 +137,8 @@ def test_batchnorm_running_stats_hold_the_twins_state(tmp_path, rig, window):
     # engine must clone the buffers on the training stream; the delay makes a missing clone
     # read the next step's statistics.
     spec = ModelSpec(width=rig.scaled(2048), depth=3, batchnorm=True)
-    version, tol = _version(window, "replay"), _tolerance(rig, window, "replay")
+    # Within the roundings' tolerance: run on an H200 with the fused arithmetic before it was held to bit for bit.
+    version, tol = _version(window, "replay"), rig.replay_tolerance(window)
     twin = twin_states(rig, spec, "fused", versions=(version, version + 1))
     moved = mismatches(twin[version + 1], twin[version])
     assert any("running_mean" in k for k in moved) and any("num_batches_tracked" in k for k in moved)
@@ -218,9 +224,11 @@ def test_stage_staging_reuse_with_delayed_drains(tmp_path, rig):
 
 
 def test_replay_window_8_error_against_the_twin(tmp_path, rig, request):
-    # Eight 2048x2048 layers, one per group. Group 0 is replayed 7 steps, group 7 none.
+    # Eight 2048x2048 layers, one per group. Group 0 is replayed 7 steps, group 7 none. Fused AdamW:
+    # replayed by CUDA's fused arithmetic, bit for bit (before it, through the CPU's fused kernel,
+    # exp_avg_sq was 1.28e-5 off on an H200: 1 - float32(0.999) is not float32(1 - 0.999)).
     spec, window = ModelSpec(width=rig.scaled(2048), depth=8), 8
-    version, tol = _version(window, "replay"), rig.replay_tolerance(window)
+    version, tol = _version(window, "replay"), _tolerance(rig, window, "replay", "fused")
     stats = checkpointed_run(
         tmp_path, rig, spec, "fused", steps=version + 2, request_at=[REQUEST_AT], window=window, consistency="replay",
     )

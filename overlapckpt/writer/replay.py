@@ -7,6 +7,11 @@ tensors (parameters and state, in place in the shared slot) with the training's
 own flags (foreach, fused, single-tensor), and stepped once per logged step t > v_j.
 Steps the loop skipped (GradScaler on inf) never ran a hook, so they are not in
 the log and are not replayed. On CPU training this reproduces the state bit for bit.
+
+A fused Adam / AdamW that stepped on a GPU ran CUDA's fused kernel, whose roundings the
+CPU's fused kernel does not share (``fused_adam_math.py``): where the training side measured
+that the device computes as ``fused_adam_math`` does (the log's ``fused_arithmetic``), those
+groups are stepped by it instead, and every other group by the optimizer itself.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 import torch
 
 from ..format.entries import ROLE_OPTIM, ROLE_PARAM, TensorEntry
+from ..fused_adam_math import ARITHMETICS, step_like_cuda_fused_adam
 from ..hostbuf import view_bytes
 from ..protocol import ReplayLog, ReplayTables
 from ..qualname import import_qualified
@@ -95,6 +101,48 @@ def _replay_group(
                     p.grad = None
                 else:
                     p.grad = view_bytes(grad_buffer, tables.grad_offsets[(i, f)], p.dtype, tuple(p.shape))
-        optimizer.step()
+        if log.fused_arithmetic is None:
+            optimizer.step()
+        else:
+            _step_fused_groups_like_the_device(optimizer, log.fused_arithmetic)
     for p in params.values():
         p.grad = None
+
+
+def _step_fused_groups_like_the_device(optimizer: torch.optim.Optimizer, arithmetic: str) -> None:
+    """One step: fused Adam / AdamW groups by CUDA's fused ``arithmetic``, any other group by ``optimizer.step()``."""
+    if arithmetic not in ARITHMETICS:
+        raise ValueError(f"the replay log names the fused arithmetic {arithmetic!r}, not one of {ARITHMETICS}: "
+                         "the training side and the writer run different overlapckpt versions; run one version")
+    emulated = [pg for pg in optimizer.param_groups if pg.get("fused")]
+    if not (isinstance(optimizer, torch.optim.Adam) or isinstance(optimizer, torch.optim.AdamW)) or not emulated:
+        optimizer.step()
+        return
+    held = {id(p): p.grad for pg in emulated for p in pg["params"]}
+    for pg in emulated:  # hidden from optimizer.step(), which then steps the other groups alone
+        for p in pg["params"]:
+            p.grad = None
+    if len(emulated) < len(optimizer.param_groups):
+        optimizer.step()
+    for pg in emulated:
+        stepped = [p for p in pg["params"] if held[id(p)] is not None]
+        for p in stepped:
+            p.grad = held[id(p)]
+            state = optimizer.state[p]
+            if not state:  # as torch.optim.Adam's _init_group for a fused group
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if pg["amsgrad"]:
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if not stepped:
+            continue
+        states = [optimizer.state[p] for p in stepped]
+        beta1, beta2 = pg["betas"]
+        step_like_cuda_fused_adam(
+            stepped, [p.grad for p in stepped], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            [s["max_exp_avg_sq"] for s in states] if pg["amsgrad"] else None, [s["step"] for s in states],
+            lr=pg["lr"], beta1=beta1, beta2=beta2, weight_decay=pg["weight_decay"], eps=pg["eps"], maximize=pg["maximize"],
+            decoupled_weight_decay=bool(pg.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))),
+            arithmetic=arithmetic,
+        )

@@ -45,6 +45,7 @@ from ..copying.replay_tables import gradient_layout
 from ..copying.slots import HostSlot
 from ..copying.tensor_passes import grads_of
 from ..copying.transfer import Copier, CopyTicket, copy_values_to_host
+from .fused_arithmetic import replay_arithmetic
 
 
 def capture_hyperparameters(
@@ -97,6 +98,15 @@ class GradientLogger:
         # Gradient views into a slot's gradient buffer, per (buffer id, layout fingerprint, window).
         self._views: dict[tuple[int, int, int], tuple[dict[tuple[int, str], int], dict[tuple[int, str], torch.Tensor]]] = {}
         self._targets_by_key: dict[tuple[int, ...], _LogTargets] = {}
+        self._fused_arithmetic: str | None = None
+        self._fused_arithmetic_known = False
+
+    def prepare(self) -> None:
+        """Measure how the CPU replays this optimizer's fused steps on its device (a sync: call it outside any step)."""
+        if not self._fused_arithmetic_known:
+            rule = update_rule_class(self.optimizer)
+            self._fused_arithmetic = replay_arithmetic(rule, list(self.optimizer.param_groups)) if rule is not None else None
+            self._fused_arithmetic_known = True
 
     def open(self, slot: HostSlot, plan: CopyPlan, layout: StateLayout, base_step: int) -> ReplayLog:
         """The replay log of a snapshot started at ``base_step``, writing into ``slot``'s gradient buffer."""
@@ -104,11 +114,13 @@ class GradientLogger:
         rule = update_rule_class(self.optimizer)
         if rule is None:  # options.check_optimizer_for_mode refuses replay for such a group
             raise InternalError(f"replay of {describe_optimizer(self.optimizer)}: its optimizers differ")
+        self.prepare()  # measured when the Checkpointer was built, unless groups turned fused since
         return ReplayLog(
             optimizer_class=(rule.__module__, rule.__qualname__),
             grad_buffer_id=slot.grad_buffer_id,  # type: ignore[arg-type]
             base_step=base_step,
             group_versions=[None] * len(plan.groups),
+            fused_arithmetic=self._fused_arithmetic,
         )
 
     def _slot_views(

@@ -111,6 +111,10 @@ class SnapshotEngine:
         slots = SlotPool(link, copier, max_inflight=cadence.max_inflight)
         staging = StagingArea(copier, win.stage_budget_bytes)
         gradients = GradientLogger(optimizer, copier)
+        if mode is SnapshotMode.REPLAY:
+            # A fused optimizer on a GPU: which CPU arithmetic replays its steps, measured now (a
+            # small step on the device and a sync), not inside the first snapshot's hook.
+            gradients.prepare()
         # The hooks' native passes loaded here, if built: not inside the first snapshot's hook (about 2 ms).
         tensor_passes.passes()
         step_point = StepPoint(optimizer, self._on_step_start, self._before_update, self._on_step_end)

@@ -1,0 +1,139 @@
+"""CUDA's fused Adam / AdamW update, computed on the CPU: replay's arithmetic for a run whose fused optimizer steps on a GPU.
+
+Replay rolls state forward on the CPU with the training's own optimizer class and flags
+(``writer/replay.py``). For ``fused=True`` that runs torch's CPU fused kernel, which rounds
+differently from its CUDA fused kernel. The CUDA kernel (torch 2.11's, read from
+``aten/src/ATen/native/cuda/fused_adam_utils.cuh`` and seen on an H200) first casts lr,
+betas, weight decay and eps to float32, then computes the moments with FMAs::
+
+    m = fma(b1, m, fma(-b1, g, g))            # (1 - b1) * g as g - b1 * g, one rounding
+    v = fma(b2, v, fma(-b2, g * g, g * g))
+
+so its effective ``1 - beta2`` is ``1 - float32(0.999) = 0.00099998713``, where the CPU
+kernel uses ``float32(1 - 0.999) = 0.001``: every replayed step's g² term differs by a
+relative 1.3e-5 (about 100 ulps), and ``1 - beta1`` by 2.4e-7. Measured on an H200: after
+3 replayed steps, exp_avg_sq 1.25e-5 from the GPU's own state with the CPU kernel.
+
+``step_like_cuda_fused_adam`` computes that formula on the CPU: each float32 operation as
+float32 (every input and the one rounding of each result), each FMA exactly in float64 and
+rounded once (a product of two float32 values is exact in float64, and ``g - b1 * g`` is
+too; the outer sum is rounded twice, float64 then float32, which differs from one rounding
+with probability about 2^-29 per element). Bias corrections are float32 ``pow`` as the
+kernel's ``pow_`` of float32 values (CUDA's ``powf`` may differ by an ulp or two: a
+relative 1e-7 of an lr-sized update).
+
+Which arithmetic a run's CUDA kernel uses is not assumed from the torch version: the
+training side measures it once per optimizer class and device
+(``train/consistency/fused_arithmetic.py``), comparing a real fused step on the device
+with both CPU candidates, and the replay log names the one that matched.
+
+Shared by the training side (the measurement) and the writer (the replay): imports neither.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+# The replay log's names for these arithmetics; None in the log means the CPU's own fused kernel.
+CUDA_FP32_FMA = "cuda-fp32-fma"
+# The same, but Adam's L2 term (``grad += param * weight_decay``) rounded before the add, as a
+# kernel compiled without contracting it into an FMA computes it. On an H200 (torch 2.11) fused
+# AdamW matched CUDA_FP32_FMA bit for bit, and fused Adam with weight decay differed from it in
+# 146 of 12,288 elements: the measurement tries both (AdamW never reaches that line).
+CUDA_FP32_FMA_L2_ROUNDED = "cuda-fp32-fma-l2-rounded"
+ARITHMETICS = (CUDA_FP32_FMA, CUDA_FP32_FMA_L2_ROUNDED)
+
+
+def _f32(value: float | torch.Tensor) -> torch.Tensor:
+    """A hyperparameter as the kernel holds it: one float32 value (0-dim, on the CPU)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device="cpu", dtype=torch.float32).reshape(())
+    return torch.tensor(value, dtype=torch.float32)
+
+
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fma(a, b, c) of float32 values: the product exact in float64, the sum rounded to float32."""
+    return torch.addcmul(c.double(), a.double(), b.double()).float()
+
+
+def _div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a / b of float32 values, correctly rounded to float32, as CUDA's IEEE division (``-prec-div``).
+
+    Taken in float64 and rounded once more (a float64 quotient of float32 values rounds to the same
+    float32 as the exact one). And never by a one-element divisor: torch's CPU kernels divide by one
+    as a multiply by its reciprocal (two roundings), so it goes in as a whole tensor.
+    """
+    if a.dim() == 0:
+        return torch.tensor(a.item() / b.item(), dtype=torch.float32)
+    return torch.div(a.double(), b.double().expand_as(a).contiguous()).float()
+
+
+def _sqrt(a: torch.Tensor) -> torch.Tensor:
+    """sqrt of float32 values correctly rounded, as CUDA's IEEE sqrtf (``-prec-sqrt``): torch's CPU float32 sqrt is
+    not (seen off by an ulp on 4.8e-11), its float64 sqrt is, and one more rounding to float32 keeps it exact."""
+    return a.double().sqrt().float()
+
+
+def step_like_cuda_fused_adam(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    max_exp_avg_sqs: Sequence[torch.Tensor] | None,
+    state_steps: Sequence[torch.Tensor],
+    *,
+    lr: float | torch.Tensor,
+    beta1: float | torch.Tensor,
+    beta2: float | torch.Tensor,
+    weight_decay: float,
+    eps: float,
+    maximize: bool,
+    decoupled_weight_decay: bool,
+    arithmetic: str = CUDA_FP32_FMA,
+) -> None:
+    """One step of CUDA's fused Adam (AdamW with ``decoupled_weight_decay``) on CPU tensors, in place.
+
+    As ``torch.optim``'s fused path: each step count is incremented first, then the kernel's update.
+    ``arithmetic`` is one of ``ARITHMETICS``.
+    """
+    if arithmetic not in ARITHMETICS:
+        raise ValueError(f"fused arithmetic {arithmetic!r} is not one of {ARITHMETICS}")
+    l2_contracted = arithmetic == CUDA_FP32_FMA
+    lr_f, b1, b2, wd, eps_f = _f32(lr), _f32(beta1), _f32(beta2), _f32(weight_decay), _f32(eps)
+    one = torch.ones((), dtype=torch.float32)
+    lr_wd = lr_f * wd  # `lr * weight_decay * param`: the first product in float32
+    for i, (param, grad, exp_avg, exp_avg_sq, step) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, state_steps)):
+        step.add_(1)
+        step_count = _f32(step)
+        bias_correction1 = one - b1.pow(step_count)
+        bias_correction2_sqrt = _sqrt(one - b2.pow(step_count))
+        p = param.detach().float()
+        g = grad.detach().float()
+        m = exp_avg.float()
+        v = exp_avg_sq.float()
+        if maximize:
+            g = -g
+        if weight_decay != 0:
+            if decoupled_weight_decay:
+                p = _fma(-lr_wd, p, p)  # param -= (lr * wd) * param, contracted
+            elif l2_contracted:
+                g = _fma(p, wd, g)  # grad += param * wd, contracted
+            else:
+                g = g + p * wd  # grad += param * wd, the product rounded first
+        m = _fma(b1, m, _fma(-b1, g, g))
+        gg = g * g
+        v = _fma(b2, v, _fma(-b2, gg, gg))
+        step_size = _div(lr_f, bias_correction1)
+        if max_exp_avg_sqs is not None:
+            peak = torch.maximum(max_exp_avg_sqs[i].float(), v)
+            max_exp_avg_sqs[i].copy_(peak)
+            denom = _div(_sqrt(peak), bias_correction2_sqrt) + eps_f
+        else:
+            denom = _div(_sqrt(v), bias_correction2_sqrt) + eps_f
+        p = p - _div(step_size * m, denom)
+        with torch.no_grad():
+            param.copy_(p)
+        exp_avg.copy_(m)
+        exp_avg_sq.copy_(v)

@@ -1,0 +1,118 @@
+"""Which CPU arithmetic replays a fused Adam / AdamW step the way this run's device computed it.
+
+Replay steps the optimizer on the CPU (``writer/replay.py``). A fused optimizer on a GPU ran
+CUDA's fused kernel, whose roundings differ from the CPU's fused kernel by far more than an
+ulp (``fused_adam_math.py``). Rather than guess from the torch version, this measures it
+once per optimizer class and device, outside any training step: a few fused steps of a
+small random state on the device, the same steps by each CPU candidate, and the candidate
+whose state is bit for bit the device's wins; with none exact, the closest, and a warning.
+
+Cost: one small fused step on the device and a host synchronization, once per process for
+each (class, device), when the Checkpointer is built for replay. CPU training needs none:
+the CPU's own fused kernel is what ran.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ...fused_adam_math import ARITHMETICS, step_like_cuda_fused_adam
+
+log = logging.getLogger("overlapckpt")
+
+# Sized so that every candidate that rounds differently shows it (thousands of elements, a
+# spread of magnitudes), and small enough to cost a millisecond on the device.
+_PROBE_ELEMENTS = 4096
+_PROBE_STEPS = 3
+_PROBE_HYPERPARAMETERS: dict[str, Any] = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+_measured: dict[tuple[type, str], str | None] = {}
+
+
+def _is_adam_family(cls: type) -> bool:
+    return issubclass(cls, torch.optim.Adam) or issubclass(cls, torch.optim.AdamW)
+
+
+def fused_device(optimizer_cls: type, param_groups: list[dict[str, Any]]) -> torch.device | None:
+    """The accelerator a fused Adam / AdamW group of this optimizer steps on, if any (the one to measure)."""
+    if not _is_adam_family(optimizer_cls):
+        return None
+    for group in param_groups:
+        if not group.get("fused"):
+            continue
+        for p in group["params"]:
+            if p.device.type != "cpu":
+                return torch.device(p.device)
+    return None
+
+
+def replay_arithmetic(optimizer_cls: type, param_groups: list[dict[str, Any]]) -> str | None:
+    """The arithmetic replay uses for this optimizer's fused groups: a name from ``fused_adam_math``, or None (the CPU's kernel)."""
+    device = fused_device(optimizer_cls, param_groups)
+    if device is None:
+        return None
+    key = (optimizer_cls, str(device))
+    if key not in _measured:
+        _measured[key] = measure(optimizer_cls, device)
+    return _measured[key]
+
+
+def _state_after(optimizer_cls: type, device: torch.device, start: torch.Tensor, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    param = torch.nn.Parameter(start.to(device))
+    optimizer = optimizer_cls([param], fused=True, **_PROBE_HYPERPARAMETERS)
+    for g in grads:
+        param.grad = g.to(device)
+        optimizer.step()
+    state = optimizer.state[param]
+    return [t.detach().to("cpu") for t in (param, state["exp_avg"], state["exp_avg_sq"])]
+
+
+def _state_by_emulation(optimizer_cls: type, start: torch.Tensor, grads: list[torch.Tensor], arithmetic: str) -> list[torch.Tensor]:
+    param = start.clone()
+    exp_avg, exp_avg_sq = torch.zeros_like(start), torch.zeros_like(start)
+    step = torch.zeros((), dtype=torch.float32)
+    # The class's own flags for these hyperparameters (AdamW decouples its weight decay, Adam not).
+    group = optimizer_cls([torch.nn.Parameter(start[:1].clone())], **_PROBE_HYPERPARAMETERS).param_groups[0]
+    decoupled = bool(group.get("decoupled_weight_decay", issubclass(optimizer_cls, torch.optim.AdamW)))
+    betas = _PROBE_HYPERPARAMETERS["betas"]
+    for g in grads:
+        step_like_cuda_fused_adam(
+            [param], [g], [exp_avg], [exp_avg_sq], None, [step], lr=_PROBE_HYPERPARAMETERS["lr"], beta1=betas[0], beta2=betas[1],
+            weight_decay=_PROBE_HYPERPARAMETERS["weight_decay"], eps=_PROBE_HYPERPARAMETERS["eps"], maximize=False,
+            decoupled_weight_decay=decoupled, arithmetic=arithmetic,
+        )
+    return [param, exp_avg, exp_avg_sq]
+
+
+def _differing_elements(got: list[torch.Tensor], ref: list[torch.Tensor]) -> int:
+    return sum(int((g != r).sum()) for g, r in zip(got, ref))
+
+
+def measure(optimizer_cls: type, device: torch.device) -> str | None:
+    """Step a small random state with ``optimizer_cls(fused=True)`` on ``device`` and on each CPU candidate; the closest one."""
+    generator = torch.Generator().manual_seed(0)
+    # Magnitudes over several decades, as a model's parameters and gradients have.
+    start = torch.randn(_PROBE_ELEMENTS, generator=generator) * torch.logspace(-3, 1, _PROBE_ELEMENTS)
+    grads = [torch.randn(_PROBE_ELEMENTS, generator=generator) * torch.logspace(-4, 0, _PROBE_ELEMENTS) for _ in range(_PROBE_STEPS)]
+    on_device = _state_after(optimizer_cls, device, start, grads)  # .to("cpu") synchronizes: once, outside any step
+    candidates: dict[str | None, list[torch.Tensor]] = {name: _state_by_emulation(optimizer_cls, start, grads, name) for name in ARITHMETICS}
+    try:
+        candidates[None] = _state_after(optimizer_cls, torch.device("cpu"), start, grads)
+    except RuntimeError as e:  # a torch without a CPU fused kernel: the emulation is the only candidate
+        log.info("fused %s has no CPU kernel here (%s): replay measures the emulation alone", optimizer_cls.__qualname__, e)
+    differing = {name: _differing_elements(state, on_device) for name, state in candidates.items()}
+    # A tie goes to torch's own CPU kernel, then to the first emulation listed.
+    best = min(differing, key=lambda name: (differing[name], name is not None, ARITHMETICS.index(name) if name else 0))
+    total = 3 * _PROBE_ELEMENTS
+    if differing[best]:
+        log.warning(
+            "replay of fused %s stepped on %s: no CPU arithmetic reproduces the device's bit for bit (%s differ of %d "
+            "elements after %d steps); replay uses the closest, %s, and its state differs from the device's by roundings",
+            optimizer_cls.__qualname__, device, differing, total, _PROBE_STEPS, best or "the CPU's fused kernel",
+        )
+    else:
+        log.info("replay of fused %s stepped on %s: the CPU reproduces it with %s", optimizer_cls.__qualname__, device,
+                 best or "the CPU's fused kernel")
+    return best

@@ -1,0 +1,193 @@
+"""Replay of a fused Adam / AdamW that stepped on a GPU: CUDA's fused arithmetic on the CPU (fused_adam_math.py).
+
+On an H200 (torch 2.11) replay through the CPU's fused kernel left exp_avg_sq 1.25e-5 away
+from the device's own state after 3 steps: the CUDA kernel computes with float32 betas and
+FMAs. Here: the emulation is that formula with one rounding per operation (against exact
+rational arithmetic), it is not the CPU kernel, the measurement picks the CPU kernel where
+the CPU kernel ran, and the writer's replay takes the arithmetic the log names.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+
+from overlapckpt.format.entries import ROLE_OPTIM, ROLE_PARAM, TensorEntry
+from overlapckpt.fused_adam_math import ARITHMETICS, CUDA_FP32_FMA, CUDA_FP32_FMA_L2_ROUNDED, step_like_cuda_fused_adam
+from overlapckpt.protocol import GradientStep, ReplayLog, ReplayTables
+from overlapckpt.train.consistency import fused_arithmetic
+from overlapckpt.writer.replay import replay_to_version
+
+
+def _round_f32(x: Fraction) -> float:
+    """x rounded once to the nearest float32 (ties to even); normal range only."""
+    if x == 0:
+        return 0.0
+    magnitude = abs(x)
+    exponent = magnitude.numerator.bit_length() - magnitude.denominator.bit_length()
+    if Fraction(2) ** exponent > magnitude:
+        exponent -= 1
+    scaled = magnitude / Fraction(2) ** (exponent - 23)  # in [2^23, 2^24)
+    rounded = round(scaled)  # Fraction rounds half to even
+    return math.copysign(rounded * 2.0 ** (exponent - 23), float(x))
+
+
+def _f32(x: float) -> float:
+    """One float32 rounding of a value exact in float64 (a float64 result of float32 operands, +-*/ and sqrt, is
+    rounded once: 53 >= 2 * 24 + 2)."""
+    return _round_f32(Fraction(x))
+
+
+def _fma(a: float, b: float, c: float) -> float:
+    return _round_f32(Fraction(a) * Fraction(b) + Fraction(c))
+
+
+def _reference_step(p: float, g: float, m: float, v: float, step: float, lr: float, b1: float, b2: float, wd: float,
+                    eps: float, decoupled: bool, l2_contracted: bool = True) -> tuple[float, float, float]:
+    """aten/src/ATen/native/cuda/fused_adam_utils.cuh's adam_math, line by line, in exact arithmetic rounded as float32."""
+    lr, b1, b2, wd, eps = _f32(lr), _f32(b1), _f32(b2), _f32(wd), _f32(eps)
+    bias_correction1 = _f32(1 - _f32(torch.tensor(b1, dtype=torch.float32).pow(torch.tensor(step)).item()))
+    bias_correction2_sqrt = _f32(math.sqrt(_f32(1 - _f32(torch.tensor(b2, dtype=torch.float32).pow(torch.tensor(step)).item()))))
+    if wd != 0:
+        if decoupled:
+            p = _fma(-_f32(lr * wd), p, p)
+        elif l2_contracted:
+            g = _fma(p, wd, g)
+        else:
+            g = _f32(g + _f32(p * wd))
+    m = _fma(b1, m, _fma(-b1, g, g))
+    gg = _f32(g * g)
+    v = _fma(b2, v, _fma(-b2, gg, gg))
+    step_size = _f32(lr / bias_correction1)
+    denom = _f32(_f32(_f32(math.sqrt(v)) / bias_correction2_sqrt) + eps)
+    p = _f32(p - _f32(_f32(step_size * m) / denom))
+    return p, m, v
+
+
+def _random_state(elements: int, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    start = torch.randn(elements, generator=generator) * torch.logspace(-3, 1, elements)
+    grads = [torch.randn(elements, generator=generator) * torch.logspace(-4, 0, elements) for _ in range(3)]
+    return start, grads
+
+
+@pytest.mark.parametrize(
+    "decoupled, arithmetic",
+    [(True, CUDA_FP32_FMA), (False, CUDA_FP32_FMA), (False, CUDA_FP32_FMA_L2_ROUNDED)],
+    ids=["adamw", "adam", "adam-l2-rounded"],
+)
+def test_the_emulation_is_cudas_fused_formula_with_one_rounding_per_operation(decoupled, arithmetic):
+    start, grads = _random_state(96, seed=1)
+    param, exp_avg, exp_avg_sq, step = start.clone(), torch.zeros(96), torch.zeros(96), torch.zeros(())
+    reference = [(float(p), 0.0, 0.0) for p in start]
+    for count, g in enumerate(grads, start=1):
+        step_like_cuda_fused_adam([param], [g], [exp_avg], [exp_avg_sq], None, [step], lr=1e-3, beta1=0.9, beta2=0.999,
+                                  weight_decay=0.01, eps=1e-8, maximize=False, decoupled_weight_decay=decoupled,
+                                  arithmetic=arithmetic)
+        reference = [
+            _reference_step(p, float(gi), m, v, float(count), 1e-3, 0.9, 0.999, 0.01, 1e-8, decoupled, arithmetic == CUDA_FP32_FMA)
+            for (p, m, v), gi in zip(reference, g)
+        ]
+    assert float(step) == 3.0
+    for got, column in ((param, 0), (exp_avg, 1), (exp_avg_sq, 2)):
+        assert torch.equal(got, torch.tensor([r[column] for r in reference], dtype=torch.float32))
+
+
+def test_cudas_arithmetic_is_not_the_cpu_kernels_it_differs_by_the_float32_betas():
+    # Why replay cannot use the CPU kernel for a GPU's fused steps: 1 - float32(0.999) is not float32(1 - 0.999).
+    start, grads = _random_state(4096, seed=2)
+    emulated = fused_arithmetic._state_by_emulation(torch.optim.AdamW, start, grads, CUDA_FP32_FMA)
+    cpu_kernel = fused_arithmetic._state_after(torch.optim.AdamW, torch.device("cpu"), start, grads)
+    relative = ((emulated[2] - cpu_kernel[2]).abs() / cpu_kernel[2]).max().item()
+    one_minus_beta2 = 1 - torch.tensor(0.999, dtype=torch.float32).item()
+    assert relative == pytest.approx(abs(one_minus_beta2 - 0.001) / 0.001, rel=0.05)  # 1.29e-5
+    assert not torch.equal(emulated[0], cpu_kernel[0])
+
+
+def test_the_measurement_picks_the_cpu_kernel_where_the_cpu_kernel_ran():
+    assert fused_arithmetic.measure(torch.optim.AdamW, torch.device("cpu")) is None
+    assert fused_arithmetic.measure(torch.optim.Adam, torch.device("cpu")) is None
+    # CPU training is never measured: its own kernel is what ran.
+    model = torch.nn.Linear(4, 4)
+    assert fused_arithmetic.replay_arithmetic(torch.optim.AdamW, torch.optim.AdamW(model.parameters(), fused=True).param_groups) is None
+    assert fused_arithmetic.fused_device(torch.optim.SGD, [{"fused": True, "params": [torch.zeros(1, device="meta")]}]) is None
+
+
+@pytest.mark.parametrize("device_computes", ARITHMETICS)
+def test_the_measurement_picks_the_arithmetic_the_device_computes(monkeypatch, device_computes):
+    # The device's own fused step stood in for by one of the emulations (no GPU here); the CPU kernel stays itself.
+    real_state_after = fused_arithmetic._state_after
+
+    def state_after(optimizer_cls, device, start, grads):
+        if device.type == "cpu":
+            return real_state_after(optimizer_cls, device, start, grads)
+        return fused_arithmetic._state_by_emulation(optimizer_cls, start, grads, device_computes)
+
+    monkeypatch.setattr(fused_arithmetic, "_state_after", state_after)
+    assert fused_arithmetic.measure(torch.optim.Adam, torch.device("cuda")) == device_computes
+    # AdamW never reaches Adam's L2 line: both emulations are the same, and the tie goes to the first listed.
+    assert fused_arithmetic.measure(torch.optim.AdamW, torch.device("cuda")) == CUDA_FP32_FMA
+
+
+def test_the_writer_refuses_a_fused_arithmetic_it_does_not_know():
+    with pytest.raises(ValueError, match=r"names the fused arithmetic 'cuda-fp64'.*run one version"):
+        _replay_one_step("cuda-fp64", torch.optim.AdamW, amsgrad=False)
+
+
+def _replay_one_step(arithmetic: str | None, optimizer_cls: type, amsgrad: bool) -> dict[str, torch.Tensor]:
+    """The writer's replay of one logged step of a 64-element parameter copied at step 0."""
+    start, grads = _random_state(64, seed=3)
+    live = torch.nn.Parameter(start.clone())
+    optimizer = optimizer_cls([live], lr=1e-3, weight_decay=0.01, fused=True, amsgrad=amsgrad)
+    live.grad = grads[0]
+    optimizer.step()  # the state at the copy: step 1
+    names = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+    tensors = [live.detach().clone()] + [optimizer.state[live][n].clone() for n in names]
+    entries = [TensorEntry("model.w", ("model", "w"), ROLE_PARAM, "w", torch.float32, (64,), 256)] + [
+        TensorEntry(f"optim.w.{n}", ("optim", "w", n), ROLE_OPTIM, "w", t.dtype, tuple(t.shape), t.nbytes)
+        for n, t in zip(names, tensors[1:])
+    ]
+    hyperparameters = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    log = ReplayLog(
+        optimizer_class=(optimizer_cls.__module__, optimizer_cls.__qualname__), grad_buffer_id=0, base_step=1,
+        group_versions=[1], steps=[GradientStep(step=2, groups=[0], hyperparameters=[hyperparameters], grad_none=[])],
+        fused_arithmetic=arithmetic,
+    )
+    tables = ReplayTables(grad_offsets={(1, "w"): 0}, grad_nbytes=256, param_group_of={"w": 0}, copy_group_of={"w": 0})
+    replay_to_version(entries, tensors, log, tables, grads[1].view(torch.uint8).clone())
+    return dict(zip(["param"] + names, tensors))
+
+
+@pytest.mark.parametrize("optimizer_cls", [torch.optim.AdamW, torch.optim.Adam])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_the_writers_replay_steps_fused_groups_with_the_arithmetic_the_log_names(optimizer_cls, amsgrad):
+    arithmetic_named = CUDA_FP32_FMA_L2_ROUNDED if optimizer_cls is torch.optim.Adam else CUDA_FP32_FMA
+    start, grads = _random_state(64, seed=3)
+    # What each arithmetic makes of the same two steps, computed here without the writer.
+    expected: dict[str | None, dict[str, torch.Tensor]] = {}
+    live = torch.nn.Parameter(start.clone())
+    optimizer = optimizer_cls([live], lr=1e-3, weight_decay=0.01, fused=True, amsgrad=amsgrad)
+    for g in grads[:2]:
+        live.grad = g
+        optimizer.step()
+    expected[None] = {"param": live.detach(), **optimizer.state[live]}
+    live = torch.nn.Parameter(start.clone())
+    optimizer = optimizer_cls([live], lr=1e-3, weight_decay=0.01, fused=True, amsgrad=amsgrad)
+    live.grad = grads[0]
+    optimizer.step()
+    state = optimizer.state[live]
+    step_like_cuda_fused_adam(
+        [live], [grads[1]], [state["exp_avg"]], [state["exp_avg_sq"]], [state["max_exp_avg_sq"]] if amsgrad else None,
+        [state["step"]], lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, maximize=False,
+        decoupled_weight_decay=optimizer_cls is torch.optim.AdamW, arithmetic=arithmetic_named,
+    )
+    expected[arithmetic_named] = {"param": live.detach(), **state}
+    for arithmetic in (None, arithmetic_named):
+        replayed = _replay_one_step(arithmetic, optimizer_cls, amsgrad)
+        assert replayed.keys() == expected[arithmetic].keys()
+        for name, tensor in replayed.items():
+            assert torch.equal(tensor, expected[arithmetic][name]), (arithmetic, name)
+    assert not torch.equal(expected[None]["exp_avg_sq"], expected[arithmetic_named]["exp_avg_sq"])
