@@ -116,6 +116,14 @@ def test_the_measurement_picks_the_cpu_kernel_where_the_cpu_kernel_ran():
     assert fused_arithmetic.fused_device(torch.optim.SGD, [{"fused": True, "params": [torch.zeros(1, device="meta")]}]) is None
 
 
+def test_a_device_whose_fused_step_cannot_be_measured_leaves_the_cpu_kernel_with_a_warning(caplog):
+    # The meta device runs no kernel: the measurement fails, and the Checkpointer must still build.
+    params = [torch.nn.Parameter(torch.zeros(4, device="meta"))]
+    with caplog.at_level("WARNING", logger="overlapckpt"):
+        assert fused_arithmetic.replay_arithmetic(torch.optim.AdamW, [{"fused": True, "params": params}]) is None
+    assert "could not measure the device's arithmetic" in caplog.text and "on meta" in caplog.text
+
+
 @pytest.mark.parametrize("device_computes", ARITHMETICS)
 def test_the_measurement_picks_the_arithmetic_the_device_computes(monkeypatch, device_computes):
     # The device's own fused step stood in for by one of the emulations (no GPU here); the CPU kernel stays itself.

@@ -55,7 +55,15 @@ def replay_arithmetic(optimizer_cls: type, param_groups: list[dict[str, Any]]) -
         return None
     key = (optimizer_cls, str(device))
     if key not in _measured:
-        _measured[key] = measure(optimizer_cls, device)
+        try:
+            _measured[key] = measure(optimizer_cls, device)
+        except Exception as e:  # noqa: BLE001 - a measurement that cannot run must not stop training
+            log.warning(
+                "replay of fused %s on %s: could not measure the device's arithmetic (%s: %s); replay uses the CPU's "
+                "fused kernel, whose roundings may differ from the device's (docs/gpu.md)",
+                optimizer_cls.__qualname__, device, type(e).__name__, e,
+            )
+            _measured[key] = None
     return _measured[key]
 
 
