@@ -46,6 +46,16 @@ CUDA_FP32_FMA_L2_ROUNDED = "cuda-fp32-fma-l2-rounded"
 ARITHMETICS = (CUDA_FP32_FMA, CUDA_FP32_FMA_L2_ROUNDED)
 
 
+def torch_fused_adam_class(cls: type) -> type | None:
+    """The ``torch.optim`` class (AdamW or Adam) whose own ``step()`` an optimizer of ``cls`` runs, or None: not of that
+    family, or a subclass that defines its own ``step()`` (which replay must run as it is, not emulate)."""
+    for base in (torch.optim.AdamW, torch.optim.Adam):
+        if issubclass(cls, base):
+            overridden = any("step" in c.__dict__ for c in cls.__mro__ if c is not base and issubclass(c, base))
+            return None if overridden else base
+    return None
+
+
 def _f32(value: float | torch.Tensor) -> torch.Tensor:
     """A hyperparameter as the kernel holds it: one float32 value (0-dim, on the CPU)."""
     if isinstance(value, torch.Tensor):
@@ -76,6 +86,25 @@ def _sqrt(a: torch.Tensor) -> torch.Tensor:
     return a.double().sqrt().float()
 
 
+# The dtypes CUDA's fused kernel computes in float32 (``opmath``), which this emulates; float64
+# parameters are computed in double there, as the CPU's own kernel computes them: not emulated.
+EMULATED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Elements per pass: the float64 temporaries of one chunk stay a few tens of MB, whatever the tensor.
+_CHUNK_ELEMENTS = 1 << 20
+
+
+def _times_one_minus(beta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """fma(-beta, x, x), the kernel's ``(1 - beta) * x``: for beta in [0.5, 1], ``1 - beta`` is exact in float32
+    (Sterbenz), so it is one float32 multiply, rounded once; else exact in float64 and rounded once."""
+    if 0.5 <= float(beta) <= 1.0:
+        return x * (1 - beta)
+    return _fma(-beta, x, x)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor | None:
+    return t.detach().view(-1) if t.is_contiguous() else None
+
+
 def step_like_cuda_fused_adam(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -96,7 +125,8 @@ def step_like_cuda_fused_adam(
     """One step of CUDA's fused Adam (AdamW with ``decoupled_weight_decay``) on CPU tensors, in place.
 
     As ``torch.optim``'s fused path: each step count is incremented first, then the kernel's update.
-    ``arithmetic`` is one of ``ARITHMETICS``.
+    ``arithmetic`` is one of ``ARITHMETICS``; every tensor's dtype one of ``EMULATED_DTYPES``. Each
+    tensor is computed in chunks of ``_CHUNK_ELEMENTS`` (elementwise: the chunks are independent).
     """
     if arithmetic not in ARITHMETICS:
         raise ValueError(f"fused arithmetic {arithmetic!r} is not one of {ARITHMETICS}")
@@ -105,35 +135,52 @@ def step_like_cuda_fused_adam(
     one = torch.ones((), dtype=torch.float32)
     lr_wd = lr_f * wd  # `lr * weight_decay * param`: the first product in float32
     for i, (param, grad, exp_avg, exp_avg_sq, step) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, state_steps)):
+        tensors = [param, grad, exp_avg, exp_avg_sq] + ([max_exp_avg_sqs[i]] if max_exp_avg_sqs is not None else [])
+        if any(t.dtype not in EMULATED_DTYPES for t in tensors):
+            raise ValueError(f"CUDA's fused Adam computes {[t.dtype for t in tensors]} in double, not as emulated here; "
+                             "step such tensors with the optimizer itself")
         step.add_(1)
         step_count = _f32(step)
+        # pow of float32 values, as the kernel's pow_; CUDA's powf may round a step count's power
+        # an ulp apart from the CPU's (docs/gpu.md): bit for bit was seen over the first 12 steps.
         bias_correction1 = one - b1.pow(step_count)
         bias_correction2_sqrt = _sqrt(one - b2.pow(step_count))
-        p = param.detach().float()
-        g = grad.detach().float()
-        m = exp_avg.float()
-        v = exp_avg_sq.float()
-        if maximize:
-            g = -g
-        if weight_decay != 0:
-            if decoupled_weight_decay:
-                p = _fma(-lr_wd, p, p)  # param -= (lr * wd) * param, contracted
-            elif l2_contracted:
-                g = _fma(p, wd, g)  # grad += param * wd, contracted
-            else:
-                g = g + p * wd  # grad += param * wd, the product rounded first
-        m = _fma(b1, m, _fma(-b1, g, g))
-        gg = g * g
-        v = _fma(b2, v, _fma(-b2, gg, gg))
         step_size = _div(lr_f, bias_correction1)
-        if max_exp_avg_sqs is not None:
-            peak = torch.maximum(max_exp_avg_sqs[i].float(), v)
-            max_exp_avg_sqs[i].copy_(peak)
-            denom = _div(_sqrt(peak), bias_correction2_sqrt) + eps_f
+        flats = [_flat(t) for t in tensors]
+        if any(f is None for f in flats):  # a strided view: one pass over the whole tensor, copied back
+            views: list[torch.Tensor] = [t.detach().reshape(-1) for t in tensors]
+            chunks = [(0, param.numel())]
         else:
-            denom = _div(_sqrt(v), bias_correction2_sqrt) + eps_f
-        p = p - _div(step_size * m, denom)
-        with torch.no_grad():
-            param.copy_(p)
-        exp_avg.copy_(m)
-        exp_avg_sq.copy_(v)
+            views = [f for f in flats if f is not None]
+            chunks = [(s, min(s + _CHUNK_ELEMENTS, param.numel())) for s in range(0, param.numel(), _CHUNK_ELEMENTS)]
+        for begin, end in chunks:
+            p, g, m, v = (views[k][begin:end].float() for k in range(4))
+            if maximize:
+                g = -g
+            if weight_decay != 0:
+                if decoupled_weight_decay:
+                    p = _fma(-lr_wd, p, p)  # param -= (lr * wd) * param, contracted
+                elif l2_contracted:
+                    g = _fma(p, wd, g)  # grad += param * wd, contracted
+                else:
+                    g = g + p * wd  # grad += param * wd, the product rounded first
+            m = _fma(b1, m, _times_one_minus(b1, g))
+            gg = g * g
+            v = _fma(b2, v, _times_one_minus(b2, gg))
+            if max_exp_avg_sqs is not None:
+                peak = torch.maximum(views[4][begin:end].float(), v)
+                denom = _div(_sqrt(peak), bias_correction2_sqrt) + eps_f
+            else:
+                denom = _div(_sqrt(v), bias_correction2_sqrt) + eps_f
+            p = p - _div(step_size * m, denom)
+            with torch.no_grad():
+                views[0][begin:end].copy_(p)
+                views[2][begin:end].copy_(m)
+                views[3][begin:end].copy_(v)
+                if max_exp_avg_sqs is not None:
+                    views[4][begin:end].copy_(peak)
+        if any(f is None for f in flats):
+            with torch.no_grad():
+                for t, flat in zip(tensors, views):
+                    if t is not grad:
+                        t.copy_(flat.view(t.shape))

@@ -15,6 +15,7 @@ from fractions import Fraction
 import pytest
 import torch
 
+from overlapckpt import fused_adam_math
 from overlapckpt.format.entries import ROLE_OPTIM, ROLE_PARAM, TensorEntry
 from overlapckpt.fused_adam_math import ARITHMETICS, CUDA_FP32_FMA, CUDA_FP32_FMA_L2_ROUNDED, step_like_cuda_fused_adam
 from overlapckpt.protocol import GradientStep, ReplayLog, ReplayTables
@@ -199,3 +200,111 @@ def test_the_writers_replay_steps_fused_groups_with_the_arithmetic_the_log_names
         for name, tensor in replayed.items():
             assert torch.equal(tensor, expected[arithmetic][name]), (arithmetic, name)
     assert not torch.equal(expected[None]["exp_avg_sq"], expected[arithmetic_named]["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.3, 0.45)], ids=["betas-at-least-half", "betas-below-half"])
+def test_the_emulation_holds_in_chunks_on_strided_tensors_and_for_small_betas(monkeypatch, betas):
+    # betas below 0.5: 1 - beta is not exact in float32, so (1 - beta) * g takes the float64 FMA road.
+    monkeypatch.setattr(fused_adam_math, "_CHUNK_ELEMENTS", 7)  # 96 elements: 14 chunks, the last one short
+    start, grads = _random_state(96, seed=4)
+    for strided in (False, True):
+        base = start.clone().view(12, 8)
+        param = base.t() if strided else base  # a transposed view: not contiguous
+        exp_avg, exp_avg_sq, step = torch.zeros_like(param), torch.zeros_like(param), torch.zeros(())
+        reference = [(float(p), 0.0, 0.0) for p in param.reshape(-1)]
+        for count, g in enumerate(grads, start=1):
+            grad = g.view_as(param)
+            step_like_cuda_fused_adam([param], [grad], [exp_avg], [exp_avg_sq], None, [step], lr=1e-3, beta1=betas[0],
+                                      beta2=betas[1], weight_decay=0.01, eps=1e-8, maximize=True, decoupled_weight_decay=True)
+            reference = [
+                _reference_step(p, -float(gi), m, v, float(count), 1e-3, betas[0], betas[1], 0.01, 1e-8, True)
+                for (p, m, v), gi in zip(reference, grad.reshape(-1))
+            ]
+        for got, column in ((param, 0), (exp_avg, 1), (exp_avg_sq, 2)):
+            assert torch.equal(got.reshape(-1), torch.tensor([r[column] for r in reference], dtype=torch.float32)), (strided, column)
+
+
+def test_float64_tensors_are_refused_by_the_emulation_and_left_to_the_cpu_kernel_by_the_writer():
+    # CUDA's fused kernel computes float64 in double, as the CPU's does: emulating it in float32 would lose precision.
+    p64 = torch.zeros(4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"computes \[torch.float64.*step such tensors with the optimizer itself"):
+        step_like_cuda_fused_adam([p64], [p64], [p64.clone()], [p64.clone()], None, [torch.zeros(())], lr=1e-3, beta1=0.9,
+                                  beta2=0.999, weight_decay=0.0, eps=1e-8, maximize=False, decoupled_weight_decay=True)
+
+
+def _mixed_optimizer(cls: type) -> tuple[torch.optim.Optimizer, dict[str, torch.nn.Parameter]]:
+    start, grads = _random_state(64, seed=5)
+    params = {
+        "fused32": torch.nn.Parameter(start.clone()),
+        "fused64": torch.nn.Parameter(start.double()),
+        "fused_no_grad": torch.nn.Parameter(start.clone() * 2),
+        "plain": torch.nn.Parameter(start.clone() * 3),
+    }
+    optimizer = cls(
+        [{"params": [params["fused32"], params["fused64"], params["fused_no_grad"]], "fused": True, "amsgrad": True},
+         {"params": [params["plain"]], "foreach": True}],
+        lr=1e-3, weight_decay=0.01,
+    )
+    params["fused32"].grad = grads[0].clone()
+    params["fused64"].grad = grads[0].double()
+    params["plain"].grad = grads[1].clone()
+    return optimizer, params
+
+
+def test_the_writer_emulates_only_torchs_fused_float_steps_and_steps_everything_else_with_the_optimizer():
+    from overlapckpt.writer.replay import _step_fused_groups_like_the_device
+
+    replayed, params = _mixed_optimizer(torch.optim.AdamW)
+    _step_fused_groups_like_the_device(replayed, CUDA_FP32_FMA)
+    stock, stock_params = _mixed_optimizer(torch.optim.AdamW)
+    stock.step()  # the CPU's kernels throughout
+    # The float32 fused parameter: the emulation, with its amsgrad state made as torch makes it.
+    expected = torch.nn.Parameter(_random_state(64, seed=5)[0].clone())
+    state = {"step": torch.zeros(()), "exp_avg": torch.zeros(64), "exp_avg_sq": torch.zeros(64), "max_exp_avg_sq": torch.zeros(64)}
+    step_like_cuda_fused_adam([expected], [params["fused32"].grad], [state["exp_avg"]], [state["exp_avg_sq"]],
+                              [state["max_exp_avg_sq"]], [state["step"]], lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01,
+                              eps=1e-8, maximize=False, decoupled_weight_decay=True)
+    assert torch.equal(params["fused32"], expected)
+    assert replayed.state[params["fused32"]].keys() == state.keys()
+    for k, v in state.items():
+        assert torch.equal(replayed.state[params["fused32"]][k], v), k
+    assert not torch.equal(params["fused32"], stock_params["fused32"])  # so the line above can tell them apart
+    # Float64, the non-fused group, and the parameter without a gradient: as the optimizer itself steps them.
+    for name in ("fused64", "plain", "fused_no_grad"):
+        assert torch.equal(params[name], stock_params[name]), name
+        assert replayed.state[params[name]].keys() == stock.state[stock_params[name]].keys(), name
+        for k, v in stock.state[stock_params[name]].items():
+            assert torch.equal(replayed.state[params[name]][k], v), (name, k)
+    assert not replayed.state[params["fused_no_grad"]]
+
+
+def test_a_subclass_with_its_own_step_is_replayed_by_that_step_and_never_measured(caplog):
+    from overlapckpt.writer.replay import _step_fused_groups_like_the_device
+
+    class CountingAdamW(torch.optim.AdamW):
+        steps = 0
+
+        def step(self, closure=None):
+            CountingAdamW.steps += 1
+            return super().step(closure)
+
+    class PlainSubclass(torch.optim.AdamW):
+        pass
+
+    replayed, params = _mixed_optimizer(CountingAdamW)
+    _step_fused_groups_like_the_device(replayed, CUDA_FP32_FMA)
+    stock, stock_params = _mixed_optimizer(torch.optim.AdamW)
+    stock.step()
+    assert CountingAdamW.steps == 1
+    for name in params:
+        assert torch.equal(params[name], stock_params[name]), name
+    on_device = [{"fused": True, "params": [torch.zeros(1, device="meta")]}]
+    assert fused_arithmetic.fused_device(CountingAdamW, on_device) is None
+    assert fused_arithmetic.fused_device(PlainSubclass, on_device) == torch.device("meta")
+    # Fused parameters on the CPU and an accelerator at once: one arithmetic cannot serve both.
+    with caplog.at_level("WARNING", logger="overlapckpt"):
+        mixed = [{"fused": True, "params": [torch.zeros(1), torch.zeros(1, device="meta")]}]
+        assert fused_arithmetic.fused_device(torch.optim.AdamW, mixed) is None
+    assert "step on ['cpu', 'meta']; replay uses the CPU's fused kernel" in caplog.text
+    # Float64 parameters alone are not emulated: nothing to measure.
+    assert fused_arithmetic.fused_device(torch.optim.AdamW, [{"fused": True, "params": [torch.zeros(1, dtype=torch.float64, device="meta")]}]) is None

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..format.entries import ROLE_OPTIM, ROLE_PARAM, TensorEntry
-from ..fused_adam_math import ARITHMETICS, step_like_cuda_fused_adam
+from ..fused_adam_math import ARITHMETICS, EMULATED_DTYPES, step_like_cuda_fused_adam, torch_fused_adam_class
 from ..hostbuf import view_bytes
 from ..protocol import ReplayLog, ReplayTables
 from ..qualname import import_qualified
@@ -114,18 +114,26 @@ def _step_fused_groups_like_the_device(optimizer: torch.optim.Optimizer, arithme
     if arithmetic not in ARITHMETICS:
         raise ValueError(f"the replay log names the fused arithmetic {arithmetic!r}, not one of {ARITHMETICS}: "
                          "the training side and the writer run different overlapckpt versions; run one version")
-    emulated = [pg for pg in optimizer.param_groups if pg.get("fused")]
-    if not (isinstance(optimizer, torch.optim.Adam) or isinstance(optimizer, torch.optim.AdamW)) or not emulated:
+    # Only torch's own fused step is emulated: a subclass's step() runs as it is, and float64 tensors,
+    # which CUDA's kernel computes in double as the CPU's does, stay with the optimizer's own kernel.
+    if torch_fused_adam_class(type(optimizer)) is None:
         optimizer.step()
         return
-    held = {id(p): p.grad for pg in emulated for p in pg["params"]}
-    for pg in emulated:  # hidden from optimizer.step(), which then steps the other groups alone
-        for p in pg["params"]:
-            p.grad = None
-    if len(emulated) < len(optimizer.param_groups):
+    emulated = {
+        id(pg): [p for p in pg["params"] if p.grad is not None and p.dtype in EMULATED_DTYPES]
+        for pg in optimizer.param_groups if pg.get("fused")
+    }
+    held = {id(p): p.grad for params in emulated.values() for p in params}
+    if not held:
         optimizer.step()
-    for pg in emulated:
-        stepped = [p for p in pg["params"] if held[id(p)] is not None]
+        return
+    for params in emulated.values():  # hidden from optimizer.step(), which then steps every other parameter
+        for p in params:
+            p.grad = None
+    if any(p.grad is not None for pg in optimizer.param_groups for p in pg["params"]):
+        optimizer.step()
+    for pg in optimizer.param_groups:
+        stepped = emulated.get(id(pg), [])
         for p in stepped:
             p.grad = held[id(p)]
             state = optimizer.state[p]

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ...fused_adam_math import ARITHMETICS, step_like_cuda_fused_adam
+from ...fused_adam_math import ARITHMETICS, EMULATED_DTYPES, step_like_cuda_fused_adam, torch_fused_adam_class
 
 log = logging.getLogger("overlapckpt")
 
@@ -31,21 +31,31 @@ _PROBE_HYPERPARAMETERS: dict[str, Any] = {"lr": 1e-3, "betas": (0.9, 0.999), "ep
 _measured: dict[tuple[type, str], str | None] = {}
 
 
-def _is_adam_family(cls: type) -> bool:
-    return issubclass(cls, torch.optim.Adam) or issubclass(cls, torch.optim.AdamW)
-
-
 def fused_device(optimizer_cls: type, param_groups: list[dict[str, Any]]) -> torch.device | None:
-    """The accelerator a fused Adam / AdamW group of this optimizer steps on, if any (the one to measure)."""
-    if not _is_adam_family(optimizer_cls):
+    """The accelerator this optimizer's fused Adam / AdamW groups step on, if any: the one to measure.
+
+    None where replay keeps the CPU's kernel: no fused group on an accelerator, a subclass with
+    its own ``step()`` (replay runs it as it is), or fused parameters on the CPU and an accelerator
+    in one run (the log names one arithmetic for all; a warning says so).
+    """
+    if torch_fused_adam_class(optimizer_cls) is None:
         return None
-    for group in param_groups:
-        if not group.get("fused"):
-            continue
-        for p in group["params"]:
-            if p.device.type != "cpu":
-                return torch.device(p.device)
-    return None
+    devices = {
+        p.device
+        for group in param_groups if group.get("fused")
+        for p in group["params"] if p.dtype in EMULATED_DTYPES
+    }
+    accelerators = sorted((d for d in devices if d.type != "cpu"), key=str)
+    if not accelerators:
+        return None
+    if len(accelerators) < len(devices) or len({d.type for d in accelerators}) > 1:
+        log.warning(
+            "replay of fused %s: its parameters step on %s; replay uses the CPU's fused kernel for all of them, "
+            "whose roundings differ from an accelerator's by about 1e-5 in exp_avg_sq (docs/gpu.md)",
+            optimizer_cls.__qualname__, sorted(str(d) for d in devices),
+        )
+        return None
+    return accelerators[0]
 
 
 def replay_arithmetic(optimizer_cls: type, param_groups: list[dict[str, Any]]) -> str | None:
@@ -68,6 +78,7 @@ def replay_arithmetic(optimizer_cls: type, param_groups: list[dict[str, Any]]) -
 
 
 def _state_after(optimizer_cls: type, device: torch.device, start: torch.Tensor, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The state after ``grads`` stepped by ``optimizer_cls(fused=True)`` on ``device`` (a torch.optim class: no user hooks)."""
     param = torch.nn.Parameter(start.to(device))
     optimizer = optimizer_cls([param], fused=True, **_PROBE_HYPERPARAMETERS)
     for g in grads:
@@ -80,7 +91,7 @@ def _state_after(optimizer_cls: type, device: torch.device, start: torch.Tensor,
 def _state_by_emulation(optimizer_cls: type, start: torch.Tensor, grads: list[torch.Tensor], arithmetic: str) -> list[torch.Tensor]:
     param = start.clone()
     exp_avg, exp_avg_sq = torch.zeros_like(start), torch.zeros_like(start)
-    step = torch.zeros((), dtype=torch.float32)
+    step = torch.zeros((), dtype=torch.float32, device="cpu")
     # The class's own flags for these hyperparameters (AdamW decouples its weight decay, Adam not).
     group = optimizer_cls([torch.nn.Parameter(start[:1].clone())], **_PROBE_HYPERPARAMETERS).param_groups[0]
     decoupled = bool(group.get("decoupled_weight_decay", issubclass(optimizer_cls, torch.optim.AdamW)))
@@ -100,10 +111,19 @@ def _differing_elements(got: list[torch.Tensor], ref: list[torch.Tensor]) -> int
 
 def measure(optimizer_cls: type, device: torch.device) -> str | None:
     """Step a small random state with ``optimizer_cls(fused=True)`` on ``device`` and on each CPU candidate; the closest one."""
+    torch_cls = torch_fused_adam_class(optimizer_cls)
+    if torch_cls is None:
+        raise ValueError(f"{optimizer_cls.__qualname__} is not torch's Adam or AdamW with its own step(): nothing to measure")
+    optimizer_cls = torch_cls  # torch's own class: a user's subclass may hook its steps
     generator = torch.Generator().manual_seed(0)
-    # Magnitudes over several decades, as a model's parameters and gradients have.
-    start = torch.randn(_PROBE_ELEMENTS, generator=generator) * torch.logspace(-3, 1, _PROBE_ELEMENTS)
-    grads = [torch.randn(_PROBE_ELEMENTS, generator=generator) * torch.logspace(-4, 0, _PROBE_ELEMENTS) for _ in range(_PROBE_STEPS)]
+    # Magnitudes over several decades, as a model's parameters and gradients have; float32 on the CPU
+    # whatever torch's default dtype and device.
+    on_cpu: dict[str, Any] = {"dtype": torch.float32, "device": "cpu"}
+    start = torch.randn(_PROBE_ELEMENTS, generator=generator, **on_cpu) * torch.logspace(-3, 1, _PROBE_ELEMENTS, **on_cpu)
+    grads = [
+        torch.randn(_PROBE_ELEMENTS, generator=generator, **on_cpu) * torch.logspace(-4, 0, _PROBE_ELEMENTS, **on_cpu)
+        for _ in range(_PROBE_STEPS)
+    ]
     on_device = _state_after(optimizer_cls, device, start, grads)  # .to("cpu") synchronizes: once, outside any step
     candidates: dict[str | None, list[torch.Tensor]] = {name: _state_by_emulation(optimizer_cls, start, grads, name) for name in ARITHMETICS}
     try:

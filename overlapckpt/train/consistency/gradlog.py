@@ -114,7 +114,7 @@ class GradientLogger:
         rule = update_rule_class(self.optimizer)
         if rule is None:  # options.check_optimizer_for_mode refuses replay for such a group
             raise InternalError(f"replay of {describe_optimizer(self.optimizer)}: its optimizers differ")
-        self.prepare()  # measured when the Checkpointer was built, unless groups turned fused since
+        self.prepare()  # measured once, when the Checkpointer was built (replay mode), else here
         return ReplayLog(
             optimizer_class=(rule.__module__, rule.__qualname__),
             grad_buffer_id=slot.grad_buffer_id,  # type: ignore[arg-type]
