@@ -95,9 +95,11 @@ fi
 # The native helpers, built as `make install` builds them: the tests and figures below then run
 # the code a user's install runs. Not fatal: without a compiler the Python twins run, and say so.
 timeout "$BUILD_TIMEOUT_S" "$py" -c '
+from overlapckpt import fused_adam_native
 from overlapckpt.train.copying import native, tensor_passes
 print("native helper:", native.build() or "not built (the Python twin runs)")
-print("tensor passes:", tensor_passes.build() or "not built (the Python twins run)")' >"$out/build.log" 2>&1
+print("tensor passes:", tensor_passes.build() or "not built (the Python twins run)")
+print("fused Adam replay:", fused_adam_native.build() or "not built (its torch twin runs)")' >"$out/build.log" 2>&1
 echo "native build: exit $? after $(elapsed) s: $(tr '\n' ' ' <"$out/build.log" | tail -c 300)"
 
 shm_free_gb() { df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9; }

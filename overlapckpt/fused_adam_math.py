@@ -22,6 +22,10 @@ with probability about 2^-29 per element). Bias corrections are float32 ``pow`` 
 kernel's ``pow_`` of float32 values (CUDA's ``powf`` may differ by an ulp or two: a
 relative 1e-7 of an lr-sized update).
 
+Contiguous float32 tensors go through one pass of C (``fused_adam_native.py``,
+``csrc/fused_adam_cuda.c``); the torch operations here are its twin, held by the tests to the
+same exact reference, for other tensors and where no C compiler exists.
+
 Which arithmetic a run's CUDA kernel uses is not assumed from the torch version: the
 training side measures it once per optimizer class and device
 (``train/consistency/fused_arithmetic.py``), comparing a real fused step on the device
@@ -35,6 +39,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from . import fused_adam_native
 
 # The replay log's names for these arithmetics; None in the log means the CPU's own fused kernel.
 CUDA_FP32_FMA = "cuda-fp32-fma"
@@ -146,6 +152,12 @@ def step_like_cuda_fused_adam(
         bias_correction1 = one - b1.pow(step_count)
         bias_correction2_sqrt = _sqrt(one - b2.pow(step_count))
         step_size = _div(lr_f, bias_correction1)
+        if fused_adam_native.step_float32(
+            tensors, max_exp_avg_sqs is not None, lr_times_weight_decay=float(lr_wd), beta1=float(b1), beta2=float(b2),
+            weight_decay=float(wd), eps=float(eps_f), step_size=float(step_size), bias_correction2_sqrt=float(bias_correction2_sqrt),
+            decoupled_weight_decay=decoupled_weight_decay, l2_contracted=l2_contracted, maximize=maximize,
+        ):
+            continue  # one pass in C (csrc/fused_adam_cuda.c); below, its twin in torch operations
         flats = [_flat(t) for t in tensors]
         if any(f is None for f in flats):  # a strided view: one pass over the whole tensor, copied back
             views: list[torch.Tensor] = [t.detach().reshape(-1) for t in tensors]
@@ -168,7 +180,8 @@ def step_like_cuda_fused_adam(
             gg = g * g
             v = _fma(b2, v, _times_one_minus(b2, gg))
             if max_exp_avg_sqs is not None:
-                peak = torch.maximum(views[4][begin:end].float(), v)
+                held = views[4][begin:end].float()
+                peak = torch.where(held < v, v, held)  # std::max(max_exp_avg_sq, exp_avg_sq)
                 denom = _div(_sqrt(peak), bias_correction2_sqrt) + eps_f
             else:
                 denom = _div(_sqrt(v), bias_correction2_sqrt) + eps_f

@@ -10,17 +10,30 @@ the CPU kernel ran, and the writer's replay takes the arithmetic the log names.
 from __future__ import annotations
 
 import math
+import shutil
 from fractions import Fraction
 
 import pytest
 import torch
 
-from overlapckpt import fused_adam_math
+from overlapckpt import fused_adam_math, fused_adam_native
 from overlapckpt.format.entries import ROLE_OPTIM, ROLE_PARAM, TensorEntry
 from overlapckpt.fused_adam_math import ARITHMETICS, CUDA_FP32_FMA, CUDA_FP32_FMA_L2_ROUNDED, step_like_cuda_fused_adam
 from overlapckpt.protocol import GradientStep, ReplayLog, ReplayTables
 from overlapckpt.train.consistency import fused_arithmetic
 from overlapckpt.writer.replay import replay_to_version
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def road(request, monkeypatch):
+    """Every test on both roads: the C loop (csrc/fused_adam_cuda.c) and its torch twin."""
+    if request.param == "python":
+        monkeypatch.setenv("OVERLAPCKPT_NATIVE", "0")
+    elif shutil.which("cc") or shutil.which("gcc"):
+        assert fused_adam_native.library() is not None  # where it can be built it must be: no silent twin
+    else:
+        pytest.skip("no C compiler: the native road is not built here")
+    return request.param
 
 
 def _round_f32(x: Fraction) -> float:
@@ -117,7 +130,8 @@ def test_the_measurement_picks_the_cpu_kernel_where_the_cpu_kernel_ran():
     assert fused_arithmetic.fused_device(torch.optim.SGD, [{"fused": True, "params": [torch.zeros(1, device="meta")]}]) is None
 
 
-def test_a_device_whose_fused_step_cannot_be_measured_leaves_the_cpu_kernel_with_a_warning(caplog):
+def test_a_device_whose_fused_step_cannot_be_measured_leaves_the_cpu_kernel_with_a_warning(caplog, monkeypatch):
+    monkeypatch.setattr(fused_arithmetic, "_measured", {})  # measured once per process and (class, device): again here
     # The meta device runs no kernel: the measurement fails, and the Checkpointer must still build.
     params = [torch.nn.Parameter(torch.zeros(4, device="meta"))]
     with caplog.at_level("WARNING", logger="overlapckpt"):
@@ -308,3 +322,22 @@ def test_a_subclass_with_its_own_step_is_replayed_by_that_step_and_never_measure
     assert "step on ['cpu', 'meta']; replay uses the CPU's fused kernel" in caplog.text
     # Float64 parameters alone are not emulated: nothing to measure.
     assert fused_arithmetic.fused_device(torch.optim.AdamW, [{"fused": True, "params": [torch.zeros(1, dtype=torch.float64, device="meta")]}]) is None
+
+
+@pytest.mark.parametrize("decoupled, arithmetic", [(True, CUDA_FP32_FMA), (False, CUDA_FP32_FMA), (False, CUDA_FP32_FMA_L2_ROUNDED)])
+@pytest.mark.parametrize("amsgrad, maximize", [(False, False), (True, True)])
+def test_the_c_loop_and_its_torch_twin_agree_bit_for_bit(monkeypatch, road, decoupled, arithmetic, amsgrad, maximize):
+    if road == "python":
+        pytest.skip("compares the two roads: run once")
+    start, grads = _random_state(10_000, seed=6)
+    results = {}
+    for name in ("native", "python"):
+        monkeypatch.setenv("OVERLAPCKPT_NATIVE", "1" if name == "native" else "0")
+        state = [start.clone(), torch.zeros(10_000), torch.zeros(10_000), torch.zeros(10_000), torch.zeros(())]
+        for g in grads:
+            step_like_cuda_fused_adam([state[0]], [g], [state[1]], [state[2]], [state[3]] if amsgrad else None, [state[4]],
+                                      lr=3e-4, beta1=0.8, beta2=0.99, weight_decay=0.1, eps=1e-6, maximize=maximize,
+                                      decoupled_weight_decay=decoupled, arithmetic=arithmetic)
+        results[name] = state
+    for native, twin in zip(results["native"], results["python"]):
+        assert torch.equal(native, twin)

@@ -21,21 +21,16 @@ import hashlib
 import logging
 import os
 import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
+
+from ...cbuild import compile_into, native_cache_dir
 
 log = logging.getLogger("overlapckpt")
 
 SOURCE = Path(__file__).resolve().parents[3] / "csrc" / "gather_values.c"
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
-
-
-def native_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "overlapckpt"
 
 
 def library_path() -> Path | None:
@@ -62,30 +57,6 @@ def build(quiet: bool = True) -> Path | None:
     if not quiet:
         log.info("built %s", target)
     return target
-
-
-def compile_into(target: Path, compiler_and_flags: list[str], inputs_and_libraries: list[str], source: Path) -> bool:
-    """Run ``compiler_and_flags -o PARTIAL inputs_and_libraries`` and rename PARTIAL to ``target``.
-
-    Built under a temporary name and renamed: a concurrent build (two ranks) never loads
-    half a file. A failure is logged with the compiler's last words, and the twin runs.
-    """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(prefix=target.name, suffix=".partial", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([*compiler_and_flags, "-o", partial, *inputs_and_libraries], capture_output=True, text=True, timeout=600)
-        if done.returncode != 0:
-            log.warning("building %s failed (%s); the Python twin is used: %s", source, compiler_and_flags[0], done.stderr.strip()[-500:])
-            return False
-        os.replace(partial, target)
-        return True
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("building %s failed (%s); the Python twin is used", source, e)
-        return False
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
 
 
 def gather_library() -> ctypes.CDLL | None:

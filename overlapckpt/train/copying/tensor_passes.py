@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .native import compile_into, native_cache_dir
+from ...cbuild import compile_into, native_cache_dir
 
 log = logging.getLogger("overlapckpt")
 

@@ -1,0 +1,103 @@
+"""The optional native helper for replay's CUDA fused arithmetic (``csrc/fused_adam_cuda.c``): one pass per tensor.
+
+``fused_adam_math.py`` computes CUDA's fused Adam/AdamW roundings with torch operations, about
+twenty passes over each tensor (about 35x the CPU's own fused kernel). This C loop does it in
+one (about 5x), for contiguous float32 tensors; the tests hold both roads to the same exact
+reference. Compiled once per source version into the user's cache (``cbuild.py``) by
+``cc -O2 -fno-math-errno -ffp-contract=off``: where no compiler exists, or
+``OVERLAPCKPT_NATIVE=0``, the torch road runs. Used by the writer; imports neither side.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+from .cbuild import compile_into, native_cache_dir
+
+log = logging.getLogger("overlapckpt")
+
+SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "fused_adam_cuda.c"
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def library_path() -> Path | None:
+    """Where the built library for this source lives (None without the source: an installed wheel)."""
+    if not SOURCE.is_file():
+        return None
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    return native_cache_dir() / f"fused_adam_cuda-{digest}.so"
+
+
+def build(quiet: bool = True) -> Path | None:
+    """Compile the library if it is not built yet (a fraction of a second); its path, or None where it cannot be."""
+    target = library_path()
+    if target is None:
+        return None
+    if target.is_file():
+        return target
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.info("no C compiler found: replay's CUDA fused arithmetic runs through torch (set CC to build %s)", SOURCE)
+        return None
+    # -ffp-contract=off: no FMA the kernel does not write; -fno-math-errno changes no result.
+    flags = [compiler, "-O2", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC"]
+    if not compile_into(target, flags, [str(SOURCE), "-lm"], SOURCE):
+        return None
+    if not quiet:
+        log.info("built %s", target)
+    return target
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library (built on first use), or None: disabled, no compiler, or no source."""
+    if os.environ.get("OVERLAPCKPT_NATIVE", "1") == "0":
+        return None
+    with _lock:
+        key = str(library_path())
+        if key not in _loaded:
+            path = build()
+            loaded = None
+            if path is not None:
+                try:
+                    # CDLL: the call releases the GIL; it runs for milliseconds on large tensors, and the
+                    # writer's other threads (storage, the training side's requests) go on meanwhile.
+                    loaded = ctypes.CDLL(str(path))
+                    f = loaded.overlapckpt_cuda_fused_adam_f32
+                    f.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 7 + [ctypes.c_int] * 3
+                    f.restype = None
+                except (OSError, AttributeError) as e:
+                    log.warning("loading %s failed (%s); replay's CUDA fused arithmetic runs through torch", path, e)
+                    loaded = None
+            _loaded[key] = loaded
+        return _loaded[key]
+
+
+def step_float32(
+    tensors: list[torch.Tensor], has_max: bool, *, lr_times_weight_decay: float, beta1: float, beta2: float,
+    weight_decay: float, eps: float, step_size: float, bias_correction2_sqrt: float, decoupled_weight_decay: bool,
+    l2_contracted: bool, maximize: bool,
+) -> bool:
+    """One tensor's update in place through the library: param, grad, exp_avg, exp_avg_sq (, max_exp_avg_sq).
+
+    Every scalar is a float32 value already (the kernel's). False, with nothing written, where the
+    library is not loaded or a tensor is not contiguous float32 on the CPU: the torch road then runs.
+    """
+    lib = library()
+    if lib is None or any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
+        return False
+    param, grad, exp_avg, exp_avg_sq = tensors[:4]
+    lib.overlapckpt_cuda_fused_adam_f32(
+        param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), tensors[4].data_ptr() if has_max else None,
+        param.numel(), lr_times_weight_decay, beta1, beta2, weight_decay, eps, step_size, bias_correction2_sqrt,
+        int(decoupled_weight_decay), int(l2_contracted), int(maximize),
+    )
+    return True
