@@ -11,74 +11,42 @@ reference. Compiled once per source version into the user's cache (``cbuild.py``
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
-import threading
 from pathlib import Path
 
 import torch
 
-from .cbuild import compile_into, native_cache_dir
+from .cbuild import NativeLibrary, build_c_library, c_library_path
 
 log = logging.getLogger("overlapckpt")
 
 SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "fused_adam_cuda.c"
-_lock = threading.Lock()
-_loaded: dict[str, ctypes.CDLL | None] = {}
 
 
 def library_path() -> Path | None:
     """Where the built library for this source lives (None without the source: an installed wheel)."""
-    if not SOURCE.is_file():
-        return None
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-    return native_cache_dir() / f"fused_adam_cuda-{digest}.so"
+    return c_library_path(SOURCE, "fused_adam_cuda")
 
 
 def build(quiet: bool = True) -> Path | None:
     """Compile the library if it is not built yet (a fraction of a second); its path, or None where it cannot be."""
-    target = library_path()
-    if target is None:
-        return None
-    if target.is_file():
-        return target
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.info("no C compiler found: replay's CUDA fused arithmetic runs through torch (set CC to build %s)", SOURCE)
-        return None
     # -ffp-contract=off: no FMA the kernel does not write; -fno-math-errno changes no result.
-    flags = [compiler, "-O2", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC"]
-    if not compile_into(target, flags, [str(SOURCE), "-lm"], SOURCE):
-        return None
-    if not quiet:
-        log.info("built %s", target)
-    return target
+    flags = ["-O2", "-fno-math-errno", "-ffp-contract=off"]
+    return build_c_library(SOURCE, "fused_adam_cuda", flags, ["-lm"], "replay's CUDA fused arithmetic runs through torch", quiet)
+
+
+# CDLL: the call releases the GIL; it runs for milliseconds on large tensors, and the writer's
+# other threads (storage, the training side's requests) go on meanwhile.
+_fused_adam = NativeLibrary(
+    library_path, build, ctypes.CDLL, "overlapckpt_cuda_fused_adam_f32",
+    [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 7 + [ctypes.c_int] * 3,
+    "replay's CUDA fused arithmetic runs through torch",
+)
 
 
 def library() -> ctypes.CDLL | None:
     """The loaded library (built on first use), or None: disabled, no compiler, or no source."""
-    if os.environ.get("OVERLAPCKPT_NATIVE", "1") == "0":
-        return None
-    with _lock:
-        key = str(library_path())
-        if key not in _loaded:
-            path = build()
-            loaded = None
-            if path is not None:
-                try:
-                    # CDLL: the call releases the GIL; it runs for milliseconds on large tensors, and the
-                    # writer's other threads (storage, the training side's requests) go on meanwhile.
-                    loaded = ctypes.CDLL(str(path))
-                    f = loaded.overlapckpt_cuda_fused_adam_f32
-                    f.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 7 + [ctypes.c_int] * 3
-                    f.restype = None
-                except (OSError, AttributeError) as e:
-                    log.warning("loading %s failed (%s); replay's CUDA fused arithmetic runs through torch", path, e)
-                    loaded = None
-            _loaded[key] = loaded
-        return _loaded[key]
+    return _fused_adam.get()
 
 
 def step_float32(

@@ -341,3 +341,22 @@ def test_the_c_loop_and_its_torch_twin_agree_bit_for_bit(monkeypatch, road, deco
         results[name] = state
     for native, twin in zip(results["native"], results["python"]):
         assert torch.equal(native, twin)
+
+
+def test_a_failed_build_of_the_c_pass_leaves_no_file_and_the_torch_twin_runs(monkeypatch, tmp_path, road):
+    if road == "python":
+        pytest.skip("about the native road's build: run once")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    monkeypatch.setattr(fused_adam_native._fused_adam, "_loaded", {})
+    assert fused_adam_native.build() is None and fused_adam_native.library() is None
+    assert list((tmp_path / "overlapckpt").iterdir()) == []
+    param, grad = torch.ones(8), torch.full((8,), 0.5)
+    state = [torch.zeros(8), torch.zeros(8)]
+    assert not fused_adam_native.step_float32([param, grad, *state], False, lr_times_weight_decay=0.0, beta1=0.9, beta2=0.999,
+                                              weight_decay=0.0, eps=1e-8, step_size=1e-3, bias_correction2_sqrt=1.0,
+                                              decoupled_weight_decay=True, l2_contracted=True, maximize=False)
+    step_like_cuda_fused_adam([param], [grad], state[:1], state[1:], None, [torch.zeros(())], lr=1e-3, beta1=0.9, beta2=0.999,
+                              weight_decay=0.0, eps=1e-8, maximize=False, decoupled_weight_decay=True)  # the twin
+    expected = _reference_step(1.0, 0.5, 0.0, 0.0, 1.0, 1e-3, 0.9, 0.999, 0.0, 1e-8, True)[0]
+    assert torch.equal(param, torch.full((8,), expected, dtype=torch.float32))

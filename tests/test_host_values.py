@@ -107,12 +107,12 @@ def test_a_value_whose_storage_moved_is_read_from_its_new_storage_not_the_record
 
 def test_the_native_helper_builds_where_a_compiler_exists_and_is_skipped_when_disabled(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native._gather, "_loaded", {})
     if shutil.which("cc") or shutil.which("gcc"):
         built = native.build()
         assert built is not None and built.parent == tmp_path / "overlapckpt" and built.is_file()
         assert native.gather_library() is not None
-    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native._gather, "_loaded", {})
     monkeypatch.setenv("OVERLAPCKPT_NATIVE", "0")
     assert native.gather_library() is None
     sources = [torch.tensor(4.0), torch.tensor(5.0)]
@@ -124,7 +124,7 @@ def test_the_native_helper_builds_where_a_compiler_exists_and_is_skipped_when_di
 def test_a_failed_build_leaves_no_file_and_falls_back(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a compiler that fails
-    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native._gather, "_loaded", {})
     assert native.build() is None
     assert native.gather_library() is None
     assert list((tmp_path / "overlapckpt").iterdir()) == []

@@ -17,68 +17,35 @@ time a route needs it (about 0.1 s), outside any later step.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
-import threading
 from pathlib import Path
 
-from ...cbuild import compile_into, native_cache_dir
+from ...cbuild import NativeLibrary, build_c_library, c_library_path
 
 log = logging.getLogger("overlapckpt")
 
 SOURCE = Path(__file__).resolve().parents[3] / "csrc" / "gather_values.c"
-_lock = threading.Lock()
-_loaded: dict[str, ctypes.CDLL | None] = {}
 
 
 def library_path() -> Path | None:
     """Where the built library for this source lives (None without the source: an installed wheel)."""
-    if not SOURCE.is_file():
-        return None
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-    return native_cache_dir() / f"gather_values-{digest}.so"
+    return c_library_path(SOURCE, "gather_values")
 
 
 def build(quiet: bool = True) -> Path | None:
     """Compile the library if it is not built yet; its path, or None where it cannot be built."""
-    target = library_path()
-    if target is None:
-        return None
-    if target.is_file():
-        return target
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.info("no C compiler found: host values are gathered by the Python twin (set CC to build %s)", SOURCE)
-        return None
-    if not compile_into(target, [compiler, "-O2", "-shared", "-fPIC"], [str(SOURCE)], SOURCE):
-        return None
-    if not quiet:
-        log.info("built %s", target)
-    return target
+    return build_c_library(SOURCE, "gather_values", ["-O2"], [], "host values are gathered by the Python twin", quiet)
+
+
+# PyDLL, not CDLL: the call keeps the GIL. It lasts microseconds, and a CDLL call releases the
+# GIL and must win it back, which waits for any other Python thread for up to the switch
+# interval (5 ms) inside optimizer.step().
+_gather = NativeLibrary(
+    library_path, build, ctypes.PyDLL, "overlapckpt_gather_values",
+    [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p], "the Python twin is used",
+)
 
 
 def gather_library() -> ctypes.CDLL | None:
     """The loaded library (built on first use), or None: disabled, no compiler, or no source."""
-    if os.environ.get("OVERLAPCKPT_NATIVE", "1") == "0":
-        return None
-    with _lock:
-        key = str(library_path())
-        if key not in _loaded:
-            path = build()
-            library = None
-            if path is not None:
-                try:
-                    # PyDLL, not CDLL: the call keeps the GIL. It lasts microseconds, and a CDLL
-                    # call releases the GIL and must win it back, which waits for any other
-                    # Python thread for up to the switch interval (5 ms) inside optimizer.step().
-                    library = ctypes.PyDLL(str(path))
-                    library.overlapckpt_gather_values.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p]
-                    library.overlapckpt_gather_values.restype = None
-                except (OSError, AttributeError) as e:
-                    log.warning("loading %s failed (%s); the Python twin is used", path, e)
-                    library = None
-            _loaded[key] = library
-        return _loaded[key]
-
+    return _gather.get()
