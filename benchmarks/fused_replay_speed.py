@@ -1,0 +1,76 @@
+"""Replay's CUDA fused Adam arithmetic on the CPU, per element: the C pass, its torch twin, and the CPU's own fused kernel.
+
+    .venv/bin/python benchmarks/fused_replay_speed.py [--elements 4194304] [--repeats 7] [--threads 1]
+
+Replay of a fused AdamW that stepped on a GPU rounds as CUDA's kernel does
+(overlapckpt/fused_adam_math.py). The writer computes that in one pass of C
+(csrc/fused_adam_cuda.c) where it is built, else through torch operations; the CPU's own
+fused kernel (what replay ran before, with the CPU's roundings) is the floor. One AdamW
+step (weight decay 0.01) of one float32 tensor, timed alone; min / median / p90 / max ns
+per element over the repeats, and whether the max is within 1.5x of the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from overlapckpt import fused_adam_native  # noqa: E402
+from overlapckpt.fused_adam_math import step_like_cuda_fused_adam  # noqa: E402
+
+
+def _spread(seconds: list[float], elements: int) -> str:
+    ns = sorted(s / elements * 1e9 for s in seconds)
+    median = statistics.median(ns)
+    p90 = ns[round(0.9 * (len(ns) - 1))]
+    holds = "holds" if ns[-1] <= 1.5 * median else "does not hold"
+    return f"{median:.2f} ns per element (min {ns[0]:.2f} / p90 {p90:.2f} / max {ns[-1]:.2f}, n={len(ns)}, 1.5x {holds})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--elements", type=int, default=1 << 22)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    n = args.elements
+    grad = torch.randn(n)
+
+    def emulated() -> float:
+        param, exp_avg, exp_avg_sq, step = torch.randn(n), torch.zeros(n), torch.zeros(n), torch.zeros(())
+        started = time.perf_counter()
+        step_like_cuda_fused_adam([param], [grad], [exp_avg], [exp_avg_sq], None, [step], lr=1e-3, beta1=0.9, beta2=0.999,
+                                  weight_decay=0.01, eps=1e-8, maximize=False, decoupled_weight_decay=True)
+        return time.perf_counter() - started
+
+    def cpu_kernel() -> float:
+        param = torch.nn.Parameter(torch.randn(n))
+        optimizer = torch.optim.AdamW([param], fused=True, weight_decay=0.01)
+        param.grad = grad
+        optimizer.step()  # its state made, untimed
+        started = time.perf_counter()
+        optimizer.step()
+        return time.perf_counter() - started
+
+    roads: list[tuple[str, str, Callable[[], float]]] = [("the C pass", "1", emulated), ("the torch twin", "0", emulated),
+                                                         ("the CPU's own fused kernel", "1", cpu_kernel)]
+    if fused_adam_native.library() is None:
+        raise SystemExit("the C pass is not built here (no C compiler?): run `make install`")
+    print(f"{n:,} float32 elements, {args.threads} thread(s), torch {torch.__version__}")
+    for name, native, run in roads:
+        os.environ["OVERLAPCKPT_NATIVE"] = native
+        run()  # warm-up
+        print(f"{name}: {_spread([run() for _ in range(args.repeats)], n)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
