@@ -104,22 +104,30 @@ def measure_one(tensors: int, mode: str, cycles: int, every: int, schedule: str 
         tensors_copied = 0
         device_on_host_s = 0.0
 
-    class CountingDevice(EmulatedDevice):
-        """The emulated device, counting the copy launches it is asked for, the tensors in each, and the
-        device work it runs on the host: a copy queued on the training stream (stage mode's clones, replay's
-        packed gradient clone) and a wait on it (a fence) run at the call here, where on a GPU they are a
-        kernel and a stream wait."""
+    class CountingLaunches:
+        """Counts each copy launch asked of the device it is mixed into, and the tensors in it."""
 
         def copy_(self, destinations: Any, sources: Any) -> None:
             if sources:
                 Counts.launches += 1
                 Counts.tensors_copied += len(sources)
-            on_host = self.current_stream() is self.host_stream
-            self._timed(on_host, lambda: super(CountingDevice, self).copy_(destinations, sources))
+            super().copy_(destinations, sources)  # type: ignore[misc]
 
         def flatten(self, sources: Any, dtype: Any, numel: int) -> Any:
             Counts.launches += 1
             Counts.tensors_copied += len(sources)
+            return super().flatten(sources, dtype, numel)  # type: ignore[misc]
+
+    class CountingDevice(CountingLaunches, EmulatedDevice):
+        """The emulated device, counting its copy launches and the device work it runs on the host: a copy
+        queued on the training stream (stage mode's clones, replay's packed gradient clone) and a wait on it
+        (a fence) run at the call here, where on a GPU they are a kernel and a stream wait."""
+
+        def copy_(self, destinations: Any, sources: Any) -> None:
+            on_host = self.current_stream() is self.host_stream
+            self._timed(on_host, lambda: super(CountingDevice, self).copy_(destinations, sources))
+
+        def flatten(self, sources: Any, dtype: Any, numel: int) -> Any:
             out: list[Any] = []
             self._timed(self.current_stream() is self.host_stream, lambda: out.append(super(CountingDevice, self).flatten(sources, dtype, numel)))
             return out[0]
@@ -141,17 +149,8 @@ def measure_one(tensors: int, mode: str, cycles: int, every: int, schedule: str 
         """The CUDA backend itself, counting its copy launches; its device work is the GPU's, so none is run on the host."""
         from overlapckpt.train.copying.cuda_device import CudaDevice
 
-        class CountingCudaDevice(CudaDevice):
-            def copy_(self, destinations: Any, sources: Any) -> None:
-                if sources:
-                    Counts.launches += 1
-                    Counts.tensors_copied += len(sources)
-                super().copy_(destinations, sources)
-
-            def flatten(self, sources: Any, dtype: Any, numel: int) -> Any:
-                Counts.launches += 1
-                Counts.tensors_copied += len(sources)
-                return super().flatten(sources, dtype, numel)
+        class CountingCudaDevice(CountingLaunches, CudaDevice):
+            pass
 
         return CountingCudaDevice(torch.device("cuda"))
 

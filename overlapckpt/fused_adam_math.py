@@ -62,6 +62,14 @@ def torch_fused_adam_class(cls: type) -> type | None:
     return None
 
 
+def decouples_weight_decay(group: dict, cls: type) -> bool:
+    """Whether a param group of ``cls`` decays weights as AdamW (``param -= lr * wd * param``), not as Adam's L2 term.
+
+    The group's own flag where torch has it (Adam's ``decoupled_weight_decay``), else the class.
+    """
+    return bool(group.get("decoupled_weight_decay", issubclass(cls, torch.optim.AdamW)))
+
+
 def _f32(value: float | torch.Tensor) -> torch.Tensor:
     """A hyperparameter as the kernel holds it: one float32 value (0-dim, on the CPU)."""
     if isinstance(value, torch.Tensor):

@@ -12,14 +12,11 @@ reference. Compiled once per source version into the user's cache (``cbuild.py``
 from __future__ import annotations
 
 import ctypes
-import logging
 from pathlib import Path
 
 import torch
 
 from .cbuild import NativeLibrary, build_c_library, c_library_path
-
-log = logging.getLogger("overlapckpt")
 
 SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "fused_adam_cuda.c"
 

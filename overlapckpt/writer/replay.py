@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..format.entries import ROLE_OPTIM, ROLE_PARAM, TensorEntry
-from ..fused_adam_math import ARITHMETICS, EMULATED_DTYPES, step_like_cuda_fused_adam, torch_fused_adam_class
+from ..fused_adam_math import ARITHMETICS, EMULATED_DTYPES, decouples_weight_decay, step_like_cuda_fused_adam, torch_fused_adam_class
 from ..hostbuf import view_bytes
 from ..protocol import ReplayLog, ReplayTables
 from ..qualname import import_qualified
@@ -151,6 +151,6 @@ def _step_fused_groups_like_the_device(optimizer: torch.optim.Optimizer, arithme
             stepped, [p.grad for p in stepped], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
             [s["max_exp_avg_sq"] for s in states] if pg["amsgrad"] else None, [s["step"] for s in states],
             lr=pg["lr"], beta1=beta1, beta2=beta2, weight_decay=pg["weight_decay"], eps=pg["eps"], maximize=pg["maximize"],
-            decoupled_weight_decay=bool(pg.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))),
+            decoupled_weight_decay=decouples_weight_decay(pg, type(optimizer)),
             arithmetic=arithmetic,
         )

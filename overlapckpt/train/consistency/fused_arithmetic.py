@@ -19,7 +19,13 @@ from typing import Any
 
 import torch
 
-from ...fused_adam_math import ARITHMETICS, EMULATED_DTYPES, step_like_cuda_fused_adam, torch_fused_adam_class
+from ...fused_adam_math import (
+    ARITHMETICS,
+    EMULATED_DTYPES,
+    decouples_weight_decay,
+    step_like_cuda_fused_adam,
+    torch_fused_adam_class,
+)
 
 log = logging.getLogger("overlapckpt")
 
@@ -94,7 +100,7 @@ def _state_by_emulation(optimizer_cls: type, start: torch.Tensor, grads: list[to
     step = torch.zeros((), dtype=torch.float32, device="cpu")
     # The class's own flags for these hyperparameters (AdamW decouples its weight decay, Adam not).
     group = optimizer_cls([torch.nn.Parameter(start[:1].clone())], **_PROBE_HYPERPARAMETERS).param_groups[0]
-    decoupled = bool(group.get("decoupled_weight_decay", issubclass(optimizer_cls, torch.optim.AdamW)))
+    decoupled = decouples_weight_decay(group, optimizer_cls)
     betas = _PROBE_HYPERPARAMETERS["betas"]
     for g in grads:
         step_like_cuda_fused_adam(

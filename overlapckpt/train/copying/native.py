@@ -17,12 +17,9 @@ time a route needs it (about 0.1 s), outside any later step.
 from __future__ import annotations
 
 import ctypes
-import logging
 from pathlib import Path
 
 from ...cbuild import NativeLibrary, build_c_library, c_library_path
-
-log = logging.getLogger("overlapckpt")
 
 SOURCE = Path(__file__).resolve().parents[3] / "csrc" / "gather_values.c"
 
