@@ -22,6 +22,17 @@ from overlapckpt.writer.sealed_store import SealedStore, new_store_key
 KEY = new_store_key()
 
 
+def set_on_the_server(store, key: str, value: str) -> None:
+    """Set a value and wait until the store server holds it.
+
+    TCPStore's set() returns without an answer from the server, and the server serves each
+    client's connection in turn: a second client's request can overtake it. The get() is a
+    round trip on the same connection, so it returns only after the set was applied.
+    """
+    store.set(key, value)
+    assert store.get(key) == value.encode()
+
+
 @pytest.fixture
 def master():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -74,7 +85,7 @@ def test_a_forged_counter_is_refused_by_name_and_the_connection_survives(master)
     client = dist.TCPStore("127.0.0.1", master.port, is_master=False)
     sealed = SealedStore(dist.PrefixStore(prefix, client), KEY, prefix)
     sealed.increment(GENERATION_KEY, 0)
-    dist.PrefixStore(prefix, master).set(GENERATION_KEY, "xyz")  # another client replaced it
+    set_on_the_server(dist.PrefixStore(prefix, master), GENERATION_KEY, "xyz")  # another client replaced it
     assert sealed.read_counter(GENERATION_KEY) is None
     with pytest.raises(ForgedStoreValueError, match=r"overlapckpt-writers/x/generation in the job's store holds a value this run's writers did not write"):
         sealed.increment(GENERATION_KEY, 1)
@@ -85,9 +96,9 @@ def test_a_forged_counter_is_refused_by_name_and_the_connection_survives(master)
 def test_an_idle_writer_ignores_a_forged_generation_and_claim_marker(group, master, caplog):
     run_keys = dist.PrefixStore(run_keys_prefix(group.spec), master)
     agree_keys = dist.PrefixStore(run_keys_prefix(group.spec) + "agree/", master)
-    run_keys.set(GENERATION_KEY, "xyz")
-    agree_keys.set("posted/0", "xyz")
-    agree_keys.set("count/0", "xyz")  # the counter earlier releases polled with add()
+    set_on_the_server(run_keys, GENERATION_KEY, "xyz")
+    set_on_the_server(agree_keys, "posted/0", "xyz")
+    set_on_the_server(agree_keys, "count/0", "xyz")  # the counter earlier releases polled with add()
     reader, writer = Pipe(duplex=False)
     with caplog.at_level(logging.WARNING, logger="overlapckpt"):
         for _ in range(3):
@@ -100,7 +111,7 @@ def test_an_idle_writer_ignores_a_forged_generation_and_claim_marker(group, mast
 def test_an_idle_writer_whose_store_connection_broke_reconnects(group, master, caplog):
     # Break the group's own connection for real: add() on a value that is not a number makes
     # the store server drop that client (what a poisoned counter did to the writers before).
-    master.set("poison", "xyz")
+    set_on_the_server(master, "poison", "xyz")
     with pytest.raises(dist.DistNetworkError):
         group._base.add("poison", 1)
     group.claims.sequence = 4

@@ -317,15 +317,18 @@ def scenario_netns(out: str) -> dict[str, Any]:
         train(model, opt, Sampler(dist.get_rank()), 3, ckpt=ckpt, requests=(2,))
         committed = [i.step for i in ckpt.wait(timeout_s=120)]
         connections = _connections_reaching_another_host(ckpt.writer_pid, timeout_s=60)
+        # Both writers stay up until both ranks have read: a rank that closed its Checkpointer
+        # first would end its writer, and the other writer's gloo socket to it would leave
+        # ESTABLISHED (CLOSE_WAIT) before a slower rank read it, leaving only the store connection.
+        dist.barrier()
     return {"committed": committed, "writer_connections": connections}
 
 
 def _connections_reaching_another_host(pid: int, timeout_s: float) -> list[tuple[str, str]]:
     """The writer's TCP connections, read again until one reaches another host's address or ``timeout_s`` passed.
 
-    A single reading can fall where the writers' gloo pair is not established (seen once in a
-    fresh-clone CI run: only the store connection was listed); the test checks what the last
-    reading holds.
+    The writers' gloo pair is established before the first collective, and the caller keeps
+    the other rank's writer alive until this returns; the test checks what the last reading holds.
     """
     deadline = time.monotonic() + timeout_s
     while True:
