@@ -9,14 +9,17 @@
 #      device (benchmarks/gpu_check.py) -> RESULTS_DIR/check.jsonl;
 #   2. the GPU tests (pytest -m "gpu or device"), a per-test timeout, one line per outcome
 #      as it comes -> RESULTS_DIR/tests/; the pinning probe first (benchmarks/probe.py); then
-#      the torch extension's own tests on this torch and Python -> RESULTS_DIR/tests/passes.log,
-#      and the hooks' host time at 3,000 state tensors on the GPU (benchmarks/hook_scaling.py
-#      --schedules cuda, about 25 s a mode) -> RESULTS_DIR/hook-scaling/. At 30,000 a row takes
-#      about 3.5 minutes there (each cycle waits 25 s for the writer's commit of 30,000 tensors,
-#      seen on an H200 machine): run it on its own, `benchmarks/hook_scaling.py --tensors 30000
-#      --schedules cuda`;
-#   3. the benchmark (about 1.04 B parameters, 12.5 GB of fp32 AdamW state, bf16 autocast,
-#      fused AdamW), in what is left of the budget -> RESULTS_DIR/.
+#      the torch extension's own tests on this torch and Python -> RESULTS_DIR/tests/passes.log;
+#   3. the benchmark, in what is left of the budget less HOOK_SCALING_RESERVE_S -> RESULTS_DIR/.
+#      Its size is h200-lean (about 440 M parameters, 4.9 GiB of fp32 AdamW state, bf16
+#      autocast, fused AdamW): its copy is about two of its steps (an estimate), and its
+#      methods fit beside the tests in one call. GPU_SH_BENCH_SIZE=h200 runs the 1.04 B-parameter size (12.5 GB of
+#      state), which needs about 10 minutes on its own: `GPU_SH_BENCH_SIZE=h200 gpu.sh DIR bench`;
+#   4. the hooks' host time at 3,000 state tensors on the GPU (benchmarks/hook_scaling.py
+#      --schedules cuda, about 25 s a mode), in what is left -> RESULTS_DIR/hook-scaling/.
+#      At 30,000 a row takes about 3.5 minutes there (each cycle waits 25 s for the writer's
+#      commit of 30,000 tensors, seen on an H200 machine): run it on its own,
+#      `benchmarks/hook_scaling.py --tensors 30000 --schedules cuda`.
 # Uses the machine's own python3 and packages, from the source checkout, with no installs.
 #
 #   benchmarks/gpu.sh RESULTS_DIR [all|probe|bench] [--emulate]     (default: all)
@@ -58,10 +61,17 @@ PINNING_TIMEOUT_S=40
 TESTS_TIMEOUT_S=200
 PER_TEST_TIMEOUT_S=60
 MIN_BENCH_S=90              # less than this left: the benchmark would measure only the baseline
-# /dev/shm holds every host buffer (overlapckpt's slots, DCP's shared staging): the benchmark
-# needs 32 GB (W=8 replay holds a 12.5 GB slot and a 14.6 GB gradient log, DCP's PROCESS
-# staging 12.5 GB); the checks and tests need 8 GB at most (the writer-kill test's 4 GB slot).
-BENCH_SHM_GB=32
+HOOK_SCALING_RESERVE_S=60   # kept from the benchmark's budget for part 4 (two modes' rows)
+BENCH_SIZE=${GPU_SH_BENCH_SIZE:-h200-lean}
+# /dev/shm holds every host buffer (overlapckpt's slots, DCP's shared staging): at h200 the
+# benchmark needs 32 GB (W=8 replay holds a 12.5 GB slot and a 14.6 GB gradient log, DCP's
+# PROCESS staging 12.5 GB), at h200-lean 16 GB; the checks and tests need 8 GB at most (the
+# writer-kill test's 4 GB slot). Checkpoints go to tmpfs too when it has room for every
+# method's (CKPT_ON_SHM_GB free), so the figures measure the stall and not this machine's disk.
+case "$BENCH_SIZE" in
+  h200) BENCH_SHM_GB=32; CKPT_ON_SHM_GB=90 ;;
+  *) BENCH_SHM_GB=16; CKPT_ON_SHM_GB=45 ;;
+esac
 TESTS_SHM_GB=8
 
 emulate_flag=()
@@ -134,31 +144,14 @@ if [ "$what" != bench ]; then
   passes_rc=$?
   echo "extension tests: exit $passes_rc after $(elapsed) s: $(tail -1 "$out/tests/passes.log")"
   [ "$passes_rc" -ne 0 ] && rc=1
-
-  # The hooks' host time per step on the GPU (the copies are the GPU's; this is what the training
-  # loop waits for), at 3,000 state tensors to fit the run. The rehearsal runs one tiny row.
-  if [ "$emulate" = 1 ]; then
-    scaling=(--tensors 300 --modes w1 --schedules held --cycles 1)
-  else
-    scaling=(--tensors 3000 --modes w1,replay,stage --schedules cuda --cycles 7)
-  fi
-  # Without the extension built the hooks take the twins' road: measure that road, named in each row.
-  grep -q "^tensor passes: not built" "$out/build.log" && scaling+=(--passes python)
-  timeout "$HOOK_SCALING_TIMEOUT_S" "$py" benchmarks/hook_scaling.py "${scaling[@]}" --out "$out/hook-scaling" \
-    >"$out/hook-scaling.log" 2>&1
-  scaling_rc=$?
-  echo "hook scaling: exit $scaling_rc after $(elapsed) s: $(grep -c '^goal at .*: met' "$out/hook-scaling.log") goal lines met"
-  [ "$scaling_rc" -ne 0 ] && rc=1
 fi
 
 if [ "$what" != probe ]; then
-  # 3. The benchmark. Checkpoints go to tmpfs when it has room for them beside the host
-  # buffers (about 65 GB in the widest replay window), so the figures measure the
-  # device-to-host stall and not this machine's disk. The methods the targets are judged
-  # on run first, right after the baseline: DCP's PROCESS async save, then W=8 replay and
-  # stage; --budget-s skips what would not end in time, and results are written after
-  # every method.
+  # 3. The benchmark. The methods the targets are judged on run first, right after the
+  # baseline: DCP's PROCESS async save, then W=8 replay and stage; --budget-s skips what would
+  # not end in time, and results are written after every method.
   left=$((TOTAL_BUDGET_S - $(elapsed)))
+  [ "$what" = all ] && left=$((left - HOOK_SCALING_RESERVE_S))
   if [ "$emulate" = 0 ]; then
     # tmpfs does not check its size until a page is touched: grow it where we may (root), and
     # let DCP's PROCESS checkpointer pass ~600 storages as file descriptors.
@@ -169,8 +162,8 @@ if [ "$what" != probe ]; then
     echo "benchmark: not run, ${left} s left of ${TOTAL_BUDGET_S} s (it needs ${MIN_BENCH_S}); run: benchmarks/gpu.sh $out bench" >&2
     rc=1
   elif [ "$emulate" = 0 ] && [ "$(shm_free_gb)" -lt "$BENCH_SHM_GB" ] 2>/dev/null; then
-    echo "gpu.sh: /dev/shm has $(shm_free_gb) GB free after trying to grow it, and the benchmark needs ${BENCH_SHM_GB} GB" \
-      "(host buffers live there; the benchmark's W=8 replay alone holds 27 GB). Give the container more" \
+    echo "gpu.sh: /dev/shm has $(shm_free_gb) GB free after trying to grow it, and the $BENCH_SIZE benchmark needs" \
+      "${BENCH_SHM_GB} GB (host buffers live there: W=8 replay holds a slot and a gradient log). Give the container more" \
       "(docker run --shm-size=64g, or as root: mount -o remount,size=64G /dev/shm), or run only the checks and tests:" \
       "benchmarks/gpu.sh $out probe" >&2
     exit 2
@@ -180,21 +173,44 @@ if [ "$what" != probe ]; then
       methods=dcp_async_thread,overlapckpt_w1
       ckdir=$out/bench-checkpoints
     else
-      size=(--size h200 --device cuda --every 10 --checkpoints 2 --throughput-checkpoints 2 --warmup 3 --windows 4,8)
+      size=(--size "$BENCH_SIZE" --device cuda --every 10 --checkpoints 2 --throughput-checkpoints 2 --warmup 3 --windows 4,8)
       methods=dcp_async_process,overlapckpt_w8_replay,overlapckpt_w8_stage,overlapckpt_w1,overlapckpt_w4_stage
       methods=$methods,overlapckpt_w4_replay,dcp_async_process_overlap,dcp_async_thread,dcp_save,torch_save
       ckdir=/tmp/overlapckpt-bench
-      if [ "$(shm_free_gb)" -ge 90 ] 2>/dev/null; then
+      if [ "$(shm_free_gb)" -ge "$CKPT_ON_SHM_GB" ] 2>/dev/null; then
         ckdir=/dev/shm/overlapckpt-bench-ckpt
       fi
     fi
     timeout $((left + 20)) "$py" benchmarks/harness.py "${size[@]}" --methods "$methods" \
       --out "$out" --checkpoint-dir "$ckdir" --budget-s "$left" --timeout-s 120 >"$out/bench.log" 2>&1
     bench_rc=$?
-    echo "benchmark: exit $bench_rc after $(elapsed) s (checkpoints in $ckdir)"
+    echo "benchmark: exit $bench_rc after $(elapsed) s ($BENCH_SIZE, checkpoints in $ckdir)"
     [ "$bench_rc" -ne 0 ] && rc=1
     rm -rf "$ckdir"
     cat "$out/results.md" 2>/dev/null
+  fi
+fi
+
+if [ "$what" != bench ]; then
+  # 4. The hooks' host time per step on the GPU (the copies are the GPU's; this is what the
+  # training loop waits for), at 3,000 state tensors, in what is left: after the benchmark,
+  # whose figures no earlier run has. The rehearsal runs one tiny row.
+  if [ "$emulate" = 1 ]; then
+    scaling=(--tensors 300 --modes w1 --schedules held --cycles 1)
+  else
+    scaling=(--tensors 3000 --modes stage,w1,replay --schedules cuda --cycles 7)
+  fi
+  # Without the extension built the hooks take the twins' road: measure that road, named in each row.
+  grep -q "^tensor passes: not built" "$out/build.log" && scaling+=(--passes python)
+  left=$((TOTAL_BUDGET_S - $(elapsed)))
+  [ "$left" -gt "$HOOK_SCALING_TIMEOUT_S" ] && left=$HOOK_SCALING_TIMEOUT_S
+  if [ "$left" -lt 20 ]; then
+    echo "hook scaling: not run, ${left} s left; run: benchmarks/hook_scaling.py ${scaling[*]} --out $out/hook-scaling" >&2
+  else
+    timeout "$left" "$py" benchmarks/hook_scaling.py "${scaling[@]}" --out "$out/hook-scaling" >"$out/hook-scaling.log" 2>&1
+    scaling_rc=$?
+    echo "hook scaling: exit $scaling_rc after $(elapsed) s: $(grep -c '^goal at .*: met' "$out/hook-scaling.log") goal lines met"
+    [ "$scaling_rc" -ne 0 ] && rc=1
   fi
 fi
 df -h /dev/shm >>"$out/machine.txt" 2>&1
