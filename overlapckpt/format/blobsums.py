@@ -127,6 +127,8 @@ class ChecksummingStream:
         # vs 598"); create_stream raises this one instead.
         self.storage_error: OSError | None = None
         self._sync_started: float | None = None
+        # torch's save settings when this file's first tensor was serialized (tensor_blob.py).
+        self.serialization_settings: tuple[Any, ...] | None = None
 
     def _remember(self, error: OSError) -> None:
         if self.storage_error is None:

@@ -49,13 +49,11 @@ from ..hostbuf import exact_view
 from .exports import write_exports
 from .group import WriterGroup
 from .replicas import agree_on_failure, node_layout, replicate_attempt
+from .retention import Retired, remember_lineage, retire_old
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-Retired = list[tuple[CheckpointStore, str]]  # (store, directory) retention retired, to delete after the answer
 
 
 def persist_snapshot(
@@ -238,7 +236,9 @@ class _TierWrite:
             if self.signing_key is not None:
                 sign(document, checksums.metadata_bytes, self.signing_key)
             phases.lap(self.prefix + "write")  # serialization, stored-byte checksums, page cache, writeback, fsync: split below
-            store.write_manifest(attempt.directory, dump_manifest(document))
+            raw = dump_manifest(document)
+            store.write_manifest(attempt.directory, raw)
+            remember_lineage(raw, document["run_id"], document["step"])  # read unparsed by the next commits' retention
             phases.lap(self.prefix + "manifest")
             wrote_manifest.append(True)
 
@@ -279,7 +279,7 @@ class _TierWrite:
         warnings: list[str] = []
         if self.leads:  # committed: a failure from here on is a warning
             warnings = _write_latest(store, req)
-            removed, retention_warnings = _retire_old(store, req, self.keep, purge_later)
+            removed, retention_warnings = retire_old(store, req, self.keep, purge_later)
             warnings += retention_warnings
         phases.lap(self.prefix + "commit")
         path = store.checkpoint_url(req.name)
@@ -303,26 +303,6 @@ def _write_latest(store: CheckpointStore, req: p.PersistRequest) -> list[str]:
     except Exception as e:
         return [f"checkpoint {req.name} committed, but updating {store.root}/latest failed: {type(e).__name__}: {e}"]
     return []
-
-
-def _retire_old(store: CheckpointStore, req: p.PersistRequest, keep: int | None, purge_later: Retired) -> tuple[list[str], list[str]]:
-    """Retention's fast part, before the commit is answered: the oldest beyond ``keep`` uncommitted, out of the listing.
-
-    (names retired, warnings). Their directories go to ``purge_later``: deleting them
-    (unlinking hundreds of MiB each) took 0.3 s of a 768 MiB checkpoint's 1.4 s to
-    durable when it ran before the answer. A failure is a warning: the checkpoint is
-    committed all the same.
-    """
-    if keep is None:
-        return [], []
-    retired: list[str] = []
-    try:
-        for name in select_for_retention(store, req.name, req.run_id, keep):
-            purge_later.append((store, store.retire_checkpoint(name, run_tag=req.run_id[:8])))
-            retired.append(store.checkpoint_url(name))
-    except Exception as e:
-        return retired, [f"checkpoint {req.name} committed in {store.root}, but retention (keep={keep}) failed: {type(e).__name__}: {e}"]
-    return retired, []
 
 
 def _leads(group: WriterGroup | None, layout: NodeLayout | None) -> bool:
@@ -405,7 +385,7 @@ def _committed_already(
     removed: list[str] = []
     if leads:
         warnings = _write_latest(store, req)
-        removed, retention_warnings = _retire_old(store, req, req.local_keep if tier == LOCAL_TIER else req.keep, purge_later)
+        removed, retention_warnings = retire_old(store, req, req.local_keep if tier == LOCAL_TIER else req.keep, purge_later)
         warnings += retention_warnings
     return p.CommittedResponse(
         request_id=req.request_id,
@@ -445,28 +425,6 @@ def _abandon(attempt: Attempt) -> None:
         attempt.abandon()
     except Exception:  # noqa: BLE001 - the write's own error is the one to report
         pass
-
-
-def select_for_retention(store: CheckpointStore, just_committed: str, run_id: str, keep: int) -> list[str]:
-    """This run's oldest committed checkpoints beyond ``keep``, by version: the ones retention retires.
-
-    Only this run's lineage counts: checkpoints of other runs under the same root (the
-    abandoned trajectory after a rollback, an earlier job) are never deleted by it. The
-    checkpoint just committed and the one ``latest`` names are never deleted.
-    """
-    protected = {just_committed, store.read_latest()}
-    mine: list[tuple[int, str]] = []
-    for name in store.committed_names():
-        try:
-            manifest = parse_manifest(store.read_bytes(name, MANIFEST_NAME), store.checkpoint_url(name))
-        except Exception:
-            continue  # a damaged or unreadable manifest: not provably this run's, so kept
-        if manifest.run_id == run_id:
-            # By version, never by created_at: a wall clock that steps back (NTP, a VM
-            # migration) must not make a newer checkpoint the oldest.
-            mine.append((manifest.step, name))
-    mine.sort()
-    return [name for _, name in mine[: max(0, len(mine) - keep)] if name not in protected]
 
 
 def _part(entry: TensorEntry, tensor: torch.Tensor) -> Any:

@@ -24,6 +24,7 @@ from .. import protocol as p
 from ..control_page import ControlPage
 from ..cores import usable_cores
 from ..errors import ForgedStoreValueError, WritersRegroupedError
+from ..format import tensor_blob
 from ..format.storage import CheckpointStore, dcp_root_cause
 from ..format.tiers import LOCAL_TIER, ROOT_TIER
 from ..hostbuf import fd_path, map_shared_file
@@ -308,8 +309,8 @@ def _exit_with_the_trainer(lifeline_fd: int) -> None:
     threading.Thread(target=watch, name="overlapckpt-lifeline", daemon=True).start()
 
 
-def _skip_zip_crc() -> None:
-    """torch.save's own zip CRC-32 per record: redundant here, every stored byte has our checksum (format/blobsums.py).
+def _serialize_for_our_checksums() -> None:
+    """torch.save's own zip CRC-32 per record off: redundant here, every stored byte has our checksum (format/blobsums.py).
 
     It was 41 of torch.save's 98 ms per 96 MiB on one core. Files written without it load
     with torch.load and stock dcp.load alike (torch >= 2.4 has the switch; older ones keep it).
@@ -317,6 +318,11 @@ def _skip_zip_crc() -> None:
     set_crc32_options = getattr(torch.serialization, "set_crc32_options", None)
     if set_crc32_options is not None:
         set_crc32_options(False)
+    # Without the CRCs a small tensor's blob is a fixed frame around its bytes: written from
+    # a template, checked against torch.save's own output first (format/tensor_blob.py).
+    # OVERLAPCKPT_TENSOR_TEMPLATES=0 leaves every blob to torch.save (the benchmark's "before").
+    if os.environ.get("OVERLAPCKPT_TENSOR_TEMPLATES", "1") != "0":
+        tensor_blob.install()
 
 
 def main(argv: list[str]) -> None:
@@ -328,7 +334,7 @@ def main(argv: list[str]) -> None:
     except OSError:
         pass  # not permitted here: run at the training process's priority
     torch.set_num_threads(1)  # until InitRequest says how many (serve)
-    _skip_zip_crc()
+    _serialize_for_our_checksums()
     # The host buffers' descriptors arrive as ancillary data on the same socket.
     fd_sock = socket.socket(fileno=os.dup(fd))
     conn = Connection(fd)
