@@ -187,3 +187,56 @@ def test_the_writer_is_ready_when_the_constructor_returns(tmp_path):
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == [
         "step-000000001", "step-000000002", "step-000000003",
     ]
+
+
+class SerializationRecordingStore(CheckpointStore):
+    """Records, inside the writer's persist, whether the garbage collector runs and how DCP's torch.save is routed."""
+
+    def write_latest(self, name: str) -> None:
+        import gc
+        import json
+
+        import torch
+        from torch.distributed.checkpoint import filesystem
+
+        from overlapckpt.format import tensor_blob
+
+        super().write_latest(name)
+        record = {
+            "collector_enabled": gc.isenabled(),
+            "templates": filesystem.torch.save is tensor_blob.save,
+            "zip_crc": torch.serialization.get_crc32_options(),
+        }
+        with open(os.path.join(os.environ["OVERLAPCKPT_TEST_MARKER_DIR"], name + ".json"), "w") as f:
+            json.dump(record, f)
+
+
+@pytest.mark.parametrize("templates", ["1", "0"])
+def test_the_writer_persists_with_the_collector_paused_and_tensors_from_templates(tmp_path, monkeypatch, templates):
+    import json
+
+    marker = tmp_path / "marker"
+    marker.mkdir()
+    monkeypatch.setenv("OVERLAPCKPT_TEST_MARKER_DIR", str(marker))
+    monkeypatch.setenv("OVERLAPCKPT_TENSOR_TEMPLATES", templates)
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(model, opt, tmp_path / "ckpts", store_class=SerializationRecordingStore) as ckpt:
+        train_step(model, opt, sched, sampler)
+        ckpt.request()
+        (info,) = ckpt.wait(timeout_s=120)
+    with open(marker / (info.path.rsplit("/", 1)[1] + ".json")) as f:
+        record = json.load(f)
+    assert record == {"collector_enabled": False, "templates": templates == "1", "zip_crc": False}
+
+
+def test_the_collector_comes_back_after_a_persist_that_failed():
+    import gc
+
+    from overlapckpt.writer.process import _collector_paused
+
+    assert gc.isenabled()  # precondition
+    with pytest.raises(OSError):
+        with _collector_paused():
+            assert not gc.isenabled()
+            raise OSError(28, "No space left on device")
+    assert gc.isenabled()

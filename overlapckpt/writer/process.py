@@ -9,6 +9,7 @@ process keeps serving, so one failed write does not lose the next checkpoint.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
@@ -16,6 +17,8 @@ import socket
 import sys
 import threading
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 
 import torch
@@ -100,6 +103,25 @@ def _error_response(request_id: int | None, e: BaseException) -> p.ErrorResponse
     )
 
 
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off from a persist's start to its answer, then on again.
+
+    A persist allocates an object or more per tensor (views, DCP's write items and plans,
+    blobs, manifest records), and each allocation threshold crossed runs a collection that
+    walks every live object: at 30,000 tensors that was 1.1-1.9 s of a 4.1-4.9 s DCP save
+    (in-process, 2-core VM). Reference counting still frees what a persist drops; the few
+    cycles it makes wait for the collections after the answer.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _persist(conn: Connection, state: _WriterState, req: p.PersistRequest) -> None:
     """Persist and answer; in a distributed run, through a replacement of some rank's writer.
 
@@ -115,7 +137,8 @@ def _persist(conn: Connection, state: _WriterState, req: p.PersistRequest) -> No
         purge_later: list[tuple[CheckpointStore, str]] = []
         lost_because: str | None = None
         try:
-            _send(conn, state.persist(req, conn, purge_later))
+            with _collector_paused():
+                _send(conn, state.persist(req, conn, purge_later))
             return
         except BaseException as e:
             cause = dcp_root_cause(e)
