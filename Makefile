@@ -71,6 +71,7 @@ bench: install
 	$(PY) benchmarks/hook_scaling.py --tensors 100000 --schedules held --cycles 7 --out benchmarks/results/hook-scaling --resume
 	$(PY) benchmarks/tiers.py --out benchmarks/results/tiers-warm
 	$(PY) benchmarks/fused_replay_speed.py
+	$(PY) benchmarks/many_tensors.py --out benchmarks/results/many-tensors
 	-$(PY) benchmarks/tiers_nodes.py --out benchmarks/results/tiers-nodes  # needs root (network namespaces): skipped, saying why, elsewhere
 
 # 2 CPU ranks (gloo), DDP then FSDP2: overlapckpt against dcp.async_save, about 6 minutes on 2 cores.

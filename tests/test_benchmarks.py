@@ -342,3 +342,18 @@ def test_the_load_benchmark_runs_each_method_on_fresh_objects(tmp_path):
         [sys.executable, os.path.join(REPO, "benchmarks", "load.py"), "--repeats", "3"], cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert too_few.returncode == 2 and "--repeats 3 is below 7" in too_few.stderr
+
+
+def test_the_many_tensors_benchmark_times_each_method_and_splits_the_writers_time(tmp_path):
+    out = tmp_path / "many"
+    subprocess.run(
+        [sys.executable, os.path.join(REPO, "benchmarks", "many_tensors.py"), "--tensors", "60", "--repeats", "7", "--dir", str(tmp_path), "--out", str(out)],
+        check=True, cwd=REPO, capture_output=True, timeout=300,
+    )
+    with open(out / "many_tensors.json") as f:
+        result = json.load(f)
+    assert list(result["methods"]) == ["overlapckpt", "overlapckpt, templates off", "dcp.save"]
+    for figures in result["methods"].values():
+        assert len(figures["durable_s"]) == 7 and all(t > 0 for t in figures["durable_s"]) and figures["cold_s"] > 0
+    assert {"write", "manifest", "commit"} <= set(result["methods"]["overlapckpt"]["persist_phases_median_s"])
+    assert "| overlapckpt, templates off |" in (out / "many_tensors.md").read_text()
