@@ -122,6 +122,7 @@ OTHERS = {
     "1 MiB of storage": lambda: torch.randn(SMALL_TENSOR_MAX_BYTES // 4),
     "a conjugate view": lambda: torch.randn(3, dtype=torch.complex64).conj(),
     "no bytes": lambda: torch.empty(0),
+    "a nested tensor": lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]),
     "not a tensor": lambda: {"a": 1},
 }
 
@@ -142,9 +143,8 @@ def test_what_torch_save_frames_otherwise_takes_torch_save_each_time(kind, crc_o
     assert len(real_saves) == 5 and tensor_blob._templates._templates == {}
 
 
-def test_a_key_whose_real_blobs_differ_from_the_template_is_saved_whole_from_then_on(real_saves):
-    # With torch.save's CRCs on, the zip headers carry each record's CRC: the framing depends on
-    # the data, so the second tensor's real blob differs from the first one's template.
+def test_with_the_zip_crcs_on_every_tensor_takes_torch_save(real_saves):
+    # With torch.save's CRCs on, the zip headers carry each record's CRC: the frame depends on the data.
     before = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(True)
     try:
@@ -154,8 +154,26 @@ def test_a_key_whose_real_blobs_differ_from_the_template_is_saved_whole_from_the
         assert blobs == [torch_saved(t) for t in tensors]
     finally:
         torch.serialization.set_crc32_options(before)
-    assert len(real_saves) == 6  # every one by torch.save
-    assert list(tensor_blob._templates._templates.values()) == [None]  # the key is settled: no template
+    assert len(real_saves) == 6 and tensor_blob._templates._templates == {}
+
+
+def test_a_frame_that_depends_on_the_data_is_caught_though_the_first_tensors_are_equal(real_saves):
+    # The CRCs on, but the key told they are off (what a torch whose frame depends on the data
+    # would look like): three equal tensors of zeros cannot check a frame; the fourth, other
+    # data, does, and finds it wrong. Checked against equal data, the fourth would be written
+    # from a wrong frame.
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(True)
+    try:
+        tensors = [torch.zeros(5), torch.zeros(5), torch.zeros(5), torch.randn(5), torch.randn(5)]
+        templates = tensor_blob._templates
+        key = TensorBlobTemplates.key_of(tensors[0], (False, 64))
+        blobs = [templates.blob(t, key) for t in tensors]
+        assert blobs[:4] == [torch_saved(t) for t in tensors[:4]]
+    finally:
+        torch.serialization.set_crc32_options(before)
+    assert templates._templates[key] is None and blobs[4] is None  # the key is settled: torch.save from now on
+    assert len(real_saves) == 4
 
 
 class OffByOneTemplates(TensorBlobTemplates):

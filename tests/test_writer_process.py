@@ -204,6 +204,7 @@ class SerializationRecordingStore(CheckpointStore):
         super().write_latest(name)
         record = {
             "collector_enabled": gc.isenabled(),
+            "full_collection_threshold": gc.get_threshold()[2],
             "templates": filesystem.torch.save is tensor_blob.save,
             "zip_crc": torch.serialization.get_crc32_options(),
         }
@@ -212,8 +213,10 @@ class SerializationRecordingStore(CheckpointStore):
 
 
 @pytest.mark.parametrize("templates", ["1", "0"])
-def test_the_writer_persists_with_the_collector_paused_and_tensors_from_templates(tmp_path, monkeypatch, templates):
+def test_the_writer_persists_without_full_collections_and_tensors_from_templates(tmp_path, monkeypatch, templates):
     import json
+
+    from overlapckpt.writer.process import NO_FULL_COLLECTION_THRESHOLD
 
     marker = tmp_path / "marker"
     marker.mkdir()
@@ -226,17 +229,23 @@ def test_the_writer_persists_with_the_collector_paused_and_tensors_from_template
         (info,) = ckpt.wait(timeout_s=120)
     with open(marker / (info.path.rsplit("/", 1)[1] + ".json")) as f:
         record = json.load(f)
-    assert record == {"collector_enabled": False, "templates": templates == "1", "zip_crc": False}
+    assert record == {
+        "collector_enabled": True,  # the young generations still collected
+        "full_collection_threshold": NO_FULL_COLLECTION_THRESHOLD,
+        "templates": templates == "1",
+        "zip_crc": False,
+    }
 
 
-def test_the_collector_comes_back_after_a_persist_that_failed():
+def test_full_collections_come_back_after_a_persist_that_failed():
     import gc
 
-    from overlapckpt.writer.process import _collector_paused
+    from overlapckpt.writer.process import NO_FULL_COLLECTION_THRESHOLD, _full_collections_paused
 
-    assert gc.isenabled()  # precondition
+    before = gc.get_threshold()
+    assert before[2] != NO_FULL_COLLECTION_THRESHOLD  # precondition
     with pytest.raises(OSError):
-        with _collector_paused():
-            assert not gc.isenabled()
+        with _full_collections_paused():
+            assert gc.get_threshold() == (before[0], before[1], NO_FULL_COLLECTION_THRESHOLD)
             raise OSError(28, "No space left on device")
-    assert gc.isenabled()
+    assert gc.get_threshold() == before

@@ -13,13 +13,14 @@ tensor's dtype, shape, strides, storage offset, storage size and ``requires_grad
 by torch's save settings. So the blob is ``prefix + storage bytes + suffix``, and the
 prefix and suffix of one such key serve every tensor with that key.
 
-Nothing here assumes that: the template of a key is taken from a real ``torch.save``,
-then checked against real ``torch.save`` output for the next ``VERIFY_SAMPLES`` tensors
-of that key, byte for byte; a key whose real blobs differ from the template (CRCs on,
-another torch's framing) is saved by ``torch.save`` from then on. Only plain CPU tensors
-under ``SMALL_TENSOR_MAX_BYTES`` take this road: above it the call's cost is lost in the
-bytes' own write, and the stream recognises the tensor's memory for its known checksum
-(``known_sums.py``), which a copy into one buffer would hide.
+Nothing here assumes that beyond the CRCs: with them on (or where torch cannot say) no
+template is used. The template of a key is taken from a real ``torch.save``, then checked
+against real ``torch.save`` output for the next ``VERIFY_SAMPLES`` tensors of that key whose
+bytes differ from those already seen, byte for byte; a key whose real blobs differ from
+the template (another torch's framing) is saved by ``torch.save`` from then on. Only plain
+CPU tensors under ``SMALL_TENSOR_MAX_BYTES`` take this road: above it the call's cost is
+lost in the bytes' own write, and the stream recognises the tensor's memory for its known
+checksum (``known_sums.py``), which a copy into one buffer would hide.
 
 ``install()`` routes the ``torch.save`` calls of DCP's filesystem module here, and only
 those whose stream is overlapckpt's ``ChecksummingStream``; every other caller, and any
@@ -52,12 +53,15 @@ _Key = tuple[Any, ...]
 
 
 class _Template:
-    __slots__ = ("prefix", "suffix", "verified")
+    __slots__ = ("prefix", "suffix", "verified", "checked_data")
 
-    def __init__(self, prefix: bytes, suffix: bytes) -> None:
+    def __init__(self, prefix: bytes, suffix: bytes, source_data: bytes) -> None:
         self.prefix = prefix
         self.suffix = suffix
-        self.verified = 0  # real blobs seen equal to prefix + data + suffix
+        self.verified = 0  # real blobs of other data seen equal to prefix + data + suffix
+        # The data of the blobs that made and checked the template: a check counts only on data
+        # unlike these, or a frame that depends on the data (zero tensors' CRCs) would pass it.
+        self.checked_data = {source_data}
 
 
 _serialization_config: Any
@@ -97,25 +101,31 @@ class TensorBlobTemplates:
 
     @staticmethod
     def key_of(obj: Any, settings: tuple[Any, ...]) -> _Key | None:
-        """The key a template serves, or None for anything else than a small plain CPU tensor."""
+        """The key a template serves, or None for anything else than a small plain CPU tensor saved without zip CRCs."""
         if type(obj) is not torch.Tensor:  # a Parameter, a subclass: torch.save pickles more
             return None
+        if settings[0] is not False:  # the zip CRCs on (or unknown): the frame holds the data's CRC
+            return None
         t: torch.Tensor = obj
-        if (
-            t.device.type != "cpu"
-            or t.layout != torch.strided
-            or t.is_quantized
-            or t.is_conj()
-            or t.is_neg()
-            or (_has_names is not None and _has_names(t))  # named tensors (gone from newer torch)
-            or t._backward_hooks  # pickled with the tensor
-            or t.__dict__  # Python attributes: pickled with the tensor
-        ):
+        try:
+            if (
+                t.device.type != "cpu"
+                or t.layout != torch.strided
+                or t.is_nested
+                or t.is_quantized
+                or t.is_conj()
+                or t.is_neg()
+                or (_has_names is not None and _has_names(t))  # named tensors (gone from newer torch)
+                or t._backward_hooks  # pickled with the tensor
+                or t.__dict__  # Python attributes: pickled with the tensor
+            ):
+                return None
+            storage_nbytes = t.untyped_storage().nbytes()
+            if storage_nbytes == 0 or storage_nbytes >= SMALL_TENSOR_MAX_BYTES:
+                return None
+            return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), storage_nbytes, t.requires_grad, settings)
+        except Exception:  # noqa: BLE001 - a tensor kind this does not know: torch.save decides what it is
             return None
-        storage_nbytes = t.untyped_storage().nbytes()
-        if storage_nbytes == 0 or storage_nbytes >= SMALL_TENSOR_MAX_BYTES:
-            return None
-        return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), storage_nbytes, t.requires_grad, settings)
 
     def blob(self, tensor: torch.Tensor, key: _Key) -> bytes | None:
         """torch.save's bytes for ``tensor``: from the template once verified, else real (and learned from); None:
@@ -138,18 +148,23 @@ class TensorBlobTemplates:
         if not isinstance(template, _Template):
             self._templates[key] = self._template_from(real, tensor)
             return
-        if template.prefix + _storage_bytes(tensor) + template.suffix == real:
-            template.verified += 1
-        else:
+        data = _storage_bytes(tensor)
+        if template.prefix + data + template.suffix != real:
             log.debug("overlapckpt: torch.save's blob of %s is not a fixed frame around its bytes; saved whole", key[:5])
             self._templates[key] = None
+        elif data not in template.checked_data:
+            template.checked_data.add(data)
+            template.verified += 1
+            if template.verified >= VERIFY_SAMPLES:
+                template.checked_data = set()  # no longer needed
 
     @staticmethod
     def _template_from(real: bytes, tensor: torch.Tensor) -> _Template | None:
         record = locate(memoryview(real))
-        if record is None or real[record.data_start : record.data_end] != _storage_bytes(tensor):
+        data = _storage_bytes(tensor)
+        if record is None or real[record.data_start : record.data_end] != data:
             return None  # not torch.save's plain form of one storage holding exactly these bytes
-        return _Template(real[: record.data_start], real[record.data_end :])
+        return _Template(real[: record.data_start], real[record.data_end :], data)
 
 
 _UNSEEN = object()
@@ -171,6 +186,8 @@ def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
     if stream is not None:
         if stream.serialization_settings is None:
             # Read once per file: reading torch's config costs about 20 us, more than the write.
+            # Nothing in the writer process changes them while DCP writes a file (nor enters
+            # torch.serialization.skip_data, which this does not follow).
             stream.serialization_settings = _save_settings()
         key = TensorBlobTemplates.key_of(obj, stream.serialization_settings)
         if key is not None:
