@@ -357,3 +357,23 @@ def test_the_many_tensors_benchmark_times_each_method_and_splits_the_writers_tim
         assert len(figures["durable_s"]) == 7 and all(t > 0 for t in figures["durable_s"]) and figures["cold_s"] > 0
     assert {"write", "manifest", "commit"} <= set(result["methods"]["overlapckpt"]["persist_phases_median_s"])
     assert "| overlapckpt, templates off |" in (out / "many_tensors.md").read_text()
+
+
+def test_gpu_sh_names_a_size_and_methods_the_harness_knows():
+    # The device run starts the benchmark minutes in: a misspelt size or method there would
+    # cost the run its benchmark. The harness lists what it knows without building a model.
+    import re
+
+    script = open(os.path.join(REPO, "benchmarks", "gpu.sh")).read()
+    (default_size,) = re.findall(r"BENCH_SIZE=\$\{GPU_SH_BENCH_SIZE:-([\w-]+)\}", script)
+    methods = []
+    for line in re.findall(r"^\s*methods=(\S+)$", script, flags=re.M):
+        methods += [m for m in line.replace("$methods,", "").split(",") if m]
+    (windows,) = re.findall(r'--size "\$BENCH_SIZE" .*--windows ([\d,]+)', script)
+    for size in (default_size, "h200"):
+        listed = subprocess.run(
+            [sys.executable, os.path.join(REPO, "benchmarks", "harness.py"), "--size", size, "--device", "cuda", "--windows", windows, "--list"],
+            check=True, cwd=REPO, capture_output=True, text=True, timeout=120,
+        ).stdout.split()
+        assert default_size == "h200-lean" and set(methods) <= set(listed), (size, sorted(set(methods) - set(listed)))
+    assert "overlapckpt_w8_stage" in methods and "dcp_async_process" in methods
