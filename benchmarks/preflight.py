@@ -8,7 +8,11 @@ Checks, in order, and stops at the first that fails, printing what is wrong and 
 2. a CUDA device is visible (skipped with ``--emulate``, which rehearses on the CPU);
 3. a writer process starts from this source checkout and commits one checkpoint of a
    tiny model (on the device), with nothing installed: the writer finds the package
-   only through the directory the trainer imported it from.
+   only through the directory the trainer imported it from;
+4. this torch's DCP writes small tensors through overlapckpt's templates
+   (``format/tensor_blob.py``), and every blob equals this torch's own ``torch.save``.
+   Where DCP's module does not route through them, it says so and goes on (``torch.save``
+   writes every blob); a blob that differs stops the run.
 
 Exits 0 when all pass, 1 otherwise. /dev/shm is checked by gpu.sh, only where needed.
 """
@@ -16,11 +20,13 @@ Exits 0 when all pass, 1 otherwise. /dev/shm is checked by gpu.sh, only where ne
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
@@ -70,9 +76,53 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # any failure here stops the run: say what it was
         return _fail(f"a writer did not start and commit: {type(e).__name__}: {e}",
                      "run from the repository root with PYTHONPATH=. and read the writer's stderr above")
-    print(f"preflight: a writer started from {os.path.dirname(_HERE)} and committed a checkpoint; "
-          f"all checks passed in {time.perf_counter() - started:.1f} s", flush=True)
+    print(f"preflight: a writer started from {os.path.dirname(_HERE)} and committed a checkpoint", flush=True)
+    failure = _templates_check()
+    if failure is not None:
+        return failure
+    print(f"preflight: all checks passed in {time.perf_counter() - started:.1f} s", flush=True)
     return 0
+
+
+def _templates_check() -> int | None:
+    """Small tensors saved by DCP as the writer saves them (zip CRCs off, templates installed), each blob against torch.save."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import filesystem
+
+    from overlapckpt.format import tensor_blob
+    from overlapckpt.format.storage import CheckpointStore
+
+    crc_before = torch.serialization.get_crc32_options()
+    module_torch = filesystem.torch
+    torch.serialization.set_crc32_options(False)
+    try:
+        if not tensor_blob.install():
+            print("preflight: this torch's DCP does not call torch.save through a module global: every blob by torch.save", flush=True)
+            return None
+        g = torch.Generator().manual_seed(0)
+        state = {f"t{i}": torch.randn(3, 5, generator=g) if i % 2 else torch.randn(7, generator=g).to(torch.bfloat16) for i in range(12)}
+        with tempfile.TemporaryDirectory() as root:
+            writer = CheckpointStore(root).make_writer("templates", before_commit=lambda *args: None)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+                dcp.save(state, storage_writer=writer, no_dist=True)
+            metadata = dcp.FileSystemReader(os.path.join(root, "templates")).read_metadata()
+            templated = sum(1 for t in tensor_blob._templates._templates.values() if t is not None and t.verified >= tensor_blob.VERIFY_SAMPLES)
+            for index, where in metadata.storage_data.items():
+                with open(os.path.join(root, "templates", where.relative_path), "rb") as f:
+                    f.seek(where.offset)
+                    blob = f.read(where.length)
+                expected = io.BytesIO()
+                torch.save(state[index.fqn], expected)
+                if blob != expected.getvalue():
+                    return _fail(f"the blob of {index.fqn} written through the tensor templates differs from torch.save's",
+                                 "run with OVERLAPCKPT_TENSOR_TEMPLATES=0 and report it: this is a bug in overlapckpt")
+    finally:
+        torch.serialization.set_crc32_options(crc_before)
+        filesystem.torch = module_torch
+    print(f"preflight: 12 small tensors saved by DCP equal torch.save's bytes, {templated} of 2 keys from templates", flush=True)
+    return None
 
 
 if __name__ == "__main__":
