@@ -325,14 +325,19 @@ def test_spread_reports_the_quantiles_and_whether_the_max_holds():
         spread([])
 
 
-def test_the_load_benchmark_runs_each_method_on_fresh_objects(tmp_path):
-    out = tmp_path / "load"
+def run_benchmark(script: str, out, *args: str) -> dict:
+    """``benchmarks/<script>.py`` at 7 repeats with ``args``, its results written under ``out``: its JSON."""
     subprocess.run(
-        [sys.executable, os.path.join(REPO, "benchmarks", "load.py"), "--mib", "4", "--repeats", "7", "--dir", str(tmp_path), "--out", str(out)],
+        [sys.executable, os.path.join(REPO, "benchmarks", f"{script}.py"), *args, "--repeats", "7", "--out", str(out)],
         check=True, cwd=REPO, capture_output=True, timeout=300,
     )
-    with open(out / "load.json") as f:
-        result = json.load(f)
+    with open(out / f"{script}.json") as f:
+        return json.load(f)
+
+
+def test_the_load_benchmark_runs_each_method_on_fresh_objects(tmp_path):
+    out = tmp_path / "load"
+    result = run_benchmark("load", out, "--mib", "4", "--dir", str(tmp_path))
     assert set(result["loads"]) == {"load(verify=True)", "load(verify=False)", "stock dcp.load"}
     for figures in result["loads"].values():
         assert len(figures["s"]) == 7 and all(t > 0 for t in figures["s"])
@@ -346,12 +351,7 @@ def test_the_load_benchmark_runs_each_method_on_fresh_objects(tmp_path):
 
 def test_the_many_tensors_benchmark_times_each_method_and_splits_the_writers_time(tmp_path):
     out = tmp_path / "many"
-    subprocess.run(
-        [sys.executable, os.path.join(REPO, "benchmarks", "many_tensors.py"), "--tensors", "60", "--repeats", "7", "--dir", str(tmp_path), "--out", str(out)],
-        check=True, cwd=REPO, capture_output=True, timeout=300,
-    )
-    with open(out / "many_tensors.json") as f:
-        result = json.load(f)
+    result = run_benchmark("many_tensors", out, "--tensors", "60", "--dir", str(tmp_path))
     assert list(result["methods"]) == ["overlapckpt", "overlapckpt, templates off", "dcp.save"]
     for figures in result["methods"].values():
         assert len(figures["durable_s"]) == 7 and all(t > 0 for t in figures["durable_s"]) and figures["cold_s"] > 0
