@@ -316,6 +316,33 @@ def test_a_pickle_with_a_huge_memo_index_is_refused_before_it_allocates(tmp_path
         load(str(tmp_path / "root"), *make_run(seed=5)[:2])
 
 
+def test_a_pickle_that_passed_is_scanned_once_and_a_refused_one_every_time(monkeypatch):
+    import pickle as std_pickle
+
+    from overlapckpt.format import pickle_bounds
+
+    scans: list[int] = []
+    real_scan = pickle_bounds._scan
+
+    def counting_scan(data, where):
+        scans.append(len(data))
+        return real_scan(data, where)
+
+    monkeypatch.setattr(pickle_bounds, "_scan", counting_scan)
+    monkeypatch.setattr(pickle_bounds, "_passed", set())
+    honest = std_pickle.dumps({"a": [1, 2, 3], "b": "x" * 10}, protocol=2)
+    for _ in range(3):
+        pickle_bounds.check_pickle_bounds(honest, "honest")
+    assert len(scans) == 1  # the same bytes: scanned once
+    pickle_bounds.check_pickle_bounds(honest[:-1] + b"\x2e", "the same bytes")  # b"." is the STOP it ends with
+    assert len(scans) == 1
+    bomb = b"\x80\x02Nr" + struct.pack("<I", 1 << 26) + b"."
+    for _ in range(2):
+        with pytest.raises(UnsafeCheckpointError, match="puts memo entry 67108864"):
+            pickle_bounds.check_pickle_bounds(bomb, "bomb")
+    assert len(scans) == 3  # refused each time: a refusal is never remembered as a pass
+
+
 def _edit_metadata(ckpt: Path, edit) -> None:
     metadata = pickle.loads((ckpt / ".metadata").read_bytes())  # our own, honest file
     edit(metadata)
