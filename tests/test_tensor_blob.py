@@ -246,3 +246,35 @@ def test_the_writer_process_commits_many_small_tensors_that_are_torch_saves_byte
     loaded = {k: torch.zeros_like(v) for k, v in expected.items()}
     dcp.load({"model": loaded}, checkpoint_id=info.path)
     assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+
+
+class TrickleStream(io.RawIOBase):
+    """A raw stream that takes at most 7 bytes a write (as a pipe or socket may), and counts flushes."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.flushes = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        taken = bytes(b[:7])
+        self.data += taken
+        return len(taken)
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+
+def test_a_stream_that_takes_part_of_a_write_gets_the_whole_blob_then_a_flush(crc_off, real_saves):
+    g = torch.Generator().manual_seed(5)
+    tensors = [torch.randn(6, generator=g) for _ in range(4)]
+    raw = TrickleStream()
+    stream = ChecksummingStream(raw, "crc32c")
+    for t in tensors:
+        flushes = raw.flushes
+        tensor_blob.save(t, NoCloseWriter(stream))
+        assert raw.flushes > flushes  # as torch.save ends
+    assert len(real_saves) == 1 + VERIFY_SAMPLES  # the last one from its template
+    assert bytes(raw.data) == b"".join(torch_saved(t) for t in tensors)

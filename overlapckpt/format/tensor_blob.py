@@ -193,9 +193,22 @@ def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
         if key is not None:
             blob = _templates.blob(obj, key)
             if blob is not None:
-                f.write(blob)
+                _write_all(f, blob)
                 return
     _TORCH_SAVE(obj, f, *args, **kwargs)
+
+
+def _write_all(f: Any, blob: bytes) -> None:
+    """``blob`` into ``f``, then a flush, as torch.save ends (a raw stream may take part of a write)."""
+    view = memoryview(blob)
+    while view:
+        written = f.write(view)
+        if written is None:  # a stream that does not report takes everything or raises
+            break
+        view = view[written:]
+    flush = getattr(f, "flush", None)
+    if callable(flush):
+        flush()
 
 
 class _TorchWithTemplateSave(types.ModuleType):
