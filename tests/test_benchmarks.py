@@ -356,6 +356,8 @@ def test_the_many_tensors_benchmark_times_each_method_and_splits_the_writers_tim
     for figures in result["methods"].values():
         assert len(figures["durable_s"]) == 7 and all(t > 0 for t in figures["durable_s"]) and figures["cold_s"] > 0
     assert {"write", "manifest", "commit"} <= set(result["methods"]["overlapckpt"]["persist_phases_median_s"])
+    assert list(result["loads"]) == ["overlapckpt load()", "overlapckpt load(verify=False)", "stock dcp.load"]
+    assert all(len(figures["s"]) == 7 and all(t > 0 for t in figures["s"]) for figures in result["loads"].values())
     assert "| overlapckpt, templates off |" in (out / "many_tensors.md").read_text()
 
 
