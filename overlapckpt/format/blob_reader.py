@@ -44,13 +44,12 @@ import torch
 
 from ..cores import usable_cores
 from ..errors import CorruptCheckpointError
-from .blob_frames import BlobFrames
 from .checksum import CRC32, hex32, updater
 from .crc_combine import combine
 from .direct_read import DIRECT_MIN_BYTES, fill, mark_written, read_ends, takes_data_as_is, tensor_bytes
 from .manifest import DATA_FILE_RE, Manifest, tensor_checksum
 from .safe_unpickle import load_byte_item
-from .tensor_decode import BlobEnds, TensorRecord, ViewReader, decode_meta, locate_from_ends
+from .tensor_decode import BlobEnds, TensorRecord, ViewReader, decode_in_place, decode_meta, locate, locate_from_ends
 
 # Threads that read and check blobs in a load: training is not running then, so up to 8,
 # one per two cores (a page-cache read, a CRC32C and a copy each release the GIL). Reads
@@ -394,10 +393,6 @@ def _read_fresh(stream: Any, length: int) -> bytearray:
     return buffer if filled == length else buffer[:filled]
 
 
-# Small blobs' frames, parsed once per process (blob_frames.py): same answers, without a parse per blob.
-_frames = BlobFrames()
-
-
 def _checked_tensor(
     stream: Any, relative_path: str, info: Any, index: Any, expected: ExpectedSums | None, fresh: bool
 ) -> torch.Tensor:
@@ -424,7 +419,7 @@ def _checked_bytes(buffer: Any, relative_path: str, info: Any, index: Any, expec
     """``_checked_tensor`` on a blob's bytes in memory (``buffer``: writable, as long as the blob); the tensor views them."""
     key, checksum = _blob_sums(relative_path, info, expected)
     view = memoryview(buffer)
-    record = _frames.locate(view)  # the zip's directory only: nothing is unpickled before the checksum matched
+    record = locate(view)  # the zip's directory only: nothing is unpickled before the checksum matched
     data_sum: str | None = None
     if expected is not None:
         update = updater(expected.algorithm)
@@ -438,7 +433,7 @@ def _checked_bytes(buffer: Any, relative_path: str, info: Any, index: Any, expec
         if hex32(whole) != checksum:
             raise _mismatch(relative_path, info, key, expected)
     del view
-    tensor = _frames.decode_in_place(buffer, record) if record is not None else None
+    tensor = decode_in_place(buffer, record) if record is not None else None
     in_place = tensor is not None
     if tensor is None:
         # Weights only, as DCP's own reader: no code from the checkpoint runs.
