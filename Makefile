@@ -55,8 +55,12 @@ test: check
 # Many seeded random fault schedules (tests/fault_schedule.py): writer and trainer SIGKILLs at
 # random steps and inside persists and replays, slow storage, every mode; two trials at once.
 SOAK_TRIALS ?= 200
+# Then the crash loop: each entry point's script (plain, local tier, Lightning, Hugging Face) SIGKILLed at 50 seeded
+# random steps and run again; its final state bit-exact to a twin's, the root and the tier never past keep + 1.
+CRASH_LOOP_CYCLES ?= 50
 soak: install
 	$(PY) tests/workers/soak.py --trials $(SOAK_TRIALS) --jobs 2
+	$(PY) tests/workers/soak.py --crash-loop $(CRASH_LOOP_CYCLES) --jobs 2
 
 # Every figure the README quotes, each with min / median / p90 / max over at least 7 repeats
 # (benchmarks/stats.py): the stall, time to durable against the peers, loads, hooks' host time,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shutil
 import time
 
@@ -99,6 +100,30 @@ def train_step(model, optimizer, scheduler, data, device) -> float:
     return float(loss.detach())
 
 
+def clear_previous_demo(path: str) -> None:
+    """Remove an earlier demo's checkpoints at ``path``; refuse, naming it, a path that holds anything else.
+
+    The demo starts from nothing each time, but ``--path`` may name any directory: only a
+    checkpoint root (``step-*`` directories, ``latest``, overlapckpt's own dot files) is
+    deleted, never a directory with other files in it.
+    """
+    if not os.path.lexists(path):
+        return
+    if os.path.islink(path) or not os.path.isdir(path):
+        raise SystemExit(f"--path {path!r} exists and is not a checkpoint directory; pass a new or empty directory")
+    foreign = [
+        name for name in os.listdir(path)
+        if not (name == "latest" or name.startswith(".overlapckpt") or (name.startswith("step-") and os.path.isdir(os.path.join(path, name))))
+    ]
+    if foreign:
+        raise SystemExit(
+            f"--path {path!r} holds {', '.join(sorted(foreign)[:3])}{' ...' if len(foreign) > 3 else ''}, which are not "
+            "checkpoints; the demo deletes its root before it starts, so pass a new or empty directory"
+        )
+    shutil.rmtree(path)
+    print(f"removed the previous demo's checkpoints in {path}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", default="demo-checkpoints", help="checkpoint root: a directory or fsspec URL")
@@ -110,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if "://" not in args.path:
-        shutil.rmtree(args.path, ignore_errors=True)
+        clear_previous_demo(args.path)
     print(f"overlapckpt demo on {device}: {args.steps} steps, checkpoint every {args.every}, window {args.window}")
 
     model, optimizer, scheduler, data = build(device, args.steps)

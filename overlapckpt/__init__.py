@@ -22,6 +22,9 @@ from .errors import (
 from .format.manifest import CheckpointInfo
 from .format.storage import CheckpointStore
 from .restore import list_checkpoints, load
+from .user_log import install_default_handler, set_verbosity
+
+install_default_handler()  # a resume and a close are told without any logging set-up (user_log.py)
 
 __all__ = [
     # the API
@@ -30,6 +33,7 @@ __all__ = [
     "CheckpointStore",
     "list_checkpoints",
     "load",
+    "set_verbosity",
     # the errors a training script catches (the rest: overlapckpt.errors)
     "CheckpointMismatchError",
     "CheckpointNotFoundError",

@@ -107,7 +107,9 @@ def build(
         lineage = Lineage(
             agreed_run_id(distributed), names=name_style_for(s.storage.key_layout, s.writer.export_formats), root=s.storage.path
         )
-        lineage.note_existing(store.committed_names(), own=set())
+        # Versions earlier runs hold in either tier get lineage names: a restore below the local tier's
+        # newest then never meets its own name there (CheckpointExistsError from optimizer.step()).
+        lineage.note_existing(store.committed_names() + ([] if local_store is None else local_store.committed_names()), own=set())
         # Filled in once the engine exists: a replacement writer is told which checkpoints its rank lost.
         engine_box: list[SnapshotEngine] = []
 

@@ -10,7 +10,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Literal, overload
 
 from torch import nn
 
@@ -42,11 +42,12 @@ from .settings import (
     check_export_is_one_process,
     check_model,
     check_optimizer_for_mode,
+    check_optimizer_matches_model,
     check_path,
     check_stateful,
 )
-from .train.copying.layout import check_optimizer_matches_model
 from .train.run.preemption import PreemptionGuard
+from .user_log import say_closed
 
 log = logging.getLogger("overlapckpt")
 
@@ -288,9 +289,11 @@ class Checkpointer:
         try:
             if self._engine.dead is not None:
                 return []  # the death was raised already; nothing is left to finish
-            return self._engine.wait(timeout_s)
+            committed = self._engine.wait(timeout_s)
         finally:
             self._tear_down(writer_timeout_s=30.0)
+        say_closed(self.path, self.stats)
+        return committed
 
     def _tear_down(self, writer_timeout_s: float) -> None:
         """Remove the hooks, stop the writer, release host buffers (after the copies into them), the page, the lease."""
@@ -379,8 +382,19 @@ class Checkpointer:
         """Snapshots still being copied when their writer died (their requests may be made again)."""
         return self._engine.snapshots_dropped
 
-    def restore(self, step: int | None = None) -> CheckpointInfo:
+    @overload
+    def restore(self, step: int | None = ..., *, missing_ok: Literal[False] = ...) -> CheckpointInfo: ...
+
+    @overload
+    def restore(self, step: int | None = ..., *, missing_ok: bool) -> CheckpointInfo | None: ...
+
+    def restore(self, step: int | None = None, *, missing_ok: bool = False) -> CheckpointInfo | None:
         """Load this Checkpointer's newest (or ``step``'s) checkpoint into its objects and continue its step count.
+
+        ``ckpt.restore(missing_ok=True)`` is the one line a restartable script needs: it
+        resumes the newest verified checkpoint of either tier, or returns None, touching
+        nothing, when there is none yet (a first run). Any other failure raises, and leaves
+        the live objects as they were.
 
         ``load()`` is the way to load; this is ``load()`` on this Checkpointer's own root,
         objects and key, plus what only a live Checkpointer can do: continue its version
@@ -395,7 +409,10 @@ class Checkpointer:
             info = load_fetching_replicas(
                 self._fetch_replicas, self.path, self.model, self.optimizer, self.stateful, step, self.storage_options,
                 process_group=self.process_group, signing_key=self._signing_key, local_dir=self.local_dir, report=report,
+                missing_ok=missing_ok,
             )
+        if info is None:
+            return None
         self._continue_after_load(info, report)
         return info
 
@@ -466,17 +483,15 @@ class Checkpointer:
         if isinstance(info, int):
             self._engine.continue_from(info)
             return
-        name = os.path.basename(info.path.rstrip("/"))
-        local = self._built.local_store
-        if local is not None and local.checkpoint_url(name) == info.path and not self._store.is_committed(name):
-            self._engine.continue_from(info.step)  # a local-tier checkpoint the root does not hold: no root lineage to join
-            return
         self._engine.continue_from(info.step)
-        committed = self._store.committed_names()
+        # Both tiers' names: a version the local tier holds from an earlier run is taken as the root's are.
+        local = self._built.local_store
+        committed = self._store.committed_names() + ([] if local is None else local.committed_names())
         # This run's own checkpoints of its current lineage (a restore before starts a new one).
         own = {os.path.basename(s.path.rstrip("/")) for s in self._engine.stats[self._lineage_starts_at :] if s.path}
         run_before = self._lineage.run_id
-        self._lineage.restored(os.path.basename(info.path.rstrip("/")), info.step, committed, own & set(committed))
+        lineage = (((info.run_id, info.step),) if info.run_id else ()) + tuple(info.ancestors)
+        self._lineage.restored(os.path.basename(info.path.rstrip("/")), info.step, committed, own & set(committed), lineage)
         if self._lineage.run_id != run_before:
             self._lineage_starts_at = len(self._engine.stats)
 

@@ -17,7 +17,7 @@ from .format.signing import resolve_key
 from .format.storage import CheckpointStore
 from .format.tiers import LOCAL_TIER, ROOT_TIER, default_local_dir
 from .format.verify import read_manifest, verify_checkpoint
-from .restore.locate import list_checkpoints, resolve_checkpoint
+from .restore.locate import list_checkpoints, resolve_checkpoint, split_checkpoint_path
 
 HELP = """List, inspect, verify, prune and export overlapckpt checkpoints.
 
@@ -33,6 +33,8 @@ HELP = """List, inspect, verify, prune and export overlapckpt checkpoints.
       delete all but the newest N committed checkpoints (never the one latest names)
   overlapckpt export ROOT OUT [--step N | --name DIR] [--format torch|safetensors] [--model-only]
       one consolidated file: torch.save of the model and optimizer state, or safetensors of the model
+  overlapckpt build-native
+      build the optional native helpers now (a pip install builds them on first use otherwise)
 
 --tier local runs any command on this node's local tier (Checkpointer(local_every=...)):
 --local-dir, else the default the Checkpointer derives from ROOT (/dev/shm/overlapckpt-...).
@@ -110,11 +112,38 @@ class Progress:
 
 
 def _existing_store(args: argparse.Namespace) -> CheckpointStore:
-    """The root's store, or CheckpointNotFoundError when the root does not exist (ls used to exit 0 on a typo)."""
-    store = CheckpointStore(args.root, _storage_options(args.option))
+    """The root's store, or CheckpointNotFoundError when the root does not exist or is a file (ls exited 0 on both).
+
+    A checkpoint directory given as ROOT (the path ``ls`` prints) stands for its root, with
+    that checkpoint chosen: ``args.name`` is set to it, and ``--step``/``--name`` must agree.
+    """
+    options = _storage_options(args.option)
+    store, name = split_checkpoint_path(args.root, options)
+    if name is not None and args.command != "ls":
+        given = getattr(args, "name", None)
+        if (given is not None and given != name) or (getattr(args, "step", None) not in (None, step_of_name(name))):
+            raise OverlapCkptError(
+                f"{args.root} is the checkpoint {name}, but --step/--name name another; pass the root with --step or --name, "
+                "or the checkpoint's path alone"
+            )
+        args.name, args.step = name, None
+        return store
     if not store.fs.exists(store.root_path):
         raise CheckpointNotFoundError(f"no such checkpoint root: {args.root}; check the path (and -o storage options)")
+    if not store.fs.isdir(store.root_path):
+        raise CheckpointNotFoundError(f"{args.root} is a file, not a checkpoint root; pass the directory that holds the step-N checkpoints")
     return store
+
+
+def _count(text: str) -> int:
+    """``--keep``'s value: a whole number of checkpoints, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; pass how many checkpoints to keep, e.g. --keep 3") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; pass how many checkpoints to keep, 0 or more (e.g. --keep 3)")
+    return value
 
 
 def _chosen(store: CheckpointStore, args: argparse.Namespace, skip_damaged: bool = True) -> str:
@@ -293,7 +322,38 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quiet_on_closed_pipe(command: Any, args: argparse.Namespace) -> int:
+    try:
+        code = int(command(args))
+        sys.stdout.flush()  # here, not at exit: a reader gone by then would be reported as an ignored exception
+        return code
+    except BrokenPipeError:
+        # The reader stopped reading (`overlapckpt inspect ROOT | head`): not an error of ours. Python
+        # would report the pipe again when it flushes stdout at exit; point stdout at nothing first.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+def cmd_build_native(args: argparse.Namespace) -> int:
+    """Build the optional native helpers now, into the user's cache (they are otherwise built on first use)."""
+    from .fused_adam_native import build as build_fused_adam
+    from .train.copying.native import build as build_gather
+    from .train.copying.tensor_passes import build as build_passes
+
+    missing = 0
+    for what, build in (("host values gather", build_gather), ("hooks' passes", build_passes), ("fused Adam replay", build_fused_adam)):
+        built = build()
+        missing += built is None
+        _say(f"{what:18} {built if built is not None else 'not built: its Python twin runs (see the log for why)'}")
+    return 0 if not missing else 2
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["build-native"]:  # takes no root
+        return _quiet_on_closed_pipe(cmd_build_native, argparse.Namespace(command="build-native"))
     parser = argparse.ArgumentParser(prog="overlapckpt", description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn, helptext in (
@@ -319,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "verify":
             p.add_argument("--all", action="store_true", help="verify every committed checkpoint")
         if name == "prune":
-            p.add_argument("--keep", type=int, required=True, help="how many of the newest committed checkpoints to keep")
+            p.add_argument("--keep", type=_count, required=True, help="how many of the newest committed checkpoints to keep")
             p.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
             p.add_argument("--force", action="store_true", help="prune even while a job holds the root's lease")
         if name == "export":
@@ -331,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         args.root, args.option = args.local_dir or default_local_dir(args.root), []
     # Exit codes: 0 fine, 1 a checkpoint is corrupt (verify), 2 the command could not run.
     try:
-        return args.fn(args)
+        return _quiet_on_closed_pipe(args.fn, args)
     except CheckpointReadError as e:  # storage, not the checkpoint: name what the storage said
         cause = e.__cause__ if e.__cause__ is not None else e
         _say(f"overlapckpt {args.command}: {args.root}: {type(cause).__name__}: {cause}", file=sys.stderr)

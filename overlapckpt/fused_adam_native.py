@@ -18,7 +18,7 @@ import torch
 
 from .cbuild import NativeLibrary, build_c_library, c_library_path
 
-SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "fused_adam_cuda.c"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_adam_cuda.c"
 
 
 def library_path() -> Path | None:

@@ -161,6 +161,9 @@ class PersistRequest:
     keep: int | None
     run_id: str  # this run's id: its manifests carry it, and keep= counts only its checkpoints
     restored_from: str | None = None  # the checkpoint this run continued from, if any
+    # The runs this one descends from, nearest first: (run id, version continued from). keep= and
+    # local_keep count their checkpoints up to those versions with this run's (writer/retention.py).
+    ancestors: tuple[tuple[str, int], ...] = ()
     replay: ReplayLog | None = None  # a replay-mode snapshot: what the writer rolls its groups forward with
     proposed_next_window: int | None = None  # window="auto": this rank's choice for the next checkpoint
     root_leased: bool = False  # this run holds the root's lease: other runs' dead attempts are removed

@@ -267,6 +267,24 @@ def check_model(model: Any) -> None:
         )
 
 
+def check_optimizer_matches_model(model: Any, optimizer: Any, given_to: str = "Checkpointer") -> None:
+    """Raise ConfigError when the optimizer updates tensors that are not ``model``'s parameters.
+
+    An optimizer built over another instance of the same model (a second ``build_model()``)
+    looks alike by shapes; without this check torch's ``set_state_dict`` fails with a bare
+    ``KeyError: 0``, after it has begun changing the live objects.
+    """
+    model_params = {id(p) for p in model.parameters()}
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            if id(p) not in model_params:
+                raise ConfigError(
+                    f"optimizer.param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) is not a "
+                    f"parameter of the model passed to {given_to}; build the optimizer from "
+                    "model.parameters() of that same model"
+                )
+
+
 def check_stateful(stateful: Any) -> dict[str, Any]:
     if not isinstance(stateful, dict):
         raise ConfigError(f"stateful={stateful!r} is invalid; pass a dict mapping names to objects with state_dict()/load_state_dict()")

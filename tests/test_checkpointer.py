@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -163,3 +164,42 @@ def test_a_non_tensor_optimizer_state_value_is_checkpointed_with_its_step(tmp_pa
     target = {"optimizer": {"state": {first_fqn: {"calls": 0}}}}
     dcp.load(target, checkpoint_id=info.path)
     assert target["optimizer"]["state"][first_fqn]["calls"] == 30
+
+
+class _WithAnEmptyBuffer(torch.nn.Module):
+    """BatchNorm, and an empty buffer: torch gives a zero-element tensor data_ptr() 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 4)
+        self.norm = torch.nn.BatchNorm1d(4)
+        self.register_buffer("marker", torch.empty(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.inp(x))
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_a_model_with_an_empty_buffer_checkpoints_and_restores_bit_exact(tmp_path, window):
+    """Before: optimizer.step() raised `invalid storage offset` at the first checkpoint (the emulated device's view)."""
+    torch.manual_seed(0)
+    model = _WithAnEmptyBuffer()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = torch.Generator().manual_seed(1)
+    with Checkpointer(model, opt, tmp_path, window=window, every=3) as ckpt:
+        for step in range(1, 6):
+            model(torch.randn(8, 4, generator=data)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ckpt.step()
+            if step == 3:
+                expected = ({k: v.clone() for k, v in model.state_dict().items()}, copy.deepcopy(opt.state_dict()))
+        ckpt.wait(timeout_s=120)
+    torch.manual_seed(7)
+    fresh = _WithAnEmptyBuffer()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    assert load(str(tmp_path), fresh, fresh_opt, step=3).step == 3
+    assert fresh.marker.shape == (0,)
+    assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in expected[0].items())
+    got = fresh_opt.state_dict()["state"]
+    assert all(torch.equal(v, got[i][k]) for i, s in expected[1]["state"].items() for k, v in s.items())

@@ -8,6 +8,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from overlapckpt import Checkpointer
 from overlapckpt.cli import main
 from overlapckpt.format.extra_state import tensor_bytes
@@ -235,3 +237,49 @@ def test_verify_shows_progress_on_a_terminal_and_not_in_a_pipe(tmp_path):
     assert b"verifying step-000000005: " in shown and b"(100%)" in shown
     piped = subprocess.run(command, capture_output=True, env=env, timeout=120)
     assert piped.returncode == 0 and piped.stderr == b""
+
+
+def test_ls_of_a_file_is_an_error_and_inspect_and_verify_take_the_path_ls_prints(tmp_path, capsys):
+    """Before: `ls <a file>` exited 0; inspect and verify refused a checkpoint's own path (only --name worked)."""
+    _two_checkpoints(tmp_path)
+    (tmp_path / "notes.txt").write_text("not a root")
+    assert main(["ls", str(tmp_path / "notes.txt")]) == 2
+    assert "is a file, not a checkpoint root" in capsys.readouterr().err
+    assert main(["ls", str(tmp_path)]) == 0
+    listed = [line.split()[-1] for line in capsys.readouterr().out.splitlines()[1:]]
+    assert listed == [str(tmp_path / "step-000000001"), str(tmp_path / "step-000000005")]
+    assert main(["inspect", listed[0]]) == 0
+    assert "version      step 1 " in capsys.readouterr().out
+    assert main(["verify", listed[0]]) == 0
+    assert capsys.readouterr().out.startswith(f"ok      {listed[0]}")
+    assert main(["inspect", listed[0], "--step", "5"]) == 2  # two checkpoints named: refused, naming the fix
+    assert "pass the root with --step or --name" in capsys.readouterr().err
+
+
+def test_prune_refuses_a_negative_keep_and_deletes_nothing(tmp_path, capsys):
+    _two_checkpoints(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        main(["prune", str(tmp_path), "--keep", "-1"])
+    assert exited.value.code == 2
+    assert "-1 is negative; pass how many checkpoints to keep, 0 or more" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == ["step-000000001", "step-000000005"]
+
+
+def test_inspect_into_a_pipe_closed_early_ends_quietly(tmp_path):
+    """Before: `overlapckpt inspect ROOT --json | head -1` printed a BrokenPipeError traceback."""
+    import torch
+
+    # 1,000 tensors: a manifest of some 300 KB, more than a pipe holds, so the CLI is still writing when it closes.
+    model = torch.nn.Sequential(*(torch.nn.Linear(1, 1) for _ in range(500)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Checkpointer(model, opt, tmp_path) as ckpt:
+        model(torch.ones(1, 1)).sum().backward()
+        opt.step()
+        ckpt.request()
+        ckpt.wait(timeout_s=120)
+    cli = subprocess.Popen([sys.executable, "-m", "overlapckpt", "inspect", str(tmp_path), "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert cli.stdout is not None and cli.stdout.readline().strip() == b"{"
+    cli.stdout.close()  # as head does after its line: every later write meets a closed pipe
+    _, err = cli.communicate(timeout=60)
+    assert cli.returncode == 0, err
+    assert b"BrokenPipeError" not in err and b"Traceback" not in err, err

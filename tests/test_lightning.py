@@ -182,3 +182,25 @@ def test_ddp_two_ranks_save_and_resume(tmp_path):
         states = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         for k, v in states["twin"].items():
             assert torch.equal(states["resumed"][k], v), (rank, k)
+
+
+def test_ckpt_path_last_starts_fresh_on_the_first_run_and_resumes_ours_on_the_next(tmp_path, twin, recwarn):
+    """Lightning's own idiom, one line for every run. Before: fit(ckpt_path="last") warned "no last checkpoint" and
+    silently trained from step 0 beside our checkpoints; the README's ckpt_path=<root> raised FileNotFoundError on a
+    first run."""
+    states, losses = twin
+    root = tmp_path / "ckpts"
+    first = _fit([OverlapCheckpoint(root, every_n_train_steps=2, max_inflight=2)], max_epochs=1, ckpt_path="last")
+    assert torch.equal(torch.stack(first.losses), losses[:STEPS_PER_EPOCH])
+    assert not [w for w in recwarn.list if "no last checkpoint" in str(w.message)]
+    rec = RecordStates()
+    resumed = _fit([OverlapCheckpoint(root, every_n_train_steps=2, max_inflight=2), rec], max_epochs=2, ckpt_path="last")
+    assert rec.states.keys() == {5, 6, 7, 8}  # resumed at 4, not retrained from 0
+    assert torch.equal(torch.stack(resumed.losses), losses[STEPS_PER_EPOCH:])
+    for k, v in states[8][0].items():
+        assert torch.equal(resumed.state_dict()[k], v), k
+
+
+def test_ckpt_path_at_an_empty_root_names_last_as_the_fix(tmp_path):
+    with pytest.raises(Exception, match=r'no checkpoint under it yet; pass ckpt_path="last"'):
+        _fit([OverlapCheckpoint(tmp_path / "ckpts", every_n_train_steps=2)], max_epochs=1, ckpt_path=str(tmp_path / "ckpts"))

@@ -49,12 +49,13 @@ def test_a_rollback_keeps_the_fresh_checkpoint_and_the_abandoned_ones(tmp_path, 
     named = [r.getMessage() for r in caplog.records if "newer checkpoints exist" in r.getMessage()]
     assert named and "step-000000004" in named[0]
     mine = f"step-000000004-{run2[:8]}"
-    # keep=1 removed this run's own step 3, never run 1's checkpoints.
-    assert _names(tmp_path) == ["step-000000002", "step-000000004", mine]
+    # keep=1 counts the lineage: it removed this run's own step 3 and, once this run had committed a
+    # newer one, the restore point (run 1's step 2); never run 1's abandoned step 4.
+    assert _names(tmp_path) == ["step-000000004", mine]
     assert (tmp_path / "latest").read_text() == mine
     info = load(str(tmp_path), *make_run(seed=9)[:2])
     assert info.path.endswith(mine) and info.run_id == run2
-    assert {i.run_id for i in list_checkpoints(str(tmp_path))} == {run2, json.loads((tmp_path / "step-000000002" / "overlapckpt.json").read_text())["run_id"]}
+    assert {i.run_id for i in list_checkpoints(str(tmp_path))} == {run2, json.loads((tmp_path / "step-000000004" / "overlapckpt.json").read_text())["run_id"]}
 
 
 def test_odd_directory_names_break_neither_listing_nor_retention(tmp_path, capsys):
@@ -140,8 +141,9 @@ def test_a_checkpointer_built_after_load_continues_that_checkpoints_count(tmp_pa
         (info,) = ckpt.wait(timeout_s=120)
         run2 = ckpt._lineage.run_id
     assert info.step == 3 and os.path.basename(info.path) == "step-000000003"
-    # keep=1 counts this run's own; the older run's newer step-4 stays, and latest names ours.
-    assert _names(tmp_path) == ["step-000000002", "step-000000003", "step-000000004"]
+    # keep=1 counts the lineage: the restore point (step-2) went once step-3 committed; the older
+    # run's newer step-4, a trajectory this one abandoned, stays; latest names ours.
+    assert _names(tmp_path) == ["step-000000003", "step-000000004"]
     with open(tmp_path / "step-000000003" / "overlapckpt.json") as f:
         manifest = json.load(f)
     assert manifest["run_id"] == run2 and manifest["restored_from"] == "step-000000002"
@@ -247,9 +249,10 @@ def test_a_rollback_inside_one_checkpointer_starts_a_new_lineage(tmp_path):
             committed += ckpt.wait(timeout_s=120)
     mine = second_run[:8]
     assert [i.step for i in committed] == [5, 6, 7]  # the new trajectory's versions are all checkpointed
-    # keep=3 counts the new lineage only: the restore point and the abandoned trajectory survive.
+    # keep=3 counts the lineage: the restore point survived until three newer ones committed; the
+    # abandoned trajectory (5 and 6 of the first run) survives.
     assert _names(tmp_path) == [
-        "step-000000004", "step-000000005", f"step-000000005-{mine}", "step-000000006", f"step-000000006-{mine}", "step-000000007",
+        "step-000000005", f"step-000000005-{mine}", "step-000000006", f"step-000000006-{mine}", "step-000000007",
     ]
     assert (tmp_path / "latest").read_text() == "step-000000007"
     for step in (5, 6, 7):

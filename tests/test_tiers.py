@@ -433,3 +433,45 @@ def test_verify_checks_the_named_files_instead_of_a_share(tmp_path):
     report = verify_checkpoint(store, name, read_blobs=False, files=frozenset({shards[0]}))
     assert report.files == 1 and not report.ok
     assert shards[0] in report.problems[0]
+
+
+def test_a_restore_below_the_tiers_newest_trains_on_under_lineage_names(tmp_path):
+    """Before: restore(step=4) from the tier, then training on raised CheckpointExistsError at version 6, which
+    the earlier run's tier already held: the taken versions were read from the root only."""
+    root, local = str(tmp_path / "root"), str(tmp_path / "local")
+    _train(root, local, steps=8, every=8, local_keep=3)
+    assert _steps(local) == [4, 6, 8] and _steps(root) == [8]
+    model, opt, sched, sampler = make_run(seed=3)
+    with Checkpointer(model, opt, root, every=8, local_every=2, local_keep=3, local_dir=local) as ckpt:
+        assert ckpt.restore(step=4).step == 4
+        run = ckpt._lineage.run_id
+        for _ in range(4):
+            train_step(model, opt, sched, sampler)
+            ckpt.step()
+        ckpt.wait(timeout_s=120)
+    names = sorted(os.listdir(local))
+    assert f"step-000000006-{run[:8]}" in names and f"step-000000008-{run[:8]}" in names, names
+    assert f"step-000000008-{run[:8]}" in os.listdir(root)
+
+
+def test_restarts_never_grow_the_tier_beyond_local_keep_plus_one_and_the_log_names_local_keep(tmp_path, caplog):
+    """Before: each crash and restore left the previous run's tier checkpoints: local_keep=2 held 8 after three cycles,
+    and the retention line said keep= for a local_keep deletion."""
+    root, local = str(tmp_path / "root"), str(tmp_path / "local")
+    held = []
+    for cycle in range(4):
+        model, opt, sched, sampler = make_run(seed=cycle)
+        with caplog.at_level(logging.INFO, logger="overlapckpt"):
+            with Checkpointer(model, opt, root, every=100, keep=2, local_every=1, local_keep=2, local_dir=local,
+                              stateful={"sched": sched, "sampler": sampler}) as ckpt:
+                if cycle:
+                    ckpt.restore()
+                for _ in range(3):
+                    train_step(model, opt, sched, sampler)
+                    ckpt.step()
+                ckpt.wait(timeout_s=120)
+        held.append(len(CheckpointStore(local).committed_names()))
+    assert max(held) <= 3, held
+    assert _steps(local) == [11, 12]  # the lineage's newest two: each run resumed where the one before ended
+    removed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("retention (")]
+    assert removed and all(line.startswith("retention (local_keep=2) removed ") for line in removed), removed

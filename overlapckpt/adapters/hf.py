@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..user_log import say_resumed
 from . import AdapterSettings, commit_line, finish, metric_figures, require
 
 _transformers = require("hf")
@@ -208,7 +209,10 @@ class OverlapCallback(TrainerCallback):  # type: ignore[misc, valid-type]
         if state.global_step > 0:  # the Trainer resumed: continue its step count and lineage
             ours = [i for i in list_checkpoints(self.settings.root) if i.step == state.global_step]
             self.ckpt.continued_from(ours[-1] if ours else state.global_step)
-            log.info("continuing from global step %d", state.global_step)
+            if ours:
+                say_resumed(ours[-1].path, ours[-1].step, "root, read by the Trainer", None)
+            else:
+                log.info("continuing from global step %d (a checkpoint of the Trainer's own)", state.global_step)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.ckpt is not None:

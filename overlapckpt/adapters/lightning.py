@@ -24,17 +24,22 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import CheckpointNotFoundError, ConfigError
 from ..restore import CheckpointContents, optimizer_state_by_index, read_checkpoint
 from ..restore.apply import restore_rng
 from ..restore.tiers import RestoreReport, Source, from_newest_tier
+from ..user_log import say_resumed
 from . import AdapterSettings, commit_line, finish, metric_figures, require
 
 _pl = require("lightning")
-Checkpoint = _pl.callbacks.Checkpoint
+ModelCheckpoint = _pl.callbacks.ModelCheckpoint
 CheckpointIO = _pl.plugins.io.CheckpointIO
+# Lightning's warning when fit(ckpt_path="last") finds nothing: on a first run with this callback that is
+# expected, and its hint (save_last=True) is wrong for it; the callback logs its own line instead.
+_NO_LAST_WARNING = r'.*ckpt_path="last"\) is set, but there is no last checkpoint available.*'
 
 log = logging.getLogger("overlapckpt.lightning")
 STATE_NAME = "lightning"  # the stateful object under which Lightning's own checkpoint is kept
@@ -81,8 +86,14 @@ class _OverlapCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
         return self.callback._read_for_resume(str(path))
 
 
-class OverlapCheckpoint(Checkpoint):  # type: ignore[misc, valid-type]
-    """Checkpoint a Lightning run in the background; resume with ``trainer.fit(model, ckpt_path=dirpath)``.
+class OverlapCheckpoint(ModelCheckpoint):  # type: ignore[misc, valid-type]
+    """Checkpoint a Lightning run in the background; resume with ``trainer.fit(model, ckpt_path="last")``.
+
+    ``ckpt_path="last"``, Lightning's own idiom, resumes the newest verified checkpoint of
+    ``dirpath`` (and of the node-local tier), and starts fresh on the first run, when there
+    is none: the same line serves the first run and every restart. (Lightning resolves
+    "last" through its ``ModelCheckpoint`` callbacks, so this callback is one that saves no
+    ``.ckpt`` file of its own.) ``ckpt_path=<one checkpoint directory>`` resumes that one.
 
     Args:
         dirpath: the checkpoint root (a local directory or an fsspec URL such as s3://bucket/prefix).
@@ -109,7 +120,8 @@ class OverlapCheckpoint(Checkpoint):  # type: ignore[misc, valid-type]
         local_every_n_train_steps: int | None = None,
         **checkpointer_options: Any,
     ) -> None:
-        super().__init__()
+        # A ModelCheckpoint that saves nothing itself (no top-k, no last.ckpt): Lightning asks it for "last".
+        super().__init__(dirpath=None, save_top_k=0, save_last=False)
         self.settings = AdapterSettings.checked(
             "OverlapCheckpoint", "dirpath", dirpath, (), every=every_n_train_steps, window=window, consistency=consistency,
             keep=keep, save_on_train_end=save_on_train_end, options=checkpointer_options, local_every=local_every_n_train_steps,
@@ -168,7 +180,31 @@ class OverlapCheckpoint(Checkpoint):  # type: ignore[misc, valid-type]
             self.ckpt.continued_from(contents.info)
             self.ckpt._report_restore(report, contents.info.step)
             self.restore_figures = self.ckpt.restore_figures
-            log.info("resumed from %s (version %d, global step %d)", contents.info.path, contents.info.step, trainer.global_step)
+            say_resumed(contents.info.path, contents.info.step, report.source, report.choose_s + report.read_s)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        pass  # ModelCheckpoint's .ckpt saves: this callback checkpoints on its own schedule
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        pass
+
+    def _find_last_checkpoints(self, trainer: Any) -> set[str]:
+        """What ``fit(ckpt_path="last")`` resumes: this root when it or the local tier holds a checkpoint, else none.
+
+        The root, not one directory: reading it (``_read_for_resume``) takes the newest
+        verified of the two tiers, falling back past a refused one.
+        """
+        import torch.distributed as dist
+
+        from ..restore.locate import anything_to_restore
+
+        group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        storage_options = self.settings.options.get("storage_options")
+        if anything_to_restore(self.dirpath, self.settings.local_dir(), storage_options, group):
+            return {self.dirpath}
+        log.info("no checkpoint under %s yet: fit(ckpt_path=\"last\") starts fresh", self.dirpath)
+        warnings.filterwarnings("ignore", message=_NO_LAST_WARNING)
+        return set()
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self.ckpt is not None:
@@ -220,6 +256,8 @@ class OverlapCheckpoint(Checkpoint):  # type: ignore[misc, valid-type]
         text = str(path).rstrip("/")
         if text.endswith(".ckpt"):
             return False
+        if text == self.dirpath.rstrip("/"):
+            return True  # this callback's root: its checkpoints may be in the local tier only
         try:
             return holds_checkpoints(text, self.settings.options.get("storage_options"))
         except (OSError, ConfigError):  # CheckpointReadError is an OSError
@@ -228,6 +266,8 @@ class OverlapCheckpoint(Checkpoint):  # type: ignore[misc, valid-type]
     def _read_for_resume(self, path: str) -> dict[str, Any]:
         """Lightning's checkpoint dict from one of ours: tensors from the shards, the rest from the manifest."""
         import torch.distributed as dist
+
+        from ..restore.locate import anything_to_restore
 
         distributed = dist.is_available() and dist.is_initialized()
         rank = dist.get_rank() if distributed else 0
@@ -239,8 +279,13 @@ class OverlapCheckpoint(Checkpoint):  # type: ignore[misc, valid-type]
                 signing_key=self.settings.options.get("signing_key"), rank=rank,
             )
 
-        # The root itself (fit(ckpt_path=dirpath)): the newest verified of the local tier and the root.
+        # The root itself (fit(ckpt_path="last") or dirpath): the newest verified of the local tier and the root.
         at_root = path.rstrip("/") == self.dirpath.rstrip("/")
+        if at_root and not anything_to_restore(path, self.settings.local_dir(), storage_options, dist.group.WORLD if distributed else None):
+            raise CheckpointNotFoundError(
+                f"fit(ckpt_path={path!r}): no checkpoint under it yet; pass ckpt_path=\"last\", which resumes the newest "
+                "checkpoint and starts fresh when there is none (a first run)"
+            )
         report = RestoreReport()
         contents = from_newest_tier(
             path, self.settings.local_dir() if at_root else None, None, storage_options,

@@ -134,6 +134,8 @@ class CheckpointInfo:
     world_size: int = 1  # ranks that wrote it
     run_id: str | None = None  # the run that wrote it (None: written before runs had ids)
     restored_from: str | None = None  # the checkpoint its run continued from (its lineage), if any
+    # The runs its run descends from, nearest first: (run id, the version it continued from).
+    ancestors: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def from_manifest(cls, manifest: Manifest, path: str) -> CheckpointInfo:
@@ -149,6 +151,7 @@ class CheckpointInfo:
             world_size=manifest.world_size,
             run_id=manifest.run_id,
             restored_from=manifest.restored_from,
+            ancestors=manifest.ancestors,
         )
 
 
@@ -183,6 +186,22 @@ def _ints(raw: Any, key: str, where: str) -> tuple[int, ...]:
 
 
 _NUMBER = (int, float)
+# A lineage longer than this keeps its nearest runs: older ones' checkpoints were retired long before.
+MAX_ANCESTORS = 256
+
+
+def _ancestors(raw: Any, where: str) -> tuple[tuple[str, int], ...]:
+    values = _field(raw, "ancestors", list, where, [])
+    ok = len(values) <= MAX_ANCESTORS and all(
+        isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and isinstance(v[1], int) and not isinstance(v[1], bool)
+        for v in values
+    )
+    if not ok:
+        raise CorruptCheckpointError(
+            f"manifest {where} has a malformed field 'ancestors': {values!r:.200} is not a list of at most {MAX_ANCESTORS} "
+            "[run id, version] pairs; the file is damaged"
+        )
+    return tuple((str(v[0]), int(v[1])) for v in values)
 
 
 @dataclass(frozen=True)
@@ -334,6 +353,9 @@ class Manifest:
     mesh_shape: tuple[int, ...] = (1,)
     run_id: str | None = None
     restored_from: str | None = None
+    # The lineage its run continued: (run id, version continued from) of each earlier run, nearest
+    # first. Retention counts those runs' checkpoints up to those versions as this run's own.
+    ancestors: tuple[tuple[str, int], ...] = ()
     checksums: ChecksumsRecord | None = None  # None only in format 1 (not verifiable)
     exports: dict[str, ExportRecord] = field(default_factory=dict)
     extra_state: dict[str, Any] = field(default_factory=dict)  # one process: tagged JSON; distributed: per rank
@@ -374,6 +396,7 @@ class Manifest:
             mesh_shape=_ints(raw, "mesh_shape", where) if "mesh_shape" in raw else (1,),
             run_id=_field(raw, "run_id", (str, type(None)), where, None),
             restored_from=_field(raw, "restored_from", (str, type(None)), where, None),
+            ancestors=_ancestors(raw, where),
             checksums=None if checksums is None else ChecksumsRecord.from_json(checksums, f"{where} (checksums)"),
             exports={
                 str(k): ExportRecord(_field(v, "nbytes", int, where), _field(v, "crc32", int, where))
@@ -405,6 +428,7 @@ class Manifest:
             "mesh_shape": list(self.mesh_shape),
             "run_id": self.run_id,
             "restored_from": self.restored_from,
+            "ancestors": [list(a) for a in self.ancestors],
             "ledger": self.ledger,
             "stats": self.stats,
             "extra_state_index": list(self.extra_state_index),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -51,11 +53,30 @@ def unnamed(key_layout: str, host: dict[str, Any], osd: dict[str, Any] | None) -
     return model_sd, {"state": flat["state"], "param_groups": [saved_group(flat, live) for live in osd["param_groups"]]}
 
 
-def restore_extra_state(extra: dict[str, Any], stateful: dict[str, Any]) -> None:
+def restore_extra_state(extra: dict[str, Any], stateful: dict[str, Any]) -> Callable[[], None]:
+    """Load each stateful object's saved state, then the RNG states; returns what puts them back as they were.
+
+    On a failure here the objects loaded before it are put back at once, and the error goes on.
+    """
     saved = extra.get("stateful", {})
-    for name, obj in stateful.items():
-        obj.load_state_dict(saved[name])
-    restore_rng(extra.get("rng", {}))
+    loaded: list[tuple[Any, Any]] = []
+    rng_before = torch.get_rng_state()
+
+    def undo() -> None:
+        for obj, before in reversed(loaded):
+            obj.load_state_dict(before)
+        torch.set_rng_state(rng_before)
+
+    try:
+        for name, obj in stateful.items():
+            before = copy.deepcopy(obj.state_dict())
+            obj.load_state_dict(saved[name])
+            loaded.append((obj, before))
+        restore_rng(extra.get("rng", {}))
+    except BaseException:
+        undo()
+        raise
+    return undo
 
 
 def restore_rng(rng: dict[str, Any]) -> None:
@@ -65,3 +86,34 @@ def restore_rng(rng: dict[str, Any]) -> None:
     cuda_states = rng.get("torch_cuda")
     if cuda_states and torch.cuda.is_available() and len(cuda_states) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(cuda_states)
+
+
+class LiveObjectsKept:
+    """Undo what a failed load did to the live objects: ``with LiveObjectsKept(optimizers, stateful): ...``.
+
+    A load builds the optimizer's state first when it has none (``get_state_dict`` runs one
+    zero-gradient step to create AdamW's moments and step counts), so a load that then fails
+    (no checkpoint, a mismatch, a refused byte) must take that state away again: a run that
+    catches the error and trains on must equal one that never tried. The parameters'
+    gradients the creating step replaced are put back too. Stateful objects and the RNG
+    states are applied last (``restore_extra_state``), which undoes its own on a failure.
+    """
+
+    def __init__(self, optimizers: Any) -> None:
+        # torch_optimizers' value: None, one optimizer, or a tuple of them (a group's).
+        self.optimizers = list(optimizers) if isinstance(optimizers, tuple) else [] if optimizers is None else [optimizers]
+        # Which optimizers had state, and every parameter's gradient, before the load touched them.
+        self.had_state = [bool(o.state) for o in self.optimizers]
+        self.grads = [(p, p.grad) for o in self.optimizers for g in o.param_groups for p in g["params"]]
+
+    def __enter__(self) -> LiveObjectsKept:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            return
+        for optimizer, had in zip(self.optimizers, self.had_state):
+            if not had:
+                optimizer.state.clear()
+        for p, grad in self.grads:
+            p.grad = grad

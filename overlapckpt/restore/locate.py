@@ -164,3 +164,22 @@ def holds_checkpoints(path: str, storage_options: dict[str, Any] | None) -> bool
     """Whether ``path`` is a committed checkpoint directory, or a root with at least one committed checkpoint."""
     store, name = split_checkpoint_path(path, storage_options)
     return name is not None or bool(store.committed_names())
+
+
+def anything_to_restore(path: str, local_dir: str | None, storage_options: dict[str, Any] | None, group: Any = None) -> bool:
+    """Whether ``path`` (a root or one checkpoint directory), or the local tier ``local_dir``, holds a committed checkpoint.
+
+    Under torch.distributed every rank gets the same answer: a node's local tier is its own,
+    so one node's checkpoint makes it true for all (the restore then fetches or falls back).
+    Storage that cannot be read raises CheckpointReadError: it is not an empty root, and a
+    run that started fresh over it would name its checkpoints as if nothing came before.
+    """
+    with translate_read_errors(str(path)):
+        found = holds_checkpoints(path, storage_options) or bool(local_dir and CheckpointStore(local_dir).committed_names())
+    if group is None:
+        return found
+    import torch.distributed as dist
+
+    answers: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(answers, found, group=group)
+    return any(answers)

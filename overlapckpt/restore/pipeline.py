@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, Literal, overload
 
 import torch
 from torch import nn
@@ -18,7 +20,9 @@ from ..format.manifest import CheckpointInfo
 from ..format.verify import read_manifest
 from ..optimizers import torch_optimizers, unwrap_optimizer
 from ..restore_marks import mark_restored
-from .apply import apply_state_dicts, live_state_dicts, named_as, restore_extra_state, unnamed
+from ..settings import check_optimizer_matches_model
+from ..user_log import say_fresh, say_resumed
+from .apply import LiveObjectsKept, apply_state_dicts, live_state_dicts, named_as, restore_extra_state, unnamed
 from .check import (
     PER_RANK_STATE_CHOICES,
     check_items_stored,
@@ -29,10 +33,28 @@ from .check import (
     per_rank_extra_state,
     warn_of_stateful_not_given,
 )
-from .locate import checkpoint_at
+from .locate import anything_to_restore, checkpoint_at
 from .plan import files_in_load_plan
 from .read import agree_before_reading, empty_like_on_cpu, read_into, world_of
 from .tiers import Fetch, RestoreReport, Source, from_newest_tier
+
+
+@overload
+def load(
+    path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, stateful: dict[str, Any] | None = ...,
+    step: int | None = ..., storage_options: dict[str, Any] | None = ..., verify: bool = ..., *, per_rank_state: str = ...,
+    process_group: Any = ..., signing_key: str | bytes | None = ..., local_dir: str | os.PathLike[str] | None = ...,
+    missing_ok: Literal[False] = ...,
+) -> CheckpointInfo: ...
+
+
+@overload
+def load(
+    path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, stateful: dict[str, Any] | None = ...,
+    step: int | None = ..., storage_options: dict[str, Any] | None = ..., verify: bool = ..., *, per_rank_state: str = ...,
+    process_group: Any = ..., signing_key: str | bytes | None = ..., local_dir: str | os.PathLike[str] | None = ...,
+    missing_ok: bool,
+) -> CheckpointInfo | None: ...
 
 
 def load(
@@ -48,7 +70,8 @@ def load(
     process_group: Any = None,
     signing_key: str | bytes | None = None,
     local_dir: str | os.PathLike[str] | None = None,
-) -> CheckpointInfo:
+    missing_ok: bool = False,
+) -> CheckpointInfo | None:
     """Restore a committed checkpoint in place: model, optimizer, stateful objects and RNG states.
 
     ``path`` is the checkpoint root (``step=None`` loads the newest committed
@@ -79,9 +102,31 @@ def load(
     lacks them); a refused one (corrupt, missing) is skipped with a warning naming it, and
     the root is loaded (``restore/tiers.py``).
     The choice, and the time the load took, are logged.
+
+    ``missing_ok=True``: when neither the root nor ``local_dir`` holds any committed
+    checkpoint (a first run), return None and leave every object untouched, instead of
+    raising CheckpointNotFoundError: the one line that resumes if there is anything, else
+    starts fresh. A load that fails for any other reason raises, and leaves the live
+    objects as they were (the optimizer's state is not created).
     """
     kwargs: dict[str, Any] = {"per_rank_state": per_rank_state, "process_group": process_group, "signing_key": signing_key}
-    return _from_tiers(path, model, optimizer, stateful, step, storage_options, verify, kwargs, local_dir, None, None)
+    return _from_tiers(path, model, optimizer, stateful, step, storage_options, verify, kwargs, local_dir, None, None, missing_ok)
+
+
+@overload
+def load_fetching_replicas(
+    fetch: Fetch, path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, stateful: dict[str, Any] | None,
+    step: int | None, storage_options: dict[str, Any] | None, *, process_group: Any, signing_key: str | bytes | None,
+    local_dir: str | None, report: RestoreReport, missing_ok: Literal[False] = ...,
+) -> CheckpointInfo: ...
+
+
+@overload
+def load_fetching_replicas(
+    fetch: Fetch, path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, stateful: dict[str, Any] | None,
+    step: int | None, storage_options: dict[str, Any] | None, *, process_group: Any, signing_key: str | bytes | None,
+    local_dir: str | None, report: RestoreReport, missing_ok: bool,
+) -> CheckpointInfo | None: ...
 
 
 def load_fetching_replicas(
@@ -97,12 +142,13 @@ def load_fetching_replicas(
     signing_key: str | bytes | None,
     local_dir: str | None,
     report: RestoreReport,
-) -> CheckpointInfo:
+    missing_ok: bool = False,
+) -> CheckpointInfo | None:
     """``load`` (verified, per-rank state restored) for ``Checkpointer.restore()`` and TorchTitan's resume: across
     nodes, a node that lacks local-tier files gets them through ``fetch`` (the writers); in one process it is never called.
     ``report`` is filled with where it read from and what each part took."""
     kwargs: dict[str, Any] = {"per_rank_state": "restore", "process_group": process_group, "signing_key": signing_key}
-    return _from_tiers(path, model, optimizer, stateful, step, storage_options, True, kwargs, local_dir, fetch, report)
+    return _from_tiers(path, model, optimizer, stateful, step, storage_options, True, kwargs, local_dir, fetch, report, missing_ok)
 
 
 def _from_tiers(
@@ -117,10 +163,46 @@ def _from_tiers(
     local_dir: str | os.PathLike[str] | None,
     fetch: Fetch | None,
     report: RestoreReport | None,
-) -> CheckpointInfo:
+    missing_ok: bool = False,
+) -> CheckpointInfo | None:
     group, rank, world = world_of(kwargs["process_group"])
     # A wrapper: the optimizer inside; a container of optimizers (TorchTitan's): those it steps.
     optimizers = None if optimizer is None else torch_optimizers(unwrap_optimizer(optimizer))
+    for each in (optimizers if isinstance(optimizers, tuple) else (optimizers,)) if optimizers is not None else ():
+        check_optimizer_matches_model(model, each, given_to="load")
+    directory = None if local_dir is None else os.fspath(local_dir)
+    # Before anything touches a live object: a first run has nothing to restore, on every rank alike.
+    if step is None and not anything_to_restore(path, directory, storage_options, group):
+        if missing_ok:
+            say_fresh(path, directory)
+            return None
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint under {path!r}{'' if directory is None else f' or in the local tier {directory!r}'}; "
+            "check the path, or pass missing_ok=True to start fresh when there is none (a first run)"
+        )
+    started = time.perf_counter()
+    report = report if report is not None else RestoreReport()
+    with LiveObjectsKept(optimizers):
+        info = _read_newest(path, model, optimizer, optimizers, stateful, step, storage_options, verify, kwargs, directory, fetch, report)
+    say_resumed(info.path, info.step, report.source, time.perf_counter() - started)
+    return info
+
+
+def _read_newest(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    optimizers: list[torch.optim.Optimizer] | None,
+    stateful: dict[str, Any] | None,
+    step: int | None,
+    storage_options: dict[str, Any] | None,
+    verify: bool,
+    kwargs: dict[str, Any],
+    directory: str | None,
+    fetch: Fetch | None,
+    report: RestoreReport | None,
+) -> CheckpointInfo:
+    group, rank, world = world_of(kwargs["process_group"])
     live = live_state_dicts(model, optimizers)  # collective for some parallelisms: every rank, first; once for every source
 
     def read(source: Source) -> CheckpointInfo:
@@ -136,7 +218,6 @@ def _from_tiers(
         check_signed(store, name, manifest, kwargs["signing_key"])
         return files_in_load_plan(store, name, manifest, named_as(manifest.key_layout, *live), rank == 0)
 
-    directory = None if local_dir is None else os.fspath(local_dir)
     return from_newest_tier(path, directory, step, storage_options, group, world, read, fetch, files_read, report)
 
 
@@ -165,6 +246,7 @@ def _load_one(
     failure: BaseException | None = None
     name: str | None = None
     extra: dict[str, Any] = {}
+    undo_extra: Callable[[], None] | None = None
     try:
         store, name = checkpoint_at(path, step, storage_options)
 
@@ -181,13 +263,37 @@ def _load_one(
         if per_rank_state == "restore":  # before reading: the reads write into the live tensors
             extra = per_rank_extra_state(manifest, rank)
             check_stateful_names(extra, stateful or {}, store.checkpoint_url(name))
+            # The stateful objects and RNG states first, before any tensor changes (a local read places
+            # into the live tensors): one that fails leaves the tensors as they were, and the ones loaded
+            # before it are put back; a failure after this puts them all back (undo_extra).
+            undo_extra = restore_extra_state(extra, stateful or {})
     except OverlapCkptError as e:  # raised on every rank below, before any rank reads
         failure = e
-    agree_before_reading(group, failure, name)
-    where = store.checkpoint_url(name)  # type: ignore[arg-type]
+    except Exception as e:  # noqa: BLE001 - a stateful object's own load_state_dict: raised below, as it is
+        failure = e
+    try:
+        agree_before_reading(group, failure, name)
+        where = store.checkpoint_url(name)  # type: ignore[arg-type]
+        if name is None:  # every rank agreed above that nothing failed, so the name was resolved
+            raise CheckpointNotFoundError(f"no checkpoint under {path!r} to load")
+        host = _read_tensors(store, name, target, group, manifest, verify)
+        if per_rank_state == "restore":
+            warn_of_stateful_not_given(extra, stateful or {}, where)
+        model_sd, optim_sd = unnamed(manifest.key_layout, host, osd)
+        apply_state_dicts(model, optimizers, model_sd, optim_sd)
+    except BaseException:
+        if undo_extra is not None:
+            undo_extra()
+        raise
+    info = CheckpointInfo.from_manifest(manifest, where)
+    if optimizer is not None:
+        # A Checkpointer built next on these objects continues this version count (restore_marks.py).
+        mark_restored(model, unwrap_optimizer(optimizer), optimizers, info)
+    return info
 
-    if name is None:  # every rank agreed above that nothing failed, so the name was resolved
-        raise CheckpointNotFoundError(f"no checkpoint under {path!r} to load")
+
+def _read_tensors(store: Any, name: str, target: dict[str, Any], group: Any, manifest: Any, verify: bool) -> dict[str, Any]:
+    """The checkpoint's tensors: into ``target``'s live tensors from local files, else into host tensors of the load's own."""
     if store.is_local:
         # Local files: a second read comes from the page cache at memory speed. The first pass
         # reads and checks every blob and changes nothing; the second reads into the live
@@ -196,19 +302,8 @@ def _load_one(
         # The second pass checks again only what changed since the first (it refuses it).
         checked = read_into(store, name, target, group, manifest, mode=CHECK) if verify else None
         read_into(store, name, target, group, manifest if verify else None, mode=PLACE, checked_files=checked)
-        host = target
-    else:  # a second read would be a second download: one read, into host tensors of the load's own
-        host = empty_like_on_cpu(target)
-        read_into(store, name, host, group, manifest if verify else None, mode=ADOPT)
-
-    if per_rank_state == "restore":
-        warn_of_stateful_not_given(extra, stateful or {}, where)
-    model_sd, optim_sd = unnamed(manifest.key_layout, host, osd)
-    apply_state_dicts(model, optimizers, model_sd, optim_sd)
-    if per_rank_state == "restore":
-        restore_extra_state(extra, stateful or {})
-    info = CheckpointInfo.from_manifest(manifest, where)
-    if optimizer is not None:
-        # A Checkpointer built next on these objects continues this version count (restore_marks.py).
-        mark_restored(model, unwrap_optimizer(optimizer), optimizers, info)
-    return info
+        return target
+    # A second read would be a second download: one read, into host tensors of the load's own.
+    host = empty_like_on_cpu(target)
+    read_into(store, name, host, group, manifest if verify else None, mode=ADOPT)
+    return host

@@ -279,7 +279,7 @@ class _TierWrite:
         warnings: list[str] = []
         if self.leads:  # committed: a failure from here on is a warning
             warnings = _write_latest(store, req)
-            removed, retention_warnings = retire_old(store, req, self.keep, purge_later)
+            removed, retention_warnings = retire_old(store, req, self.keep, purge_later, local_tier=self.tier == LOCAL_TIER)
             warnings += retention_warnings
         phases.lap(self.prefix + "commit")
         path = store.checkpoint_url(req.name)
@@ -385,7 +385,9 @@ def _committed_already(
     removed: list[str] = []
     if leads:
         warnings = _write_latest(store, req)
-        removed, retention_warnings = retire_old(store, req, req.local_keep if tier == LOCAL_TIER else req.keep, purge_later)
+        removed, retention_warnings = retire_old(
+            store, req, req.local_keep if tier == LOCAL_TIER else req.keep, purge_later, local_tier=tier == LOCAL_TIER
+        )
         warnings += retention_warnings
     return p.CommittedResponse(
         request_id=req.request_id,
@@ -457,6 +459,7 @@ def _manifest(
         "stats": req.stats,
         "run_id": req.run_id,
         "restored_from": req.restored_from,
+        "ancestors": tuple(req.ancestors),
         "extra_state_index": tuple(sorted(req.extra_state.keys())),
         "key_layout": req.key_layout,
         "optimizer": req.optimizer,

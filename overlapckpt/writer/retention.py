@@ -50,43 +50,67 @@ def _lineage(raw: bytes, where: str) -> tuple[str | None, int]:
     return manifest.run_id, manifest.step
 
 
-def select_for_retention(store: CheckpointStore, just_committed: str, run_id: str, keep: int) -> list[str]:
-    """This run's oldest committed checkpoints beyond ``keep``, by version: the ones retention retires.
+def select_for_retention(
+    store: CheckpointStore,
+    just_committed: str,
+    run_id: str,
+    keep: int,
+    ancestors: tuple[tuple[str, int], ...] = (),
+    retire_abandoned: bool = False,
+) -> list[str]:
+    """The lineage's oldest committed checkpoints beyond ``keep``, by version: the ones retention retires.
 
-    Only this run's lineage counts: checkpoints of other runs under the same root (the
-    abandoned trajectory after a rollback, an earlier job) are never deleted by it. The
+    The lineage is this run and the runs it descends from (``ancestors``: each with the
+    version its descendant continued from): a restarted job's predecessors count as its own,
+    so fifty restarts still hold at most ``keep + 1`` (the restore point survives until this
+    run commits a newer one). An ancestor's checkpoints newer than the version continued
+    from belong to a trajectory the lineage abandoned (a rollback, or a newer checkpoint that
+    was refused): kept in the root, where a rollback loses nothing, and with
+    ``retire_abandoned`` (the node-local tier: node memory) retired too. Checkpoints of other
+    runs (another job, a branch this lineage never continued) are never deleted by it. The
     checkpoint just committed and the one ``latest`` names are never deleted.
     """
     protected = {just_committed, store.read_latest()}
+    continued_up_to: dict[str, int] = {}
+    for ancestor, version in ancestors:
+        continued_up_to.setdefault(ancestor, version)
     mine: list[tuple[int, str]] = []
+    abandoned: list[str] = []
     for name in store.committed_names():
         try:
             owner, step = _lineage(store.read_bytes(name, MANIFEST_NAME), store.checkpoint_url(name))
         except Exception:
-            continue  # a damaged or unreadable manifest: not provably this run's, so kept
-        if owner == run_id:
+            continue  # a damaged or unreadable manifest: not provably this lineage's, so kept
+        if owner == run_id or (owner in continued_up_to and step <= continued_up_to[owner]):
             # By version, never by created_at: a wall clock that steps back (NTP, a VM
             # migration) must not make a newer checkpoint the oldest.
             mine.append((step, name))
+        elif owner in continued_up_to and retire_abandoned:
+            abandoned.append(name)
     mine.sort()
-    return [name for _, name in mine[: max(0, len(mine) - keep)] if name not in protected]
+    retired = [name for _, name in mine[: max(0, len(mine) - keep)]] + abandoned
+    return [name for name in retired if name not in protected]
 
 
-def retire_old(store: CheckpointStore, req: p.PersistRequest, keep: int | None, purge_later: Retired) -> tuple[list[str], list[str]]:
+def retire_old(
+    store: CheckpointStore, req: p.PersistRequest, keep: int | None, purge_later: Retired, local_tier: bool = False
+) -> tuple[list[str], list[str]]:
     """Retention's fast part, before the commit is answered: the oldest beyond ``keep`` uncommitted, out of the listing.
 
     (names retired, warnings). Their directories go to ``purge_later``: deleting them
     (unlinking hundreds of MiB each) took 0.3 s of a 768 MiB checkpoint's 1.4 s to
     durable when it ran before the answer. A failure is a warning: the checkpoint is
-    committed all the same.
+    committed all the same. ``local_tier``: ``keep`` is ``local_keep``, and the lineage's
+    abandoned checkpoints go too (``select_for_retention``).
     """
     if keep is None:
         return [], []
     retired: list[str] = []
     try:
-        for name in select_for_retention(store, req.name, req.run_id, keep):
+        for name in select_for_retention(store, req.name, req.run_id, keep, tuple(req.ancestors), retire_abandoned=local_tier):
             purge_later.append((store, store.retire_checkpoint(name, run_tag=req.run_id[:8])))
             retired.append(store.checkpoint_url(name))
     except Exception as e:
-        return retired, [f"checkpoint {req.name} committed in {store.root}, but retention (keep={keep}) failed: {type(e).__name__}: {e}"]
+        setting = "local_keep" if local_tier else "keep"
+        return retired, [f"checkpoint {req.name} committed in {store.root}, but retention ({setting}={keep}) failed: {type(e).__name__}: {e}"]
     return retired, []

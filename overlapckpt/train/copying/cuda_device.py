@@ -59,6 +59,12 @@ class CudaDevice:
     def synchronize_event(self, event: Any) -> None:
         event.synchronize()
 
+    def await_event(self, event: Any, timeout_s: float) -> bool:
+        # cudaEventSynchronize has no timeout: it returns once the copy engine has run the copies
+        # recorded before the event (a bounded wait, with the GIL released), and queues nothing.
+        event.synchronize()
+        return True
+
     def synchronize_stream(self, stream: Any) -> None:
         stream.synchronize()
 

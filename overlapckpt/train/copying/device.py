@@ -72,6 +72,14 @@ class StreamDevice(Protocol):
         """Block the host until ``event`` (never from a hook)."""
         ...
 
+    def await_event(self, event: Any, timeout_s: float) -> bool:
+        """Block the calling thread, never the training loop's, until ``event`` is done or ``timeout_s`` passed.
+
+        Whether it is done. Unlike ``synchronize_event`` it hurries nothing queued on the
+        device: a thread that watches copies land must not change when they land.
+        """
+        ...
+
     def synchronize_stream(self, stream: Any) -> None: ...
 
     def elapsed_s(self, start: Any, end: Any) -> float: ...

@@ -131,6 +131,11 @@ class EmulatedStream:
                     f"(done through {self._done_seq}); its worker is stuck"
                 )
 
+    def wait_done(self, seq: int, timeout_s: float) -> bool:
+        """Whether op ``seq`` ran within ``timeout_s``; releases nothing (a watcher must not hurry the held schedule)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._done_seq >= seq, timeout=timeout_s)
+
     def last_seq(self) -> int:
         with self._cv:
             return self._next_seq - 1
@@ -303,6 +308,9 @@ class EmulatedDevice:
         if event.stream.error is not None:
             raise event.stream.error
 
+    def await_event(self, event: EmulatedEvent, timeout_s: float) -> bool:
+        return event.stream.wait_done(event.seq, timeout_s)
+
     def synchronize_stream(self, stream: EmulatedStream) -> None:
         if not stream.synchronous and stream.last_seq() >= 0:
             self.synchronize_event(self.record_event(stream))
@@ -377,6 +385,11 @@ class EmulatedDevice:
 
     def _device_view(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` seen over its block's memory: what a queued copy holds instead of the tensor."""
+        if t.numel() == 0:
+            # An empty tensor has no bytes to copy, and torch gives it data_ptr() 0 even as a view
+            # into a block: an offset from the block's start would be negative (an empty buffer such
+            # as a model's `register_buffer("marker", torch.empty(0))` crashed the first checkpoint).
+            return t.detach()
         with self._lock:
             block = self._live.get(t.untyped_storage().data_ptr())
         if block is None:

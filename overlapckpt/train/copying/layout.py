@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ...errors import ConfigError
 from ...format.entries import ROLE_BUFFER, ROLE_OPTIM, ROLE_PARAM, TensorEntry
 from ...format.key_layout import GET_STATE_DICT, model_path
 from .live_identity import LiveIdentity, new_generation
@@ -73,19 +72,6 @@ def optimizer_shape_signature(optimizer: torch.optim.Optimizer) -> tuple[int, in
     # adds no entries to the count, so it restarts no window. Counted in C, in one pass: it
     # runs at every step of a replay window, over every parameter.
     return sum(map(len, optimizer.state.values())), sum(len(g["params"]) for g in optimizer.param_groups)
-
-
-def check_optimizer_matches_model(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Raise ConfigError when the optimizer updates tensors that are not the model's parameters."""
-    model_params = {id(p) for p in model.parameters()}
-    for gi, group in enumerate(optimizer.param_groups):
-        for pi, p in enumerate(group["params"]):
-            if id(p) not in model_params:
-                raise ConfigError(
-                    f"optimizer.param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) is not a "
-                    "parameter of the model passed to Checkpointer; build the optimizer from "
-                    "model.parameters() of that same model"
-                )
 
 
 def _param_fqns(model: nn.Module) -> dict[int, str]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ...cbuild import NativeLibrary, build_c_library, c_library_path
 
-SOURCE = Path(__file__).resolve().parents[3] / "csrc" / "gather_values.c"
+SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "gather_values.c"
 
 
 def library_path() -> Path | None:

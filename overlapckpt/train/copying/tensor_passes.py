@@ -10,10 +10,14 @@ call per tensor: about 4 ms at a snapshot's start and 3 ms per replay window ste
 one loop over the same objects.
 
 Built ahead, never in a training step: compiling against torch's headers takes about 20 s.
-``make install`` builds it (``build()``); at run time ``passes()`` loads the built library
-if there is one for this source, this torch and this Python, else the twins run, with the
-same answers (tests/test_tensor_passes.py holds both roads to them). ``OVERLAPCKPT_NATIVE=0``
-turns it off, as it turns off ``native.py``'s helper.
+``make install`` and ``overlapckpt build-native`` build it (``build()``); at run time
+``passes()`` loads the built library if there is one for this source, this torch and this
+Python. Where there is none (a ``pip install`` that nobody built for), the first
+``passes()`` starts the build on a thread of its own (the compiler is a subprocess, so it
+holds no GIL): the twins run meanwhile, with the same answers (tests/test_tensor_passes.py
+holds both roads to them), and the hooks take up the extension once it is loaded, and every
+later process at once. ``OVERLAPCKPT_NATIVE=0`` turns it off, as it turns off ``native.py``'s
+helper.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from ...cbuild import compile_into, native_cache_dir
 
 log = logging.getLogger("overlapckpt")
 
-SOURCE = Path(__file__).resolve().parents[3] / "csrc" / "tensor_passes.cpp"
+SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "tensor_passes.cpp"
 MODULE_NAME = "overlapckpt_tensor_passes"  # its PyInit_ name
 _chain = itertools.chain.from_iterable
 _grad_of = operator.attrgetter("grad")
@@ -110,14 +114,33 @@ def passes() -> ModuleType | None:
         return loaded  # type: ignore[return-value]
     with _lock:
         if key not in _loaded:
-            _loaded[key] = _load(library_path())
+            path = library_path()
+            _loaded[key] = _load(path)
+            if _loaded[key] is None and path is not None and not path.is_file() and toolchain() is not None:
+                _build_in_background(key)
         return _loaded[key]
+
+
+def _build_in_background(key: str) -> None:
+    """Build the extension on a thread (the compiler is a subprocess) and publish it to ``passes()`` once loaded."""
+
+    def build_and_load() -> None:
+        built = build()
+        module = _load(built) if built is not None else None
+        if module is not None:
+            with _lock:
+                _loaded[key] = module
+            log.info("the hooks' native passes are built (%s) and in use from now on", built)
+
+    log.info("building the hooks' native passes once, in the background (about 20 s; `overlapckpt build-native` builds "
+             "them ahead): their Python twins run meanwhile")
+    threading.Thread(target=build_and_load, name="overlapckpt-build-native", daemon=True).start()
 
 
 def _load(path: Path | None) -> ModuleType | None:
     if path is None or not path.is_file():
         log.info("the hooks' passes run as their Python twins: no extension built for this source and torch %s "
-                 "(make install, or tensor_passes.build(), builds it)", torch.__version__)
+                 "(make install, or overlapckpt build-native, builds it)", torch.__version__)
         return None
     try:
         loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(path))

@@ -155,6 +155,8 @@ class Copier(Protocol):
 
     def wait(self, ticket: CopyTicket) -> None: ...
 
+    def await_landing(self, ticket: CopyTicket, timeout_s: float) -> bool: ...
+
     def synchronize(self) -> None: ...
 
     def close(self) -> None: ...
@@ -337,6 +339,9 @@ class CpuCopier:
 
     def wait(self, ticket: CopyTicket) -> None:
         return None
+
+    def await_landing(self, ticket: CopyTicket, timeout_s: float) -> bool:
+        return True  # landed at the call
 
     def synchronize(self) -> None:
         return None
@@ -543,6 +548,15 @@ class StreamCopier:
             return False
         self._mark_landed(ticket)
         return True
+
+    def await_landing(self, ticket: CopyTicket, timeout_s: float) -> bool:
+        """From a thread of its own, never a hook: whether the copy landed within ``timeout_s`` (hurries nothing).
+
+        Its landing is recorded by the next ``poll``, on the thread that owns the snapshot.
+        """
+        if ticket.landed_at_s is not None or ticket.done_event is None:
+            return True
+        return self.device.await_event(ticket.done_event, timeout_s)
 
     def wait(self, ticket: CopyTicket) -> None:
         """Block the host until the copy landed: only from wait()/close() and rare paths, never a hook's routine."""

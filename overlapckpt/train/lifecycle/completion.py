@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ...errors import WriterDiedError
+from ..copying.transfer import CopyTicket
 from .snapshot import SnapshotMode, SnapshotState
 from .warnings_text import WRITER_RESTART_WARNING
 
@@ -28,13 +29,22 @@ class SnapshotCompletion:
 
     def progress(self) -> None:
         """Hand landed snapshots to the writer and read its answers. Never blocks."""
+        self.send_landed()
+        self.p.dispatcher.poll()
+        if self.p.dispatcher.agreed_window is not None:
+            self.p.windows.agreed_window = self.p.dispatcher.agreed_window
+
+    def send_landed(self) -> None:
+        """Hand landed snapshots to the writer (the landing watch's step too: it reads no answers, so
+        ``on_commit`` is only ever called from the training thread). A dead writer is noted, raised later."""
         try:
             self._send_landed()
         except WriterDiedError as e:
             self.p.dispatcher.fail(e)  # what was sent is persisted again by a new writer
-        self.p.dispatcher.poll()
-        if self.p.dispatcher.agreed_window is not None:
-            self.p.windows.agreed_window = self.p.dispatcher.agreed_window
+
+    def landing_tickets(self) -> list[CopyTicket]:
+        """The copies of the snapshots waiting only for them to land: what the landing watch waits for."""
+        return [t for snap in self.s.snapshots if snap.state == SnapshotState.LANDING and snap.all_enqueued for t in snap.tickets]
 
     def _send_landed(self) -> None:
         if self.p.slots.preallocation_done():

@@ -14,6 +14,7 @@ import dataclasses
 import enum
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -23,7 +24,7 @@ from ... import protocol as p
 from ...errors import InternalError, OverlapCkptError, WriterDiedError, WritersRegroupedError
 from ...format.key_layout import GET_STATE_DICT
 from ...format.manifest import CheckpointInfo
-from ...format.tiers import ROOT_TIER
+from ...format.tiers import LOCAL_TIER, ROOT_TIER
 from ..consistency.boundary import resolve_boundary, resolve_values
 from ..copying.replay_tables import replay_tables
 from ..copying.slots import SlotPool
@@ -132,6 +133,7 @@ class PersistDispatcher:
             keep=self.keep,
             run_id=self.lineage.run_id,
             restored_from=self.lineage.restored_from,
+            ancestors=tuple(self.lineage.ancestors),
             replay=replay,
             proposed_next_window=proposed_next_window,
             root_leased=self.lineage.root_leased,
@@ -312,8 +314,11 @@ class PersistDispatcher:
             stats.copy_s,
             stats.time_to_commit_s or 0.0,
         )
+        # Which tier's retention removed it: the one whose checkpoint of this commit sits beside it.
+        local_parent = os.path.dirname(response.tier_paths.get(LOCAL_TIER, "").rstrip("/"))
         for name in response.removed:
-            log.info("retention (keep=%s) removed %s", self.keep, name)
+            in_local = bool(local_parent) and os.path.dirname(name.rstrip("/")) == local_parent
+            log.info("retention (%s=%s) removed %s", *(("local_keep", self.local_keep) if in_local else ("keep", self.keep)), name)
         for text in response.warnings:
             log.warning("%s", text)
         figures = {**commit_figures(stats), **self.figures_for_next_commit}

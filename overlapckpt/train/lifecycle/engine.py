@@ -28,6 +28,7 @@ starting snapshots (``starting.py``), sending them and reading the writer's answ
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...errors import WriterDiedError
+from ...errors import InternalError, OverlapCkptError, WriterDiedError
 from ...format.manifest import CheckpointInfo
 from ...optimizers import update_rule_name
 from ...settings import CheckpointerSettings
@@ -56,6 +57,7 @@ from .blocking import BlockingCalls
 from .completion import SnapshotCompletion
 from .dispatch import PersistDispatcher
 from .engine_parts import EngineParts, EngineState
+from .landing_watch import LandingWatch
 from .requests import CheckpointSchedule, RequestQueue
 from .snapshot import SnapshotMode, SnapshotState, SnapshotStats
 from .snapshot_restarts import SnapshotRestarts
@@ -74,7 +76,10 @@ def _counts_host_time(hook: Callable[..., None]) -> Callable[..., None]:
     def timed(self: SnapshotEngine, *args: Any) -> None:
         started, started_cpu = time.perf_counter(), time.thread_time()
         try:
-            hook(self, *args)
+            with self.lock:  # the landing watch runs its completion step only between hooks
+                hook(self, *args)
+                # A snapshot now waiting only for its copies: sent as they land, even if no hook follows soon.
+                self.landing_watch.note(self.parts.completion.landing_tickets())
         finally:
             self.state.hook_host_total_s += time.perf_counter() - started
             self.state.hook_cpu_total_s += time.thread_time() - started_cpu
@@ -148,6 +153,9 @@ class SnapshotEngine:
         p.starts, p.completion, p.blocking, p.restarts = (
             SnapshotStarts(p), SnapshotCompletion(p), BlockingCalls(p), SnapshotRestarts(p),
         )
+        # Held by every hook and blocking call, and by the landing watch while it hands a snapshot over.
+        self.lock = threading.RLock()
+        self.landing_watch = LandingWatch(self.lock, copier.await_landing, p.completion.send_landed, self._watch_failed)
         self.state = p.state
         # Called at each iteration boundary (save on a preemption signal); see preemption.py.
         self.at_boundary = at_boundary
@@ -345,10 +353,21 @@ class SnapshotEngine:
 
     def wait(self, timeout_s: float | None) -> list[CheckpointInfo]:
         """Finish every requested snapshot now and block until the writer committed each."""
-        return self.parts.blocking.wait(timeout_s)
+        with self.lock:
+            return self.parts.blocking.wait(timeout_s)
 
     def abandon(self, timeout_s: float) -> list[CheckpointInfo]:
-        return self.parts.blocking.abandon(timeout_s)
+        with self.lock:
+            return self.parts.blocking.abandon(timeout_s)
+
+    def _watch_failed(self, error: BaseException) -> None:
+        """The landing watch's unexpected error: raised in the training thread at its next hook."""
+        if self.parts.dispatcher.error is None:
+            if not isinstance(error, OverlapCkptError):
+                wrapped = InternalError(f"handing a landed snapshot to the writer failed: {type(error).__name__}: {error}")
+                wrapped.__cause__ = error
+                error = wrapped
+            self.parts.dispatcher.error = error
 
     def covers_current_step(self) -> bool:
         return self.parts.blocking.covers_current_step()
@@ -382,8 +401,9 @@ class SnapshotEngine:
         self.parts.dispatcher.held_versions = {step}
 
     def shut_down(self, writer_timeout_s: float) -> None:
-        """Remove the hooks, stop the writer, release host buffers (after the copies into them)."""
+        """Remove the hooks, stop the landing watch and the writer, release host buffers (after the copies into them)."""
         self.remove_hooks()
+        self.landing_watch.close()
         self.parts.link.close(timeout_s=writer_timeout_s)
         self.release()
 

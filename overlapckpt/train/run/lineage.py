@@ -1,9 +1,12 @@
 """A run's lineage: its id, the checkpoint it continued from, and the versions other runs already hold.
 
-Every Checkpointer is a new run with a random id, written into each manifest. ``keep=``
-counts only this run's checkpoints, so the newer checkpoints of an abandoned
-trajectory (a rollback after a loss spike) are never deleted by the run that rolled
-back, and ``latest`` names this run's newest. A version that another run's committed
+Every Checkpointer is a new run with a random id, written into each manifest, with the
+runs it descends from (``ancestors``: each with the version continued from). ``keep=``
+counts this lineage: a restarted job's predecessors' checkpoints up to the restore
+point count as its own, so restarts never grow a root or a tier beyond ``keep + 1``;
+the newer checkpoints of an abandoned trajectory (a rollback after a loss spike) are
+never deleted by the run that rolled back (in the root), and ``latest`` names this
+run's newest. A version that another run's committed
 checkpoint already holds gets a lineage-aware name (``step-000000004-<run>``), decided
 here at construction or restore, never raised from ``optimizer.step()``.
 
@@ -25,7 +28,7 @@ import secrets
 import warnings
 from dataclasses import dataclass, field
 
-from ...format.manifest import RUN_ID_HEX, STEP_NAMES, NameStyle, checkpoint_name, step_of_name
+from ...format.manifest import MAX_ANCESTORS, RUN_ID_HEX, STEP_NAMES, NameStyle, checkpoint_name, step_of_name
 from ..lifecycle.warnings_text import ROOT_AHEAD_WARNING
 
 log = logging.getLogger("overlapckpt.lineage")
@@ -45,6 +48,10 @@ class Lineage:
     root_leased: bool = False
     names: NameStyle = STEP_NAMES  # step-000000100; step-100 (TorchTitan); checkpoint-100 (the Trainer)
     root: str = ""  # for the warning below
+    # The runs this one descends from, nearest first: (run id, the version it continued from).
+    # Retention counts their checkpoints up to those versions as this run's (writer/retention.py),
+    # so restarts never grow a tier or the root beyond keep + 1.
+    ancestors: tuple[tuple[str, int], ...] = ()
     _warned_root_ahead: bool = False
 
     def note_existing(self, committed_names: list[str], own: set[str]) -> None:
@@ -71,11 +78,21 @@ class Lineage:
             return checkpoint_name(version, self.run_id, style=self.names)
         return checkpoint_name(version, style=self.names)
 
-    def restored(self, name: str, version: int, committed_names: list[str], own: set[str]) -> list[str]:
+    def restored(
+        self,
+        name: str,
+        version: int,
+        committed_names: list[str],
+        own: set[str],
+        lineage_of_restored: tuple[tuple[str, int], ...] = (),
+    ) -> list[str]:
         """This run continues from ``name``: returns the newer checkpoints it leaves alone, and warns of them.
 
-        ``own`` are the checkpoints this run committed before the restore: if some are newer
-        than ``name``, the run continues as a new lineage (see the module's docstring).
+        ``committed_names``: every tier's (the root's and the local tier's). ``own`` are the
+        checkpoints this run committed before the restore: if some are newer than ``name``, the
+        run continues as a new lineage (see the module's docstring). ``lineage_of_restored``:
+        the restored checkpoint's run and version, then its own ancestors; they become this
+        run's ancestors.
         """
         self.restored_from = name
         abandoned = sorted((n for n in own if (step_of_name(n) or 0) > version), key=lambda n: step_of_name(n) or 0)
@@ -89,13 +106,14 @@ class Lineage:
                 f"names with that id, and load(step=...) prefers the run latest names",
                 stacklevel=3,
             )
+        self.ancestors = tuple((run, v) for run, v in lineage_of_restored if run != self.run_id)[:MAX_ANCESTORS]
         self.note_existing(committed_names, own=set() if abandoned else own)
         newer = [n for n in committed_names if n not in own and (step_of_name(n) or 0) > version]
         if newer:
             log.warning(
-                "restored %s (version %d) while newer checkpoints exist: %s. This run keeps them: keep= deletes only "
-                "its own checkpoints, latest will name this run's newest, and a version they hold gets a name "
-                "with this run's id (%s)",
+                "restored %s (version %d) while newer checkpoints exist: %s. This run keeps them: keep= counts only "
+                "this run's lineage (the restore point and what it continued from), latest will name this run's newest, "
+                "and a version they hold gets a name with this run's id (%s)",
                 name,
                 version,
                 ", ".join(newer),
