@@ -127,6 +127,13 @@ def torch_optimizers(optimizer: Any) -> Any:
     return tuple(optimizer.optimizers) if isinstance(optimizer, OptimizerGroup) else optimizer
 
 
+def each_optimizer(optimizers: Any) -> list[torch.optim.Optimizer]:
+    """``torch_optimizers``' value (None, one optimizer, or a group's tuple) as a list of the optimizers."""
+    if optimizers is None:
+        return []
+    return list(optimizers) if isinstance(optimizers, tuple) else [optimizers]
+
+
 _WRAPPER_ATTRIBUTES = ("optimizer", "_optimizer")
 _MAX_WRAPPER_DEPTH = 8
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..format.key_layout import TORCHTITAN, flat_param_groups, saved_group
+from ..optimizers import each_optimizer
 
 
 def live_state_dicts(model: nn.Module, optimizers: list[torch.optim.Optimizer] | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -89,19 +90,19 @@ def restore_rng(rng: dict[str, Any]) -> None:
 
 
 class LiveObjectsKept:
-    """Undo what a failed load did to the live objects: ``with LiveObjectsKept(optimizers, stateful): ...``.
+    """Undo what a failed load did to the optimizers: ``with LiveObjectsKept(optimizers): ...``.
 
     A load builds the optimizer's state first when it has none (``get_state_dict`` runs one
     zero-gradient step to create AdamW's moments and step counts), so a load that then fails
     (no checkpoint, a mismatch, a refused byte) must take that state away again: a run that
     catches the error and trains on must equal one that never tried. The parameters'
     gradients the creating step replaced are put back too. Stateful objects and the RNG
-    states are applied last (``restore_extra_state``), which undoes its own on a failure.
+    states are applied before any tensor is read (``restore_extra_state``), and the load puts
+    them back itself on a failure.
     """
 
     def __init__(self, optimizers: Any) -> None:
-        # torch_optimizers' value: None, one optimizer, or a tuple of them (a group's).
-        self.optimizers = list(optimizers) if isinstance(optimizers, tuple) else [] if optimizers is None else [optimizers]
+        self.optimizers = each_optimizer(optimizers)
         # Which optimizers had state, and every parameter's gradient, before the load touched them.
         self.had_state = [bool(o.state) for o in self.optimizers]
         self.grads = [(p, p.grad) for o in self.optimizers for g in o.param_groups for p in g["params"]]

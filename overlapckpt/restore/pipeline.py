@@ -18,7 +18,7 @@ from ..errors import (
 from ..format.blob_reader import ADOPT, CHECK, PLACE
 from ..format.manifest import CheckpointInfo
 from ..format.verify import read_manifest
-from ..optimizers import torch_optimizers, unwrap_optimizer
+from ..optimizers import each_optimizer, torch_optimizers, unwrap_optimizer
 from ..restore_marks import mark_restored
 from ..settings import check_optimizer_matches_model
 from ..user_log import say_fresh, say_resumed
@@ -168,7 +168,7 @@ def _from_tiers(
     group, rank, world = world_of(kwargs["process_group"])
     # A wrapper: the optimizer inside; a container of optimizers (TorchTitan's): those it steps.
     optimizers = None if optimizer is None else torch_optimizers(unwrap_optimizer(optimizer))
-    for each in (optimizers if isinstance(optimizers, tuple) else (optimizers,)) if optimizers is not None else ():
+    for each in each_optimizer(optimizers):
         check_optimizer_matches_model(model, each, given_to="load")
     directory = None if local_dir is None else os.fspath(local_dir)
     # Before anything touches a live object: a first run has nothing to restore, on every rank alike.
@@ -192,7 +192,7 @@ def _read_newest(
     path: str,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
-    optimizers: list[torch.optim.Optimizer] | None,
+    optimizers: Any,  # torch_optimizers' value: None, one optimizer, or a group's tuple
     stateful: dict[str, Any] | None,
     step: int | None,
     storage_options: dict[str, Any] | None,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -65,6 +66,8 @@ class LandingWatch:
         with self._cv:
             if self.state is WatchState.CLOSED:
                 return
+            if len(tickets) == len(self._tickets) and all(map(operator.is_, tickets, self._tickets)):
+                return  # the same snapshot still landing: the wait under way goes on
             self._tickets = tuple(tickets)
             if self._thread is None and self._tickets:
                 # Started at the first snapshot, not at construction: a Checkpointer that never
