@@ -74,12 +74,14 @@ def _status_mib(pid: int | str, field: str) -> float:
 class _Overlapckpt:
     """One Checkpointer for the whole run, as a training job keeps it."""
 
-    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, root: str, writer_threads: int | None) -> None:
+    def __init__(
+        self, model: nn.Module, opt: torch.optim.Optimizer, root: str, writer_threads: int | None, signing_key: str | None = None
+    ) -> None:
         from overlapckpt import Checkpointer
 
         self.opt = opt
         rss_before = _status_mib("self", "VmRSS")
-        self.ckpt = Checkpointer(model, opt, root, lease=False, keep=2, writer_threads=writer_threads)
+        self.ckpt = Checkpointer(model, opt, root, lease=False, keep=2, writer_threads=writer_threads, signing_key=signing_key)
         self.splits: list[dict[str, float]] = []  # per save: where its time to durable went
         self.cold_s = self.save_s()
         self.trainer_extra_rss_mib = _status_mib("self", "VmRSS") - rss_before  # the host slot, mostly

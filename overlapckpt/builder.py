@@ -29,7 +29,7 @@ from .format.lease import RootLease, sweep_dead_tiers
 from .format.manifest import name_style_for
 from .format.peers import NodeLayout
 from .format.storage import CheckpointStore
-from .format.tiers import default_local_dir
+from .format.tiers import default_local_dir, prepare_tier
 from .protocol import WatchPreemptionRequest
 from .settings import AUTO_WINDOW, CheckpointerSettings
 from .train.consistency.autowindow import PhaseTimer, make_gap_timer
@@ -214,9 +214,8 @@ def _local_tier(s: CheckpointerSettings, distributed: DistributedRun | None) -> 
                 local_replicas=s.tier.local_replicas,
                 replica_bytes_per_s=s.tier.replica_mib_per_s * 2**20,
             )
-    local_store = CheckpointStore(local_dir)
-    local_store.prepare_root()
-    return local_store
+    # Made 0700 and marked as this root's, or refused by name (format/tiers.py).
+    return prepare_tier(local_dir, s.storage.path)
 
 
 def _preemption_guard(

@@ -86,3 +86,7 @@ class SignatureError(CorruptCheckpointError):
 
 class RootLeaseError(ConfigError):
     """Another job holds the lease on this checkpoint root."""
+
+
+class UntrustedPathError(ConfigError):
+    """A node-local tier or the native build cache is a directory another user made or can write (or a symlink): refused."""

@@ -21,16 +21,20 @@ from .cbuild import NativeLibrary, build_c_library, c_library_path
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_adam_cuda.c"
 
 
+# -ffp-contract=off: no FMA the kernel does not write; -fno-math-errno changes no result. Both
+# are in the library's name (cbuild.py): one built otherwise is never reused.
+FLAGS = ["-O2", "-fno-math-errno", "-ffp-contract=off"]
+LIBRARIES = ["-lm"]
+
+
 def library_path() -> Path | None:
-    """Where the built library for this source lives (None without the source: an installed wheel)."""
-    return c_library_path(SOURCE, "fused_adam_cuda")
+    """Where the built library for this source, compiler and flags lives (None without the source: an installed wheel)."""
+    return c_library_path(SOURCE, "fused_adam_cuda", FLAGS, LIBRARIES)
 
 
 def build(quiet: bool = True) -> Path | None:
     """Compile the library if it is not built yet (a fraction of a second); its path, or None where it cannot be."""
-    # -ffp-contract=off: no FMA the kernel does not write; -fno-math-errno changes no result.
-    flags = ["-O2", "-fno-math-errno", "-ffp-contract=off"]
-    return build_c_library(SOURCE, "fused_adam_cuda", flags, ["-lm"], "replay's CUDA fused arithmetic runs through torch", quiet)
+    return build_c_library(SOURCE, "fused_adam_cuda", FLAGS, LIBRARIES, "replay's CUDA fused arithmetic runs through torch", quiet)
 
 
 # CDLL: the call releases the GIL; it runs for milliseconds on large tensors, and the writer's

@@ -202,8 +202,12 @@ class CheckpointerSettings:
             )
         if t.local_every is None:
             raise ConfigError(f"local_dir={t.local_dir!r} is set but local_every is None; pass local_every=N to write the local tier")
-        if os.path.abspath(os.fspath(t.local_dir)) == os.path.abspath(self.storage.path):
-            raise ConfigError(f"local_dir={t.local_dir!r} is the root itself; pass a separate directory on this node")
+        # realpath: a local_dir that is a symlink to the root is the root (its retention would delete root checkpoints).
+        real_local = os.path.realpath(os.fspath(t.local_dir))
+        if "://" not in os.fspath(self.storage.path) and real_local == os.path.realpath(os.fspath(self.storage.path)):
+            raise ConfigError(
+                f"local_dir={t.local_dir!r} is the root itself (both are {real_local!r}); pass a separate directory on this node"
+            )
 
     def agreed(self) -> dict[str, Any]:
         """What the ranks of a distributed run must have in common: ``asdict`` less each rank's own fields.

@@ -6,6 +6,8 @@ One process, a spawned writer per Checkpointer. Every checkpoint is compared bit
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import subprocess
@@ -21,8 +23,9 @@ from overlapckpt.errors import ConfigError, CorruptCheckpointError
 from overlapckpt.format.lease import LEASE_NAME, sweep_dead_tiers
 from overlapckpt.format.manifest import MANIFEST_NAME
 from overlapckpt.format.peers import NodeLayout
+from overlapckpt.format.process_identity import this_process
 from overlapckpt.format.storage import CheckpointStore
-from overlapckpt.format.tiers import default_local_dir
+from overlapckpt.format.tiers import TIER_MARKER_NAME, default_local_dir
 from overlapckpt.format.verify import verify_checkpoint
 from overlapckpt.protocol import FileCopy
 from overlapckpt.restore.tiers import NodeListings
@@ -239,15 +242,14 @@ def test_a_dead_jobs_tier_is_swept_and_live_or_unleased_ones_are_kept(tmp_path):
     parent.mkdir()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=60)  # a pid of this host that no longer exists
-    host = __import__("socket").gethostname()
 
     def tier(name: str, pid: int | None) -> str:
         path = parent / name
         (path / "step-000000002").mkdir(parents=True)
+        (path / TIER_MARKER_NAME).write_text('{"format": 1, "root": "/r", "uid": 0}')
         if pid is not None:
-            (path / LEASE_NAME).write_text(
-                f'{{"pid": {pid}, "host": "{host}", "run_id": "r{pid}", "since_unix_s": {time.time()}}}'
-            )
+            who = dataclasses.replace(this_process(), pid=pid)
+            (path / LEASE_NAME).write_text(json.dumps({**who.fields(), "run_id": f"r{pid}", "since_unix_s": time.time()}))
         return str(path)
 
     dead_tier = tier("overlapckpt-dead-1", dead.pid)

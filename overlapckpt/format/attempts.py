@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from ..errors import CheckpointExistsError
 from .manifest import step_of_name
+from .private_files import narrow_tree
 from .storage import CheckpointStore
 
 ATTEMPT_MARK = ".attempt-"
@@ -104,6 +105,8 @@ class Attempt:
             return
         source = self.store.checkpoint_url(self.directory)
         target = self.store.checkpoint_url(self.name)
+        if self.store.private:
+            narrow_tree(source)  # a node-local tier's files: 0600 before they are published (private_files.py)
         try:
             self._rename_into_place(source, target)
         except OSError as e:

@@ -44,6 +44,7 @@ import torch
 
 from ..cores import usable_cores
 from ..errors import CorruptCheckpointError
+from .blob_macs import BlobMacs
 from .checksum import CRC32, hex32, updater
 from .crc_combine import combine
 from .direct_read import DIRECT_MIN_BYTES, fill, mark_written, read_ends, takes_data_as_is, tensor_bytes
@@ -99,12 +100,15 @@ class ExpectedSums:
     algorithm: str
     blobs: dict[tuple[str, int, int], tuple[str, str]]  # (file, offset, length) -> (key, checksum)
     tensors: dict[tuple[str, tuple[int, ...]], TensorSum]  # (fqn, offset in the global tensor) -> its sum
+    macs: BlobMacs | None = None  # with a signing key: each blob's MAC is checked too
 
     @classmethod
-    def from_manifest(cls, manifest: Manifest, where: str) -> ExpectedSums:
+    def from_manifest(cls, manifest: Manifest, where: str, signing_key: bytes | None = None) -> ExpectedSums:
+        """``signing_key``: the manifest's signature was checked with it; each blob's MAC is checked too."""
         sums = manifest.checksums
         if sums is None:
             raise CorruptCheckpointError(f"{where} has no checksums of its stored bytes; load it with verify=False")
+        macs = None if signing_key is None else BlobMacs.from_manifest(manifest, where, signing_key)
         blobs = {(name, b.offset, b.length): (b.key, b.checksum) for name, f in sums.files.items() for b in f.blobs}
         tensors: dict[tuple[str, tuple[int, ...]], TensorSum] = {}
         parts = [(key, item) for key, item in manifest.items.items()]
@@ -118,7 +122,17 @@ class ExpectedSums:
                 continue
             offset = tuple(item.offset) if item.offset is not None else (0,) * len(item.shape)
             tensors[(key, offset)] = TensorSum(tuple(item.shape), algorithm, checksum)
-        return cls(where=where, algorithm=sums.algorithm, blobs=blobs, tensors=tensors)
+        return cls(where=where, algorithm=sums.algorithm, blobs=blobs, tensors=tensors, macs=macs)
+
+    def check_mac(self, relative_path: str, info: Any, key: str | None, *parts: Any) -> None:
+        """With a signing key, the blob whose bytes are ``parts`` against its MAC; a refusal if it differs."""
+        if self.macs is not None and not self.macs.matches(relative_path, int(info.offset), int(info.length), *parts):
+            offset, length = int(info.offset), int(info.length)
+            raise _refusal(
+                self.where,
+                f"the keyed digest (MAC) of {key!r} in {self.where}/{relative_path} (bytes {offset}..{offset + length}) "
+                "does not match the signed manifest's: forged or damaged",
+            )
 
 
 def _refusal(where: str, problem: str) -> CorruptCheckpointError:
@@ -380,8 +394,10 @@ def _checked_blob(
         blob = _read_into_thread_buffer(stream, int(info.length))
     if len(blob) < int(info.length):
         raise _cut_short(relative_path, info, len(blob), key, expected)
-    if expected is not None and hex32(updater(expected.algorithm)(blob, 0)) != checksum:
-        raise _mismatch(relative_path, info, key, expected)
+    if expected is not None:
+        if hex32(updater(expected.algorithm)(blob, 0)) != checksum:
+            raise _mismatch(relative_path, info, key, expected)
+        expected.check_mac(relative_path, info, key, blob)
     return blob
 
 
@@ -432,6 +448,7 @@ def _checked_bytes(buffer: Any, relative_path: str, info: Any, index: Any, expec
             whole = update(view, 0)
         if hex32(whole) != checksum:
             raise _mismatch(relative_path, info, key, expected)
+        expected.check_mac(relative_path, info, key, view)
     del view
     tensor = decode_in_place(buffer, record) if record is not None else None
     in_place = tensor is not None
@@ -490,13 +507,18 @@ def _blob_checksum(algorithm: str, before: Any, data_sum: int, data_nbytes: int,
     return combine(algorithm, combine(algorithm, update(before, 0), data_sum, data_nbytes), update(after, 0), len(after))
 
 
+def _framing(ends: BlobEnds, record: TensorRecord) -> tuple[memoryview, memoryview]:
+    """The blob's bytes before its tensor's data, and after."""
+    return ends.head[: record.data_start], ends.tail[record.data_end - ends.tail_start :]
+
+
 def _check_data_sums(
     relative_path: str, info: Any, key: str | None, checksum: str | None, expected: ExpectedSums,
     ends: BlobEnds, record: TensorRecord, data_sums: dict[str, int], index: Any, snapshot: TensorSum | None,
 ) -> None:
     """The blob against the manifest (its framing's sums combined with the data's), then the data against the snapshot."""
     algorithm = expected.algorithm
-    before, after = ends.head[: record.data_start], ends.tail[record.data_end - ends.tail_start :]
+    before, after = _framing(ends, record)
     if hex32(_blob_checksum(algorithm, before, data_sums[algorithm], record.data_end - record.data_start, after)) != checksum:
         raise _mismatch(relative_path, info, key, expected)
     if snapshot is not None and hex32(data_sums[snapshot.algorithm]) != snapshot.checksum:
@@ -541,6 +563,8 @@ def _place_direct(
         names = {expected.algorithm} | ({snapshot.algorithm} if snapshot is not None else set())
         sums = {name: updater(name)(data, 0) for name in names}
         _check_data_sums(relative_path, info, key, checksum, expected, ends, record, sums, read_item.storage_index, snapshot)
+        before, after = _framing(ends, record)
+        expected.check_mac(relative_path, info, key, before, data, after)
     with lock:
         planner.commit_tensor(read_item, target)
     return True

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointWriteError
+from .blob_macs import BlobMac, new_nonce
 from .checksum import hex32, updater
 from .known_sums import KnownChecksums, extend
 from .writeback import WRITEBACK_EVERY_BYTES, start_writeback
@@ -60,6 +61,10 @@ class ChecksummedStorage:
     info: Any  # DCP's _StorageInfo (relative_path, offset, length, ...), handed back to DCP in finish()
     checksum: int
     algorithm: str
+    # With a signing key: the blob's MAC, its algorithm and its file's nonce (blob_macs.py).
+    mac: str | None = None
+    mac_algorithm: str | None = None
+    mac_nonce: str | None = None
 
 
 @dataclass
@@ -68,6 +73,8 @@ class FileSegments:
 
     nbytes: int = 0
     spans: dict[tuple[int, int], int] = field(default_factory=dict)  # (start, end) -> checksum
+    macs: dict[tuple[int, int], str] = field(default_factory=dict)  # (start, end) -> MAC, with a signing key
+    mac_nonce: str | None = None
     hashed_nbytes: int = 0  # of nbytes, those hashed here; the rest took the snapshot's checksum (known_sums.py)
     timings: StreamTimings = field(default_factory=lambda: StreamTimings())
 
@@ -104,7 +111,9 @@ class ChecksummingStream:
     ``tell()`` costs nothing on object stores.
     """
 
-    def __init__(self, raw: Any, algorithm: str, known: KnownChecksums | None = None) -> None:
+    def __init__(
+        self, raw: Any, algorithm: str, known: KnownChecksums | None = None, mac_key: bytes | None = None, mac_algorithm: str | None = None
+    ) -> None:
         self._raw = raw
         self._algorithm = algorithm
         self._update = updater(algorithm)
@@ -114,6 +123,12 @@ class ChecksummingStream:
         self._span_start = 0
         self._running = 0
         self.segments = FileSegments()
+        # With a signing key, each span's MAC too, over the same bytes in the same pass (blob_macs.py);
+        # never from a known checksum: a MAC cannot be combined, so every byte goes through it.
+        self._mac_key, self._mac_algorithm = mac_key, mac_algorithm
+        self._mac: BlobMac | None = None
+        if mac_key is not None:
+            self.segments.mac_nonce = new_nonce()
         # A local file: ask the disk to start writing each range early (writeback.py).
         self._fd: int | None = None
         if start_writeback is not None:
@@ -154,6 +169,11 @@ class ChecksummingStream:
         self._running, was_hashed = extend(self._update, self._algorithm, self._running, stored, self._known)
         if was_hashed:
             self.segments.hashed_nbytes += written
+        if self._mac_key is not None:
+            if self._mac is None:
+                assert self._mac_algorithm is not None and self.segments.mac_nonce is not None
+                self._mac = BlobMac(self._mac_key, self._mac_algorithm, self.segments.mac_nonce, self._span_start)
+            self._mac.update(stored)
         self._position += written
         hashed = time.perf_counter()
         timings.write_s += wrote - started
@@ -169,6 +189,9 @@ class ChecksummingStream:
     def _close_span(self) -> None:
         if self._position != self._span_start:
             self.segments.spans[(self._span_start, self._position)] = self._running
+            if self._mac is not None:
+                self.segments.macs[(self._span_start, self._position)] = self._mac.hexdigest()
+                self._mac = None
             self._span_start = self._position
             self._running = 0
         self.segments.nbytes = self._position
@@ -232,6 +255,9 @@ class ChecksummingFileSystem:
         self.files: dict[str, FileSegments] = {}
         # Set by the writer before DCP's save: the snapshot's tensors and their checksums.
         self.known_checksums: KnownChecksums | None = None
+        # Set by the writer before DCP's save when it signs: every blob gets a MAC (blob_macs.py).
+        self.mac_key: bytes | None = None
+        self.mac_algorithm: str | None = None
 
     def timings(self) -> StreamTimings:
         """The sum over the files written so far (their threads' times add up)."""
@@ -258,7 +284,7 @@ class ChecksummingFileSystem:
         stream: ChecksummingStream | None = None
         try:
             with self._inner.create_stream(path, mode) as raw:
-                stream = ChecksummingStream(raw, self._algorithm, self.known_checksums)
+                stream = ChecksummingStream(raw, self._algorithm, self.known_checksums, self.mac_key, self.mac_algorithm)
                 yield stream
                 stream.tell()  # closes the last span
                 stream.note_end_of_writes()
@@ -283,7 +309,9 @@ class ChecksummingFileSystem:
         return getattr(self._inner, attr)
 
 
-def attach_checksums(results: Iterable[Any], files: dict[str, FileSegments], algorithm: str) -> list[Any]:
+def attach_checksums(
+    results: Iterable[Any], files: dict[str, FileSegments], algorithm: str, mac_algorithm: str | None = None
+) -> list[Any]:
     """This rank's WriteResults with each item's checksum inside ``storage_data``.
 
     Raises CheckpointWriteError when an item's span was not seen, or when a file has
@@ -306,7 +334,10 @@ def attach_checksums(results: Iterable[Any], files: dict[str, FileSegments], alg
                 "(use the default torch_save format)"
             )
         ends.setdefault(path, []).append(span)
-        out.append(dataclasses.replace(result, storage_data=ChecksummedStorage(info, checksum, algorithm)))
+        mac = segments.macs.get(span) if segments is not None else None
+        nonce = segments.mac_nonce if segments is not None else None
+        stored = ChecksummedStorage(info, checksum, algorithm, mac, mac_algorithm if mac is not None else None, nonce)
+        out.append(dataclasses.replace(result, storage_data=stored))
     for path, spans in ends.items():
         _check_tiling(path, spans, files[path].nbytes)
     return out
@@ -328,6 +359,7 @@ class StoredBlob:
     offset: int
     length: int
     checksum: int
+    mac: str | None = None  # with a signing key (blob_macs.py); none for an empty blob
 
 
 @dataclass(frozen=True)
@@ -340,11 +372,17 @@ class StoredChecksums:
     metadata_nbytes: int = 0
     metadata_checksum: int = 0
     metadata_bytes: bytes = b""  # .metadata's exact bytes, for a signature (never serialized)
+    mac_algorithm: str | None = None  # with a signing key: every blob's MAC (blob_macs.py)
+    mac_nonces: dict[str, str] = field(default_factory=dict)  # shard file -> its nonce
 
     @classmethod
-    def from_results(cls, results: list[list[Any]], algorithm: str) -> StoredChecksums:
-        """Collect the checksums that travelled inside all ranks' WriteResults (the coordinator's view)."""
+    def from_results(cls, results: list[list[Any]], algorithm: str, mac_algorithm: str | None = None) -> StoredChecksums:
+        """Collect the checksums that travelled inside all ranks' WriteResults (the coordinator's view).
+
+        ``mac_algorithm``: the coordinator signs, so every rank's non-empty blob must carry a MAC of it.
+        """
         files: dict[str, list[StoredBlob]] = {}
+        nonces: dict[str, str] = {}
         for rank, rank_results in enumerate(results):
             for result in rank_results:
                 data = result.storage_data
@@ -359,26 +397,41 @@ class StoredChecksums:
                         "the same OVERLAPCKPT_CHECKSUM (and install the same packages) on every rank"
                     )
                 info = data.info
-                blob = StoredBlob(blob_key(result.index), int(info.offset), int(info.length), data.checksum)
+                if mac_algorithm is not None and int(info.length) > 0 and (data.mac is None or data.mac_algorithm != mac_algorithm):
+                    raise CheckpointWriteError(
+                        f"rank {rank} stored {blob_key(result.index)!r} without a {mac_algorithm} MAC, and the coordinator "
+                        f"signs (found {data.mac_algorithm!r}); give every rank the same signing_key (or "
+                        "OVERLAPCKPT_SIGNING_KEY) and OVERLAPCKPT_BLOB_MAC"
+                    )
+                mac = data.mac if mac_algorithm is not None else None
+                blob = StoredBlob(blob_key(result.index), int(info.offset), int(info.length), data.checksum, mac)
                 files.setdefault(str(info.relative_path), []).append(blob)
+                if mac is not None and data.mac_nonce is not None:
+                    nonces[str(info.relative_path)] = data.mac_nonce
         for blobs in files.values():
             blobs.sort(key=lambda b: b.offset)
-        return cls(algorithm=algorithm, files=files)
+        return cls(algorithm=algorithm, files=files, mac_algorithm=mac_algorithm, mac_nonces=nonces)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "algorithm": self.algorithm,
-            "files": {
-                name: {
-                    "nbytes": blobs[-1].offset + blobs[-1].length if blobs else 0,
-                    "blobs": [
-                        {"key": b.key, "offset": b.offset, "length": b.length, "checksum": hex32(b.checksum)} for b in blobs
-                    ],
-                }
-                for name, blobs in sorted(self.files.items())
-            },
+            "files": {name: self._file_json(name, blobs) for name, blobs in sorted(self.files.items())},
             "metadata": {"name": self.metadata_name, "nbytes": self.metadata_nbytes, "checksum": hex32(self.metadata_checksum)},
         }
+        if self.mac_algorithm is not None:
+            out["mac_algorithm"] = self.mac_algorithm
+        return out
+
+    def _file_json(self, name: str, blobs: list[StoredBlob]) -> dict[str, Any]:
+        entry: dict[str, Any] = {"nbytes": blobs[-1].offset + blobs[-1].length if blobs else 0, "blobs": []}
+        for b in blobs:
+            blob: dict[str, Any] = {"key": b.key, "offset": b.offset, "length": b.length, "checksum": hex32(b.checksum)}
+            if b.mac is not None:
+                blob["mac"] = b.mac
+            entry["blobs"].append(blob)
+        if name in self.mac_nonces:
+            entry["mac_nonce"] = self.mac_nonces[name]
+        return entry
 
 
 def plain_results(results: list[list[Any]]) -> list[list[Any]]:

@@ -5,11 +5,13 @@ The first Checkpointer on a root creates ``<root>/.overlapckpt-lease`` exclusive
 (``O_EXCL`` on a local disk, a conditional PUT with ``If-None-Match: *`` on S3) with
 its pid, host and run id; a second one gets a ``RootLeaseError`` naming the holder.
 
-A lease is *stale*, and taken over with a warning, when its holder is provably gone:
-a process of this host that no longer exists, or a Checkpointer of this process
-that was closed without releasing it (it is released at close, so only a crash
-leaves one). A holder on another host cannot be checked from here: the error names
-it and the file to delete once that job is known to be gone.
+A lease records its holder's host, boot id, PID namespace and pid
+(``process_identity.py``). It is *stale*, and taken over with a warning, when its holder is
+provably gone: a process of this host, boot and PID namespace that no longer exists, a
+holder from an earlier boot of this host, or a Checkpointer of this process that was closed
+without releasing it (it is released at close, so only a crash leaves one). A holder on
+another host, or in another PID namespace (a container beside this one), cannot be checked
+from here: the error names it and the file to delete once that job is known to be gone.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import json
 import logging
 import os
 import shutil
-import socket
+import stat
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ..errors import RootLeaseError
+from .private_files import RECORD_MAX_BYTES, read_regular_file, refusal_of_directory
+from .process_identity import ProcessIdentity, is_provably_gone, same_process_space, this_process
 from .storage import CheckpointStore
 
 LEASE_NAME = ".overlapckpt-lease"
@@ -34,32 +38,40 @@ _HELD_HERE: set[str] = set()
 
 @dataclass(frozen=True)
 class LeaseHolder:
-    pid: int
-    host: str
+    who: ProcessIdentity
     run_id: str
     since_unix_s: float
 
+    @property
+    def pid(self) -> int:
+        return self.who.pid
+
+    @property
+    def host(self) -> str:
+        return self.who.host
+
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.since_unix_s))
-        return f"run {self.run_id} (pid {self.pid} on {self.host}, since {when})"
+        space = "" if same_process_space(self.who) or self.who.host != this_process().host else ", in another PID namespace or boot"
+        return f"run {self.run_id} (pid {self.pid} on {self.host}{space}, since {when})"
 
+    def record(self) -> bytes:
+        return json.dumps({**self.who.fields(), "run_id": self.run_id, "since_unix_s": self.since_unix_s}, sort_keys=True).encode()
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
+    @classmethod
+    def parse(cls, data: bytes) -> LeaseHolder | None:
+        """The holder a lease file names, or None when it is not a lease this code wrote."""
+        try:
+            raw = json.loads(data)
+            return cls(who=ProcessIdentity.from_record(raw), run_id=str(raw["run_id"]), since_unix_s=float(raw["since_unix_s"]))
+        except (ValueError, KeyError, TypeError):
+            return None
 
 
 def live_holder(store: CheckpointStore) -> LeaseHolder | None:
-    """Who holds ``store``'s root now, or None: no lease, or one whose holder on this host is gone."""
+    """Who holds ``store``'s root now, or None: no lease, or one whose holder is provably gone."""
     holder = RootLease(store, run_id="")._holder()
-    if holder is None:
-        return None
-    if holder.host == socket.gethostname() and not _pid_alive(holder.pid):
+    if holder is None or is_provably_gone(holder.who):
         return None
     return holder
 
@@ -69,7 +81,7 @@ class RootLease:
 
     def __init__(self, store: CheckpointStore, run_id: str) -> None:
         self.store = store
-        self.me = LeaseHolder(pid=os.getpid(), host=socket.gethostname(), run_id=run_id, since_unix_s=time.time())
+        self.me = LeaseHolder(who=this_process(), run_id=run_id, since_unix_s=time.time())
         self.held = False
 
     @property
@@ -77,7 +89,7 @@ class RootLease:
         return self.store.checkpoint_url(LEASE_NAME)
 
     def acquire(self) -> None:
-        record = json.dumps(asdict(self.me), sort_keys=True).encode()
+        record = self.me.record()
         for _ in range(2):  # a second try only after removing a stale lease
             try:
                 self.store.create_exclusive(LEASE_NAME, record)
@@ -112,31 +124,34 @@ class RootLease:
 
     def _holder(self) -> LeaseHolder | None:
         try:
-            raw = json.loads(self.store.read_root_file(LEASE_NAME))
-            return LeaseHolder(
-                pid=int(raw["pid"]), host=str(raw["host"]), run_id=str(raw["run_id"]), since_unix_s=float(raw["since_unix_s"])
-            )
-        except (FileNotFoundError, ValueError, KeyError, TypeError):
-            return None  # gone, or not a lease this code wrote
+            data = self.store.read_root_file(LEASE_NAME, max_bytes=RECORD_MAX_BYTES)
+        except FileNotFoundError:
+            return None
+        except OSError as e:  # a FIFO, a device, a link or a huge file planted as the lease: not a lease
+            log.warning("the lease %s is not a lease file overlapckpt wrote (%s): taken as unreadable", self.url, e)
+            return None
+        return LeaseHolder.parse(data)
 
     def _stale(self, holder: LeaseHolder) -> bool:
-        if holder.host != self.me.host:
-            return False  # cannot be checked from here
-        if holder.pid == self.me.pid:
+        if holder.pid == self.me.pid and same_process_space(holder.who):
             return holder.run_id not in _HELD_HERE  # a Checkpointer of this process that is gone
-        return not _pid_alive(holder.pid)
+        return is_provably_gone(holder.who)
 
 
 def sweep_dead_tiers(own_dir: str) -> list[str]:
-    """Remove the local-tier directories a dead job left beside ``own_dir``; the ones removed.
+    """Remove the local-tier directories a dead job of this user left beside ``own_dir``; the ones removed.
 
     A node-local tier (``format/tiers.py``) holds node memory when it is on tmpfs: a job
-    that died leaves it behind. Under the lease rules, a sibling directory named
-    ``overlapckpt-*`` is removed only when its lease names a process of this host that
-    no longer exists. A live job's tier, another host's, one without a lease (its job
-    closed cleanly and may come back for it) and anything not ours are left alone.
+    that died leaves it behind. A sibling is removed only when all of these hold:
+
+    - it is a directory (not a symlink) owned by this user, and carries the tier marker
+      (``tiers.TIER_MARKER_NAME``), a regular file: a durable root named ``overlapckpt-run1``
+      has none, and is never touched;
+    - its lease is readable and names a holder that is provably gone (``process_identity.py``):
+      a live job's tier, another host's or another PID namespace's, and one without a lease
+      (its job closed cleanly and may come back for it) are left alone.
     """
-    from .tiers import LOCAL_DIR_PREFIX
+    from .tiers import LOCAL_DIR_PREFIX, TIER_MARKER_NAME
 
     parent = os.path.dirname(os.path.abspath(own_dir))
     removed: list[str] = []
@@ -146,10 +161,16 @@ def sweep_dead_tiers(own_dir: str) -> list[str]:
         return removed
     for name in siblings:
         path = os.path.join(parent, name)
-        if not name.startswith(LOCAL_DIR_PREFIX) or path == os.path.abspath(own_dir) or not os.path.isdir(path):
+        if not name.startswith(LOCAL_DIR_PREFIX) or path == os.path.abspath(own_dir) or refusal_of_directory(path) is not None:
             continue
-        holder = RootLease(CheckpointStore(path), run_id="")._holder()
-        if holder is None or holder.host != socket.gethostname() or _pid_alive(holder.pid) or holder.run_id in _HELD_HERE:
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                continue
+            read_regular_file(os.path.join(path, TIER_MARKER_NAME), RECORD_MAX_BYTES)
+            holder = LeaseHolder.parse(read_regular_file(os.path.join(path, LEASE_NAME), RECORD_MAX_BYTES))
+        except OSError:
+            continue  # no marker: not a tier; no lease, or not a file: its job may come back for it
+        if holder is None or holder.run_id in _HELD_HERE or not is_provably_gone(holder.who):
             continue
         shutil.rmtree(path, ignore_errors=True)
         log.warning("removed %s, the local tier of %s, which is gone", path, holder.describe())

@@ -243,12 +243,14 @@ class BlobRecord:
     offset: int
     length: int
     checksum: str  # 8 hex digits, of the algorithm ChecksumsRecord names
+    mac: str | None = None  # signed checkpoints: of the algorithm ChecksumsRecord's mac_algorithm names (blob_macs.py)
 
 
 @dataclass(frozen=True)
 class FileRecord:
     nbytes: int
     blobs: tuple[BlobRecord, ...]  # in offset order, tiling the file
+    mac_nonce: str | None = None  # signed checkpoints: the nonce its blobs' MAC keys derive from
 
 
 @dataclass(frozen=True)
@@ -260,6 +262,7 @@ class ChecksumsRecord:
     metadata_nbytes: int
     metadata_checksum: str
     files: dict[str, FileRecord]
+    mac_algorithm: str | None = None  # signed checkpoints: every blob's MAC (blob_macs.py)
 
     @classmethod
     def from_json(cls, raw: Any, where: str) -> ChecksumsRecord:
@@ -270,37 +273,72 @@ class ChecksumsRecord:
             for blob in _field(entry, "blobs", list, f"{where} ({name})"):
                 at = f"{where} ({name})"
                 blobs.append(
-                    BlobRecord(_field(blob, "key", str, at), _field(blob, "offset", int, at), _field(blob, "length", int, at), _field(blob, "checksum", str, at))
+                    BlobRecord(
+                        _field(blob, "key", str, at), _field(blob, "offset", int, at), _field(blob, "length", int, at),
+                        _field(blob, "checksum", str, at), _field(blob, "mac", (str, type(None)), at, None),
+                    )
                 )
-            files[str(name)] = FileRecord(nbytes=_field(entry, "nbytes", int, f"{where} ({name})"), blobs=tuple(blobs))
+            files[str(name)] = FileRecord(
+                nbytes=_field(entry, "nbytes", int, f"{where} ({name})"),
+                blobs=tuple(blobs),
+                mac_nonce=_field(entry, "mac_nonce", (str, type(None)), f"{where} ({name})", None),
+            )
         return cls(
             algorithm=_field(raw, "algorithm", str, where),
             metadata_name=_field(metadata, "name", str, where),
             metadata_nbytes=_field(metadata, "nbytes", int, where),
             metadata_checksum=_field(metadata, "checksum", str, where),
             files=files,
+            mac_algorithm=_field(raw, "mac_algorithm", (str, type(None)), where, None),
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "algorithm": self.algorithm,
-            "files": {
-                name: {
-                    "nbytes": f.nbytes,
-                    "blobs": [{"key": b.key, "offset": b.offset, "length": b.length, "checksum": b.checksum} for b in f.blobs],
-                }
-                for name, f in sorted(self.files.items())
-            },
+            "files": {name: _file_json(f) for name, f in sorted(self.files.items())},
             "metadata": {"name": self.metadata_name, "nbytes": self.metadata_nbytes, "checksum": self.metadata_checksum},
         }
+        if self.mac_algorithm is not None:
+            out["mac_algorithm"] = self.mac_algorithm
+        return out
+
+
+def _file_json(f: FileRecord) -> dict[str, Any]:
+    blobs = []
+    for b in f.blobs:
+        blob: dict[str, Any] = {"key": b.key, "offset": b.offset, "length": b.length, "checksum": b.checksum}
+        if b.mac is not None:
+            blob["mac"] = b.mac
+        blobs.append(blob)
+    out: dict[str, Any] = {"nbytes": f.nbytes, "blobs": blobs}
+    if f.mac_nonce is not None:
+        out["mac_nonce"] = f.mac_nonce
+    return out
 
 
 @dataclass(frozen=True)
 class ExportRecord:
-    """A framework file written next to DCP's (writer/exports.py): its size and zlib CRC-32."""
+    """A framework file written next to DCP's (writer/exports.py): its size and zlib CRC-32 (and MAC, signed)."""
 
     nbytes: int
     crc32: int
+    mac: str | None = None  # signed checkpoints: of the checksums' mac_algorithm, keyed from mac_nonce at offset 0
+    mac_nonce: str | None = None
+
+    @classmethod
+    def from_json(cls, raw: Any, where: str) -> ExportRecord:
+        return cls(
+            _field(raw, "nbytes", int, where),
+            _field(raw, "crc32", int, where),
+            _field(raw, "mac", (str, type(None)), where, None),
+            _field(raw, "mac_nonce", (str, type(None)), where, None),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"nbytes": self.nbytes, "crc32": self.crc32}
+        if self.mac is not None:
+            out["mac"], out["mac_nonce"] = self.mac, self.mac_nonce
+        return out
 
 
 @dataclass(frozen=True)
@@ -399,7 +437,7 @@ class Manifest:
             ancestors=_ancestors(raw, where),
             checksums=None if checksums is None else ChecksumsRecord.from_json(checksums, f"{where} (checksums)"),
             exports={
-                str(k): ExportRecord(_field(v, "nbytes", int, where), _field(v, "crc32", int, where))
+                str(k): ExportRecord.from_json(v, where)
                 for k, v in _field(raw, "exports", dict, where, {}).items()
             },
             extra_state=_field(raw, "extra_state", dict, where, {}),
@@ -442,7 +480,7 @@ class Manifest:
         if self.checksums is not None:
             out["checksums"] = self.checksums.to_json()
         if self.exports:
-            out["exports"] = {k: {"nbytes": v.nbytes, "crc32": v.crc32} for k, v in self.exports.items()}
+            out["exports"] = {k: v.to_json() for k, v in self.exports.items()}
         return out
 
 

@@ -9,11 +9,11 @@ checkpoint, a forged MAC and a ``.metadata`` that is not the one signed, with a
 ``SignatureError``.
 
 What the signature covers: the manifest (version, lineage, ledger, stateful objects
-and RNG states, per-item CRCs) and ``.metadata`` exactly. Shard bytes are covered by
-the CRC-32C checksums inside the signed manifest: enough against accident, not against
-a forger who crafts bytes with the same CRC. Reading a checkpoint runs no code
-whatever its bytes (``safe_unpickle.py``), so such a forgery can change tensor values, not
-run anything. A shard digest under the signature is the next step.
+and RNG states, per-item CRCs, and a MAC of every shard blob and framework file) and
+``.metadata`` exactly. So every stored byte is authenticated: the shards by their
+blobs' MACs under the same key (``blob_macs.py``: AES-256-GMAC, keyed per blob), which a
+load with the key checks as it reads each blob and ``verify`` checks for every blob.
+A CRC alone would not do: a forger can craft bytes that keep a CRC-32C.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ first (``attempts.py``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import posixpath
 import secrets
@@ -40,14 +41,24 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torch.futures import Future
 
-from ..errors import CheckpointReadError, CheckpointWriteError, ConfigError, OverlapCkptError
+from ..errors import CheckpointReadError, CheckpointWriteError, ConfigError, CorruptCheckpointError, OverlapCkptError
 from .blob_reader import verified_reader_class
 from .blobsums import ChecksummingFileSystem, FileSegments, StoredChecksums, attach_checksums, plain_results
 from .checksum import default_algorithm
 from .manifest import LATEST_NAME, MANIFEST_NAME, METADATA_NAME, step_of_name
+from .private_files import (
+    PRIVATE_FILE_MODE,
+    RECORD_MAX_BYTES,
+    SMALL_FILE_MAX_BYTES,
+    UnsafeFileError,
+    create_private_file,
+    open_regular,
+    read_regular_file,
+)
 from .safe_unpickle import SafeFileSystemReader, safe_reader_class
 
 _VerifiedLocalReader = verified_reader_class(SafeFileSystemReader)
+log = logging.getLogger("overlapckpt")
 
 
 # A retired checkpoint's directory while it is deleted (CheckpointStore.retire_checkpoint): not a
@@ -72,12 +83,16 @@ def is_storage_error(e: BaseException) -> bool:
 def translate_read_errors(where: str) -> Iterator[None]:
     """Raise storage failures inside the block as CheckpointReadError naming ``where``, the cause chained.
 
-    Corruption (CorruptCheckpointError) and the other errors of overlapckpt pass through.
+    Corruption (CorruptCheckpointError) and the other errors of overlapckpt pass through. A file
+    that is not what overlapckpt writes (a link, a FIFO, a device, an oversized small file,
+    ``private_files.UnsafeFileError``) is a CorruptCheckpointError: storage read fine.
     """
     try:
         yield
     except OverlapCkptError:
         raise
+    except UnsafeFileError as e:
+        raise CorruptCheckpointError(f"reading {where} refused {e.filename}: {e.strerror}") from e
     except Exception as e:
         if not is_storage_error(e):
             raise
@@ -149,14 +164,17 @@ def _manifest_before_commit(base: type) -> type:
         def write_data(self, plan: Any, planner: Any) -> Future:
             written = super().write_data(plan, planner)
             written.wait()
-            results = attach_checksums(written.value(), self._checksumming_fs.files, self._algorithm)
+            fs = self._checksumming_fs
+            results = attach_checksums(written.value(), fs.files, self._algorithm, fs.mac_algorithm if fs.mac_key is not None else None)
             out: Future = Future()
             out.set_result(results)
             return out
 
         def finish(self, metadata: Any, results: Any) -> None:
             # Only the coordinator gets here, with every rank's results.
-            self._pending = StoredChecksums.from_results(results, self._algorithm)
+            fs = self._checksumming_fs
+            signs = fs.mac_key is not None
+            self._pending = StoredChecksums.from_results(results, self._algorithm, fs.mac_algorithm if signs else None)
             self._committed = False
             super().finish(metadata, plain_results(results))
             if not self._committed:
@@ -196,9 +214,15 @@ class CheckpointStore:
 
     Subclass to change how bytes reach storage; the writer process builds the store
     from its import path, so a subclass works there too.
+
+    Local reads of the small files (manifest, ``.metadata``, ``latest``, the lease) and
+    of shards never follow a symlink, never block on a FIFO and are size-capped
+    (``private_files.py``): a file planted there cannot hang or flood a reader.
+    ``private``: a node-local tier's store, whose files are created ``0600``.
     """
 
-    def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, root: str, storage_options: dict[str, Any] | None = None, *, private: bool = False) -> None:
+        self.private = private
         if not isinstance(root, (str, os.PathLike)) or not str(root):
             raise ConfigError(f"checkpoint path {root!r} is invalid; pass a directory path or a URL such as s3://bucket/prefix")
         self.root = os.fspath(root)
@@ -257,13 +281,22 @@ class CheckpointStore:
 
     # ---- reads and writes ------------------------------------------------------
 
-    def read_bytes(self, name: str, filename: str) -> bytes:
-        with self.fs.open(self._join(name, filename), "rb") as f:
+    def read_bytes(self, name: str, filename: str, max_bytes: int = SMALL_FILE_MAX_BYTES) -> bytes:
+        """One file of directory ``name`` (``""``: the root) whole. Locally, a regular file of at most ``max_bytes``
+        only: OSError for a symlink, a FIFO, a device or a larger file, without reading it."""
+        path = self._join(name, filename) if name else self._join(filename)
+        if self.is_local:
+            return read_regular_file(path, max_bytes)
+        with self.fs.open(path, "rb") as f:
             return f.read()
 
     @contextmanager
     def open_read(self, name: str, filename: str) -> Iterator[BinaryIO]:
         """A file of checkpoint ``name`` opened for sequential reads (verify streams shards through it)."""
+        if self.is_local:
+            with open_regular(self._join(name, filename)) as (f, _):
+                yield f
+            return
         with self.fs.open(self._join(name, filename), "rb") as f:
             yield f
 
@@ -283,7 +316,15 @@ class CheckpointStore:
         path = self._join(name, filename) if name else self._join(filename)
         if self.is_local:
             tmp = f"{path}.tmp-{os.getpid()}"
-            with open(tmp, "wb") as f:
+            if self.private:
+                try:
+                    os.unlink(tmp)  # one a killed writer of this pid left
+                except FileNotFoundError:
+                    pass
+                fd = create_private_file(tmp)
+            else:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+            with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
@@ -301,7 +342,7 @@ class CheckpointStore:
         """
         path = self._join(filename)
         if self.is_local:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, PRIVATE_FILE_MODE if self.private else 0o644)
             try:
                 os.write(fd, data)
                 os.fsync(fd)
@@ -316,8 +357,8 @@ class CheckpointStore:
                 "lease needs; pass lease=False and make sure one job at a time writes this root"
             ) from e
 
-    def read_root_file(self, filename: str) -> bytes:
-        return self.read_bytes("", filename)
+    def read_root_file(self, filename: str, max_bytes: int = SMALL_FILE_MAX_BYTES) -> bytes:
+        return self.read_bytes("", filename, max_bytes)
 
     def remove_root_file(self, filename: str) -> None:
         path = self._join(filename)
@@ -325,10 +366,17 @@ class CheckpointStore:
             self.fs.rm_file(path)
 
     def read_latest(self) -> str | None:
+        """The checkpoint ``latest`` names, or None: none, or not a regular file of at most a few KiB (then warned of)."""
         try:
-            return self.read_root_file(LATEST_NAME).decode("utf-8").strip() or None
+            text = self.read_root_file(LATEST_NAME, max_bytes=RECORD_MAX_BYTES).decode("utf-8", errors="replace").strip()
         except FileNotFoundError:
             return None
+        except OSError as e:
+            if not self.is_local:
+                raise
+            log.warning("%s is not a file overlapckpt wrote (%s): ignored", self.checkpoint_url(LATEST_NAME), e)
+            return None
+        return text or None
 
     def write_latest(self, name: str) -> None:
         self.write_bytes("", LATEST_NAME, name.encode("utf-8"))

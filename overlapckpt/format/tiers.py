@@ -7,26 +7,118 @@
 
 Both hold the same format (DCP shards, ``.metadata``, the manifest, ``latest``): a local
 tier directory is a root of its own, which ``load``, ``list_checkpoints`` and the CLI read.
+
+A node-local tier is this job's own (a trust boundary: ``/dev/shm`` is shared by every user
+and container of the node, and the default name is computable by anyone):
+
+- it is made ``0700`` by this user, its files ``0600``; a directory that is a symlink, owned
+  by another user, or writable by others is refused by name (``private_files.py``);
+- it is bound to its root: the default name hashes this user's uid and the root's
+  identity (its ``realpath``, or a URL as given), and the tier's marker file
+  (``TIER_MARKER_NAME``) records that identity, so a tier made for another root (a
+  relative ``"ckpts"`` of another project, a directory passed by mistake) is never read;
+- the marker also tells the dead-job sweep (``lease.py``) that the directory is a tier.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import tempfile
+
+from ..errors import ConfigError, UntrustedPathError
+from .private_files import RECORD_MAX_BYTES, create_private_file, make_private_dir, read_regular_file, refusal_of_directory
+from .storage import CheckpointStore
 
 ROOT_TIER = "root"
 LOCAL_TIER = "local"
 # Where a node's RAM-backed tier goes by default: tmpfs on Linux, the temp dir elsewhere.
 _SHARED_MEMORY_DIR = "/dev/shm"
 LOCAL_DIR_PREFIX = "overlapckpt-"
+# In a tier's directory: which root it belongs to, and that it is a tier at all.
+TIER_MARKER_NAME = ".overlapckpt-tier"
+_TIER_MARKER_FORMAT = 1
 
 
-def default_local_dir(root: str) -> str:
-    """``/dev/shm/overlapckpt-<job>-<hash>``: the job is the root's last path part, the hash the whole root's."""
-    text = str(root).rstrip("/")
-    job = re.sub(r"[^A-Za-z0-9_.-]", "_", text.rsplit("/", 1)[-1] or "root")[:40]
-    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+def root_identity(root: str | os.PathLike[str]) -> str:
+    """What a tier is bound to: a URL as given (less a trailing ``/``), a local root's ``realpath``."""
+    text = os.fspath(root)
+    if "://" in text:
+        return text.rstrip("/")
+    return os.path.realpath(os.path.expanduser(text))
+
+
+def default_local_dir(root: str | os.PathLike[str]) -> str:
+    """``/dev/shm/overlapckpt-<job>-<hash>``: the job is the root's last path part, the hash of this user and the root's identity."""
+    identity = root_identity(root)
+    job = re.sub(r"[^A-Za-z0-9_.-]", "_", identity.rstrip("/").rsplit("/", 1)[-1] or "root")[:40]
+    digest = hashlib.sha256(f"{os.geteuid()}\0{identity}".encode()).hexdigest()[:12]
     parent = _SHARED_MEMORY_DIR if os.path.isdir(_SHARED_MEMORY_DIR) else tempfile.gettempdir()
     return os.path.join(parent, f"{LOCAL_DIR_PREFIX}{job}-{digest}")
+
+
+def tier_store(local_dir: str | os.PathLike[str]) -> CheckpointStore:
+    """The store of a node-local tier: its files are created ``0600``."""
+    return CheckpointStore(os.fspath(local_dir), private=True)
+
+
+_FIX = "pass local_dir= a directory of your own (mode 0700), or remove this one once you know what it holds"
+
+
+def prepare_tier(local_dir: str | os.PathLike[str], root: str | os.PathLike[str]) -> CheckpointStore:
+    """Make (or check) the tier ``local_dir`` of ``root``, and mark it; its store.
+
+    UntrustedPathError when the directory is not this user's own; ConfigError when its marker
+    names another root (the directory is another job's tier).
+    """
+    path = os.path.abspath(os.fspath(local_dir))
+    make_private_dir(path, f"the node-local tier local_dir={os.fspath(local_dir)!r}", _FIX)
+    identity = root_identity(root)
+    marker = os.path.join(path, TIER_MARKER_NAME)
+    recorded = _marked_root(marker)
+    if recorded is None:
+        fd = create_private_file(marker, exclusive=False)
+        with os.fdopen(fd, "wb") as f:
+            f.write(json.dumps({"format": _TIER_MARKER_FORMAT, "root": identity, "uid": os.geteuid()}, sort_keys=True).encode())
+            f.flush()
+            os.fsync(f.fileno())
+    elif recorded != identity:
+        raise ConfigError(
+            f"local_dir={os.fspath(local_dir)!r} is the node-local tier of the root {recorded!r}, not of {identity!r}; "
+            "pass another local_dir (each root has its own tier), or remove that directory if its job is gone"
+        )
+    return tier_store(path)
+
+
+def _marked_root(marker: str) -> str | None:
+    """The root identity a tier's marker records; None when there is no marker. UntrustedPathError when it is not one."""
+    try:
+        raw = json.loads(read_regular_file(marker, RECORD_MAX_BYTES))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise UntrustedPathError(f"{marker} is not a tier marker overlapckpt wrote ({e}); {_FIX}") from e
+    if not isinstance(raw, dict) or not isinstance(raw.get("root"), str):
+        raise UntrustedPathError(f"{marker} is not a tier marker overlapckpt wrote; {_FIX}")
+    return str(raw["root"])
+
+
+def tier_refusal(local_dir: str | os.PathLike[str], root: str | os.PathLike[str]) -> str | None:
+    """Why a restore must not read the tier ``local_dir`` for ``root``, or None when it may (or it does not exist)."""
+    path = os.path.abspath(os.fspath(local_dir))
+    refusal = refusal_of_directory(path)
+    if refusal is not None:
+        return refusal
+    if not os.path.isdir(path):
+        return None
+    try:
+        recorded = _marked_root(os.path.join(path, TIER_MARKER_NAME))
+    except UntrustedPathError as e:
+        return str(e)
+    if recorded is None:
+        return f"{path} has no tier marker ({TIER_MARKER_NAME}): it was not made as the tier of {root_identity(root)!r}"
+    if recorded != root_identity(root):
+        return f"{path} is the node-local tier of the root {recorded!r}, not of {root_identity(root)!r}"
+    return None

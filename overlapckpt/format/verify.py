@@ -6,7 +6,9 @@ What is checked, in order:
 2. ``.metadata``'s size and checksum, before anything unpickles it;
 3. each shard: its size, then every blob in offset order (the blobs tile the file,
    so this is every byte of it), each read in chunks of at most
-   ``VERIFY_CHUNK_BYTES`` that never cross a blob boundary.
+   ``VERIFY_CHUNK_BYTES`` that never cross a blob boundary;
+4. with a signing key: the manifest's signature and ``.metadata``'s SHA-256
+   (``signing.py``), and each blob's and framework file's MAC (``blob_macs.py``).
 
 Memory stays at one chunk whatever the checkpoint's size, so a checkpoint larger
 than RAM verifies. A blob that differs is reported by file and key; reading goes on,
@@ -22,8 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptCheckpointError, SignatureError
+from .blob_macs import BlobMac, BlobMacs, same_mac
 from .checksum import hex32, updater
-from .manifest import DATA_FILE_RE, LEGACY_FORMAT_VERSION, MANIFEST_NAME, Manifest, parse_manifest, step_of_name
+from .manifest import DATA_FILE_RE, LEGACY_FORMAT_VERSION, MANIFEST_NAME, ExportRecord, Manifest, parse_manifest, step_of_name
 from .signing import check_signature
 from .storage import CheckpointStore, translate_read_errors
 
@@ -171,14 +174,28 @@ def verify_checkpoint(
                     check_signature(manifest.raw, metadata_bytes, signing_key, where)
                 except SignatureError as e:
                     report.problems.append(str(e))
-            for filename, (nbytes, crc) in sorted(exports.items()) if read_blobs else ():
-                _verify_export(store, name, filename, nbytes, crc, report)
+        macs = _blob_macs(manifest, where, signing_key, report, rank == 0) if read_blobs else None
+        if rank == 0:
+            for filename in sorted(exports) if read_blobs else ():
+                _verify_export(store, name, filename, manifest.exports[filename], report, macs)
         for filename, (nbytes, blobs) in mine:
             if read_blobs:
-                _verify_file(store, name, filename, nbytes, blobs, update, report, progress)
+                _verify_file(store, name, filename, nbytes, blobs, update, report, progress, macs)
             else:
                 _check_file_size(store, name, filename, nbytes, report)
     return report
+
+
+def _blob_macs(manifest: Manifest, where: str, signing_key: bytes | None, report: VerifyReport, reports: bool) -> BlobMacs | None:
+    """With a key, each blob's MAC to check; a signed manifest without them is a problem (``reports``: listed here)."""
+    if signing_key is None:
+        return None
+    try:
+        return BlobMacs.from_manifest(manifest, where, signing_key)
+    except SignatureError as e:
+        if reports:
+            report.problems.append(str(e))
+        return None
 
 
 def _check_file_size(store: CheckpointStore, name: str, filename: str, nbytes: int, report: VerifyReport) -> None:
@@ -194,21 +211,33 @@ def _size_problem(where: str, filename: str, stored_nbytes: int, nbytes: int) ->
     return f"{where}/{filename} is {stored_nbytes} bytes, the manifest says {nbytes} (truncated or extended)"
 
 
-def _verify_export(store: CheckpointStore, name: str, filename: str, nbytes: int, crc: int, report: VerifyReport) -> None:
-    """A framework file (writer/exports.py): its size and zlib CRC-32, streamed."""
+def _verify_export(
+    store: CheckpointStore, name: str, filename: str, export: ExportRecord, report: VerifyReport, macs: BlobMacs | None
+) -> None:
+    """A framework file (writer/exports.py): its size and zlib CRC-32, streamed; its MAC too with a key."""
     report.files += 1
     if not _regular_file(store, name, filename, report):
         return
+    mac = None
+    if macs is not None:
+        if export.mac is None or export.mac_nonce is None:
+            report.problems.append(f"{report.path}/{filename} (a framework file) has no MAC in the signed manifest")
+        else:
+            mac = BlobMac(macs.signing_key, macs.algorithm, export.mac_nonce, 0)
     checksum, read = 0, 0
     with store.open_read(name, filename) as f:
         while chunk := f.read(VERIFY_CHUNK_BYTES):
             checksum = zlib.crc32(chunk, checksum)
+            if mac is not None:
+                mac.update(chunk)
             read += len(chunk)
     report.nbytes += read
-    if read != nbytes:
-        report.problems.append(f"{report.path}/{filename} is {read} bytes, the manifest says {nbytes}")
-    elif checksum & 0xFFFFFFFF != crc:
+    if read != export.nbytes:
+        report.problems.append(f"{report.path}/{filename} is {read} bytes, the manifest says {export.nbytes}")
+    elif checksum & 0xFFFFFFFF != export.crc32:
         report.problems.append(f"checksum mismatch for {report.path}/{filename} (a framework file)")
+    elif mac is not None and export.mac is not None and not same_mac(export.mac, mac.hexdigest()):
+        report.problems.append(f"MAC mismatch for {report.path}/{filename} (a framework file): forged or damaged")
 
 
 def _verify_metadata(
@@ -236,6 +265,7 @@ def _verify_file(
     update: Callable[[Any, int], int],
     report: VerifyReport,
     progress: Callable[[], None] = lambda: None,
+    macs: BlobMacs | None = None,
 ) -> None:
     report.files += 1
     if not _regular_file(store, name, filename, report):
@@ -253,11 +283,14 @@ def _verify_file(
                     f"the manifest of {report.path} lists {filename}'s blobs with a gap at byte {position}; it is damaged"
                 )
             checksum, read = 0, 0
+            mac = None if macs is None else macs.new_mac(filename, offset)
             while read < length:
                 chunk = f.read(min(length - read, VERIFY_CHUNK_BYTES))
                 if not chunk:
                     break
                 checksum = update(chunk, checksum)
+                if mac is not None:
+                    mac.update(chunk)
                 read += len(chunk)
                 report.nbytes += len(chunk)
                 progress()
@@ -272,6 +305,11 @@ def _verify_file(
             if hex32(checksum) != expected:
                 report.problems.append(
                     f"checksum mismatch for {key!r} in {report.path}/{filename} (bytes {offset}..{offset + length})"
+                )
+            elif macs is not None and not macs.is_mac_of(filename, offset, length, None if mac is None else mac.hexdigest()):
+                report.problems.append(
+                    f"MAC mismatch for {key!r} in {report.path}/{filename} (bytes {offset}..{offset + length}): "
+                    "forged or damaged"
                 )
 
 

@@ -24,14 +24,18 @@ from ..optimizers import update_rule_name
 PER_RANK_STATE_CHOICES = ("restore", "skip")
 
 
-def check_signed(store: CheckpointStore, name: str, manifest: Manifest, signing_key: str | bytes | None) -> None:
-    """With a key (``signing_key`` or the environment), refuse unsigned and forged checkpoints, whatever verify says."""
+def check_signed(store: CheckpointStore, name: str, manifest: Manifest, signing_key: str | bytes | None) -> bytes | None:
+    """With a key (``signing_key`` or the environment), refuse unsigned and forged checkpoints, whatever verify says.
+
+    Returns the key (None without one): the read that follows checks each blob's MAC with it (``format/blob_macs.py``).
+    """
     key = resolve_key(signing_key)
     if key is None:
-        return
+        return None
     with translate_read_errors(store.checkpoint_url(name)):
         metadata_bytes = store.read_bytes(name, METADATA_NAME)
     check_signature(manifest.raw, metadata_bytes, key, store.checkpoint_url(name))
+    return key
 
 
 def checked_manifest(

@@ -61,7 +61,8 @@ def read_checkpoint(
     store, name = checkpoint_at(path, step, storage_options)
     where = store.checkpoint_url(name)
     # With a key, authenticity first: nothing of .metadata is decoded before its signature holds.
-    check_signed(store, name, read_manifest(store, name), signing_key)
+    key = check_signed(store, name, read_manifest(store, name), signing_key)
+    verify = verify or key is not None  # with a key every blob's MAC is checked (format/blob_macs.py)
     host = _template(store, name)
     manifest = checked_manifest(store, name, (0, 1), "skip", verify, host)
     if manifest.key_layout != GET_STATE_DICT:
@@ -69,7 +70,7 @@ def read_checkpoint(
             f"{where} names its state in the {manifest.key_layout!r} key layout, and read_checkpoint returns the "
             f"{GET_STATE_DICT!r} one; restore it with overlapckpt.load (or overlapckpt.titan's manager)"
         )
-    read_into(store, name, host, manifest=manifest if verify else None)
+    read_into(store, name, host, manifest=manifest if verify else None, signing_key=key)
     world = manifest.world_size
     if not 0 <= rank < world:
         raise ConfigError(f"rank={rank} is not a rank of {where}, which {world} rank(s) wrote; pass 0..{world - 1}")

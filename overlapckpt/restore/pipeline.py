@@ -255,7 +255,10 @@ def _load_one(
             return target
 
         # With a key, authenticity first: nothing of .metadata is decoded before its signature holds.
-        check_signed(store, name, read_manifest(store, name), signing_key)
+        key = check_signed(store, name, read_manifest(store, name), signing_key)
+        # With a key every blob read is checked against its MAC, verify or not: the key's promise
+        # is that nothing unauthenticated is loaded.
+        verify = verify or key is not None
         manifest = checked_manifest(store, name, (rank, world), per_rank_state, verify, target_for, files)
         if optimizer is not None:
             check_optimizer_matches(manifest, unwrap_optimizer(optimizer), store.checkpoint_url(name))
@@ -276,7 +279,7 @@ def _load_one(
         where = store.checkpoint_url(name)  # type: ignore[arg-type]
         if name is None:  # every rank agreed above that nothing failed, so the name was resolved
             raise CheckpointNotFoundError(f"no checkpoint under {path!r} to load")
-        host = _read_tensors(store, name, target, group, manifest, verify)
+        host = _read_tensors(store, name, target, group, manifest, verify, key)
         if per_rank_state == "restore":
             warn_of_stateful_not_given(extra, stateful or {}, where)
         model_sd, optim_sd = unnamed(manifest.key_layout, host, osd)
@@ -292,18 +295,23 @@ def _load_one(
     return info
 
 
-def _read_tensors(store: Any, name: str, target: dict[str, Any], group: Any, manifest: Any, verify: bool) -> dict[str, Any]:
-    """The checkpoint's tensors: into ``target``'s live tensors from local files, else into host tensors of the load's own."""
+def _read_tensors(
+    store: Any, name: str, target: dict[str, Any], group: Any, manifest: Any, verify: bool, signing_key: bytes | None
+) -> dict[str, Any]:
+    """The checkpoint's tensors: into ``target``'s live tensors from local files, else into host tensors of the load's own.
+
+    ``signing_key``: each blob's MAC is checked too (the manifest's signature was, with it).
+    """
     if store.is_local:
         # Local files: a second read comes from the page cache at memory speed. The first pass
         # reads and checks every blob and changes nothing; the second reads into the live
         # tensors themselves, which are in memory already. Host tensors of the load's own
         # would fault in fresh memory, a page per 4 KiB: that made load bimodal (direct_read.py).
         # The second pass checks again only what changed since the first (it refuses it).
-        checked = read_into(store, name, target, group, manifest, mode=CHECK) if verify else None
-        read_into(store, name, target, group, manifest if verify else None, mode=PLACE, checked_files=checked)
+        checked = read_into(store, name, target, group, manifest, mode=CHECK, signing_key=signing_key) if verify else None
+        read_into(store, name, target, group, manifest if verify else None, mode=PLACE, checked_files=checked, signing_key=signing_key)
         return target
     # A second read would be a second download: one read, into host tensors of the load's own.
     host = empty_like_on_cpu(target)
-    read_into(store, name, host, group, manifest if verify else None, mode=ADOPT)
+    read_into(store, name, host, group, manifest if verify else None, mode=ADOPT, signing_key=signing_key)
     return host

@@ -32,6 +32,7 @@ def read_into(
     manifest: Manifest | None = None,
     mode: str = ADOPT,
     checked_files: dict[str, FileIdentity] | None = None,
+    signing_key: bytes | None = None,
 ) -> dict[str, FileIdentity]:
     """Fill the tensors of ``host`` from checkpoint ``name`` with DCP (collectively with ``process_group`` when given).
 
@@ -40,13 +41,14 @@ def read_into(
     (``host`` holds tensors this load allocated: decoded ones take their place), CHECK
     (read and check only) or PLACE (``host`` holds the live tensors: read into them).
     ``checked_files``: what a CHECK pass returned; the files it checked, found unchanged,
-    are read without checking their bytes again. Returns the local files read, by name.
+    are read without checking their bytes again. ``signing_key`` (with ``manifest``, whose
+    signature was checked with it): each blob's MAC is checked too. Returns the local files read, by name.
     CheckpointReadError if storage fails, CorruptCheckpointError if the bytes are
     damaged or cannot be decoded.
     """
     reader = store.make_reader(name)
     try:
-        return _read_into(store, name, reader, host, process_group, manifest, mode, checked_files)
+        return _read_into(store, name, reader, host, process_group, manifest, mode, checked_files, signing_key)
     except (CorruptCheckpointError, CheckpointReadError) as e:
         placed = getattr(reader, "tensors_placed", 0)
         if mode != PLACE or not placed:
@@ -66,13 +68,14 @@ def _read_into(
     manifest: Manifest | None,
     mode: str,
     checked_files: dict[str, FileIdentity] | None,
+    signing_key: bytes | None,
 ) -> dict[str, FileIdentity]:
     import torch.distributed.checkpoint as dcp
 
     where = store.checkpoint_url(name)
     expect = getattr(reader, "expect", None)
     if expect is not None:  # each blob read once, on several threads; checked as it arrives with a manifest
-        expected = None if manifest is None else ExpectedSums.from_manifest(manifest, where)
+        expected = None if manifest is None else ExpectedSums.from_manifest(manifest, where, signing_key)
         expect(expected, mode=mode, checked_files=checked_files)
     elif manifest is not None or mode != ADOPT:
         raise ConfigError(

@@ -18,23 +18,27 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..errors import CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError, OverlapCkptError
+from ..errors import CheckpointMismatchError, CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError, OverlapCkptError
 from ..format.manifest import MANIFEST_NAME, METADATA_NAME
 from ..format.peers import node_key
+from ..format.private_files import SMALL_FILE_MAX_BYTES
 from ..format.storage import CheckpointStore
+from ..format.tiers import tier_refusal, tier_store
 from ..format.verify import read_manifest
 from ..protocol import FileCopy
 from .locate import checkpoint_at
 
 log = logging.getLogger("overlapckpt.restore")
-# What makes a local-tier checkpoint unusable, so the next source is tried.
-FALLBACK_ERRORS = (CorruptCheckpointError, CheckpointReadError, CheckpointNotFoundError)
+# What makes a local-tier checkpoint unusable, so the next source is tried. A mismatch too:
+# a tier another job left at this name (other shapes) must not stop a restart the root can serve.
+FALLBACK_ERRORS = (CorruptCheckpointError, CheckpointReadError, CheckpointNotFoundError, CheckpointMismatchError)
 Read = TypeVar("Read")
 # The files every rank's restore reads, whatever its share: DCP's .metadata and the manifest.
 HEAD_FILES = frozenset({MANIFEST_NAME, METADATA_NAME})
@@ -167,7 +171,8 @@ def local_candidate(
         log.info("no local tier at %s on this node", local_dir)
     if group is None:
         root_version = _root_version(path, storage_options) if step is None else None
-        tiers = NodeListings.from_gathered([(node_key(), tier_listing(local_dir, world))])
+        listing = tier_listing(local_dir, world, path)
+        tiers = NodeListings.from_gathered([(node_key(), listing)], lineage=tier_lineage(local_dir) if listing else {})
     else:
         import torch.distributed as dist
 
@@ -179,8 +184,12 @@ def local_candidate(
         # every rank receives every listing (a manifest names every file of the checkpoint).
         leads = [key for key, _ in keys].index(keys[rank][0]) == rank
         listings: list[Any] = [None] * len(keys)
-        dist.all_gather_object(listings, tier_listing(local_dir, world) if leads else {}, group=group)
-        tiers = NodeListings.from_gathered([(key, listing) for (key, _), listing in zip(keys, listings)])
+        listing = tier_listing(local_dir, world, path) if leads else {}
+        dist.all_gather_object(listings, (listing, tier_lineage(local_dir) if listing else {}), group=group)
+        lineage: dict[str, int] = {}
+        for _, of_node in listings:  # every node's tier names the same latest, or one an older commit left
+            lineage = lineage or of_node
+        tiers = NodeListings.from_gathered([(key, of_node) for (key, _), (of_node, _) in zip(keys, listings)], lineage=lineage)
         root_version = keys[0][1]
     choice = tiers.newest_complete(step, root_version)
     if choice is None:
@@ -265,11 +274,21 @@ def _fetched(
 Listing = dict[str, tuple[int, str, dict[str, int], dict[str, int]]]
 
 
-def tier_listing(local_dir: str, world: int) -> Listing:
-    """What this node's tier holds of checkpoints written at ``world`` ranks (those whose manifest reads)."""
+def tier_listing(local_dir: str, world: int, root: str) -> Listing:
+    """What this node's tier holds of checkpoints written at ``world`` ranks (those whose manifest reads).
+
+    Nothing, with a warning naming why, when the directory is not this job's tier of ``root``
+    (``format/tiers.py``: a symlink, another user's, writable by others, or another root's).
+    Each file is ``lstat``ed on its own: only regular files count as held, so a dangling or
+    planted link, a FIFO or an unreadable entry makes its checkpoint incomplete, not the restore fail.
+    """
+    refusal = tier_refusal(local_dir, root)
+    if refusal is not None:
+        warnings.warn(f"overlapckpt: the node-local tier {local_dir} is not read: {refusal}; restoring from the root {root}", stacklevel=5)
+        return {}
     if not os.path.isdir(local_dir):
         return {}
-    store = CheckpointStore(local_dir)
+    store = tier_store(local_dir)
     out: Listing = {}
     for name in store.committed_names():
         try:
@@ -286,34 +305,102 @@ def tier_listing(local_dir: str, world: int) -> Listing:
         needed = {file: record.nbytes for file, record in manifest.checksums.files.items()}
         needed[manifest.checksums.metadata_name] = manifest.checksums.metadata_nbytes
         needed[MANIFEST_NAME] = -1
-        directory = os.path.join(local_dir, name)
-        held = {file: os.path.getsize(os.path.join(directory, file)) for file in os.listdir(directory)}
-        out[name] = (manifest.step, manifest.run_id or "", held, needed)
+        if needed[manifest.checksums.metadata_name] > SMALL_FILE_MAX_BYTES:
+            warnings.warn(
+                f"overlapckpt: the local tier's {store.checkpoint_url(name)} is skipped: its manifest gives .metadata "
+                f"{needed[manifest.checksums.metadata_name]} bytes, above the {SMALL_FILE_MAX_BYTES} a .metadata may hold", stacklevel=5,
+            )
+            continue
+        out[name] = (manifest.step, manifest.run_id or "", _regular_files(os.path.join(local_dir, name)), needed)
     return out
+
+
+def _regular_files(directory: str) -> dict[str, int]:
+    """The regular files of ``directory`` and their sizes; links, FIFOs and entries that cannot be ``lstat``ed are left out."""
+    held: dict[str, int] = {}
+    try:
+        names = os.listdir(directory)
+    except OSError as e:
+        log.info("the local tier's %s cannot be listed (%s): taken as holding nothing", directory, e)
+        return held
+    for file in names:
+        try:
+            st = os.lstat(os.path.join(directory, file))
+        except OSError as e:
+            log.warning("the local tier's %s/%s cannot be read (%s): not counted as held", directory, file, e)
+            continue
+        if stat.S_ISREG(st.st_mode):
+            held[file] = st.st_size
+        else:
+            log.warning("the local tier's %s/%s is not a regular file (a link, a FIFO or a device): not counted as held", directory, file)
+    return held
+
+
+def tier_lineage(local_dir: str) -> dict[str, int]:
+    """The runs of the lineage the tier's ``latest`` names, each with the newest version of it on that lineage; {} if none.
+
+    ``latest``'s run counts to any version, each ancestor to the version it was continued from:
+    a rollback's abandoned branch (an ancestor's checkpoints newer than the fork) is not on it.
+    """
+    store = tier_store(local_dir)
+    latest = store.read_latest()
+    if latest is None:
+        return {}
+    try:
+        manifest = read_manifest(store, latest)
+    except (CorruptCheckpointError, CheckpointReadError) as e:
+        log.info("the local tier's latest, %s, cannot be read (%s): versions are chosen without it", latest, e)
+        return {}
+    if manifest.run_id is None:
+        return {}
+    lineage = {manifest.run_id: _ANY_VERSION}
+    for run_id, version in manifest.ancestors:
+        lineage.setdefault(run_id, version)
+    return lineage
+
+
+_ANY_VERSION = 2**62
 
 
 @dataclass
 class NodeListings:
-    """Every node's listing (by node key), and each node's lowest rank, which receives and sends for it."""
+    """Every node's listing (by node key), and each node's lowest rank, which receives and sends for it.
+
+    ``lineage``: the runs of the lineage the tiers' ``latest`` names (``tier_lineage``), empty when unknown.
+    """
 
     listings: dict[str, Listing]
     leaders: dict[str, int]
+    lineage: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def from_gathered(cls, nodes_by_rank: list[tuple[str, Listing]]) -> NodeListings:
+    def from_gathered(cls, nodes_by_rank: list[tuple[str, Listing]], lineage: dict[str, int] | None = None) -> NodeListings:
         leaders: dict[str, int] = {}
         for rank, (node, _) in enumerate(nodes_by_rank):
             leaders.setdefault(node, rank)
-        return cls({node: nodes_by_rank[rank][1] for node, rank in leaders.items()}, leaders)
+        return cls({node: nodes_by_rank[rank][1] for node, rank in leaders.items()}, leaders, dict(lineage or {}))
+
+    def on_lineage(self, version: int, run_id: str) -> bool:
+        """Whether ``run_id``'s checkpoint of ``version`` is on the lineage ``latest`` names (True when that is unknown)."""
+        return not self.lineage or version <= self.lineage.get(run_id, -1)
 
     def newest_complete(self, step: int | None, root_version: int | None) -> tuple[str, int] | None:
         """(name, version) of the newest version whose every file some node holds, or None.
 
-        It is refused below the root's version, and where nodes hold different runs' under one name.
+        As the root resolves a version: among equal versions, the one on the lineage ``latest``
+        names wins; without a step, a checkpoint off that lineage (a branch a rollback
+        abandoned) is never chosen. It is refused below the root's version, and where nodes
+        hold different runs' under one name.
         """
-        entries = sorted({(entry[0], entry[1], name) for listing in self.listings.values() for name, entry in listing.items()}, reverse=True)
-        for version, run_id, name in entries:
+        entries = sorted(
+            {(entry[0], self.on_lineage(entry[0], entry[1]), entry[1], name) for listing in self.listings.values() for name, entry in listing.items()},
+            reverse=True,
+        )
+        for version, on_lineage, run_id, name in entries:
             if step is not None and version != step:
+                continue
+            if step is None and not on_lineage:
+                log.info("the local tier's %s is off the lineage its latest names (a rollback abandoned it): not restored", name)
                 continue
             if step is None and root_version is not None and version < root_version:
                 log.info(
@@ -350,7 +437,10 @@ class NodeListings:
             for k, file in enumerate(sorted(f for f in files if not self._holds(held, f, needed[f]))):
                 holders = self._holders(name, file, needed[file])
                 source = holders[k % len(holders)]  # spread over the nodes that hold it
-                copies.append(FileCopy(self.leaders[source], self.leaders[node], file, self._holding(name)[source][2][file]))
+                # The manifest's size, never the listing's: a listing is not signed. The manifest's own
+                # file has no size in it: the holder's, which the small-file cap bounds.
+                nbytes = needed[file] if needed[file] >= 0 else self._holding(name)[source][2][file]
+                copies.append(FileCopy(self.leaders[source], self.leaders[node], file, nbytes))
         return copies
 
     def received(self, name: str, copies: list[FileCopy]) -> None:
@@ -374,7 +464,9 @@ class NodeListings:
 
     @staticmethod
     def _holds(held: dict[str, int], file: str, nbytes: int) -> bool:
-        return file in held and (nbytes < 0 or held[file] == nbytes)
+        if nbytes < 0:  # the manifest: read and checked on the node that listed it
+            return file in held and held[file] <= SMALL_FILE_MAX_BYTES
+        return file in held and held[file] == nbytes
 
 
 def _root_version(path: str, storage_options: dict[str, Any] | None) -> int | None:

@@ -20,6 +20,7 @@ commit publishes it with the rest.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import struct
@@ -30,7 +31,9 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..format.blob_macs import default_mac_algorithm, mac_of, new_nonce
 from ..format.entries import optimizer_state_by_index
+from ..format.manifest import ExportRecord
 from ..format.storage import CheckpointStore
 from ..protocol import EXPORT_FORMATS
 
@@ -42,16 +45,26 @@ _SAFETENSORS_DTYPES = {
 
 
 def write_exports(
-    store: CheckpointStore, directory: str, formats: tuple[str, ...], state_dict: dict[str, Any], extra_state: dict[str, Any]
-) -> dict[str, dict[str, int]]:
-    """Write each format's files into ``directory``; their sizes and CRC-32s, by file name, for the manifest."""
-    written: dict[str, dict[str, int]] = {}
+    store: CheckpointStore,
+    directory: str,
+    formats: tuple[str, ...],
+    state_dict: dict[str, Any],
+    extra_state: dict[str, Any],
+    signing_key: bytes | None = None,
+) -> dict[str, ExportRecord]:
+    """Write each format's files into ``directory``; their sizes and CRC-32s (MACs, with a key), by file name."""
+    written: dict[str, ExportRecord] = {}
+    mac_algorithm = default_mac_algorithm() if signing_key is not None else None
     for fmt in formats:
         if fmt != "hf_trainer":
             raise ConfigError(f"export format {fmt!r} is unknown; use one of {EXPORT_FORMATS}")
         for name, data in _hf_trainer_files(state_dict, extra_state):
             store.write_bytes(directory, name, data)
-            written[name] = {"nbytes": len(data), "crc32": zlib.crc32(data) & 0xFFFFFFFF}
+            record = ExportRecord(nbytes=len(data), crc32=zlib.crc32(data) & 0xFFFFFFFF)
+            if signing_key is not None and mac_algorithm is not None:
+                nonce = new_nonce()
+                record = dataclasses.replace(record, mac=mac_of(signing_key, mac_algorithm, nonce, 0, data), mac_nonce=nonce)
+            written[name] = record
     return written
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from .. import protocol as p
 from ..errors import CheckpointExistsError, CheckpointWriteError, InternalError
 from ..format.attempts import Attempt, already_committed, new_attempt_id
+from ..format.blob_macs import default_mac_algorithm
 from ..format.blobsums import ChecksummingFileSystem, StoredChecksums, StreamTimings
 from ..format.checksum import default_algorithm
 from ..format.entries import TensorEntry, build_state_dict
@@ -247,10 +248,9 @@ class _TierWrite:
                 assert group is not None  # node_layout() gives one only with a group
                 _begin_on_every_node(attempt, group, self.layout)
             if req.export_formats:  # one process only (the Checkpointer refuses it distributed): whole tensors
-                written = write_exports(store, attempt.directory, req.export_formats, state_dict, req.extra_state)
-                exports.update({name: ExportRecord(**sums) for name, sums in written.items()})
+                exports.update(write_exports(store, attempt.directory, req.export_formats, state_dict, req.extra_state, self.signing_key))
             streams = _save(
-                store, attempt.directory, state_dict, write_manifest, global_shapes, group, self.signing_key is not None, write_threads, self.known
+                store, attempt.directory, state_dict, write_manifest, global_shapes, group, self.signing_key, write_threads, self.known
             )
             if not wrote_manifest:  # a rank that does not write the manifest: its write ends here
                 phases.lap(self.prefix + "write")
@@ -484,22 +484,33 @@ def _save(
     write_manifest: BeforeCommit,
     global_shapes: dict[str, tuple[int, ...]],
     group: WriterGroup | None,
-    wants_metadata_bytes: bool = False,
+    signing_key: bytes | None = None,
     write_threads: int = 1,
     known: KnownChecksums | None = None,
 ) -> StreamTimings | None:
-    """DCP's save of ``state_dict`` into ``name``; where the shards' time went, when the store's writer says."""
+    """DCP's save of ``state_dict`` into ``name``; where the shards' time went, when the store's writer says.
+
+    ``signing_key``: every blob gets a MAC under it (``format/blob_macs.py``), and the
+    manifest's signature needs ``.metadata``'s bytes.
+    """
     import torch.distributed.checkpoint as dcp
 
     # Only a signature needs .metadata's bytes, and only more than one thread a thread count;
     # a store subclass written for make_writer(name, before_commit) keeps working without them.
-    extra: dict[str, Any] = {"wants_metadata_bytes": True} if wants_metadata_bytes else {}
+    extra: dict[str, Any] = {"wants_metadata_bytes": True} if signing_key is not None else {}
     if write_threads > 1:
         extra["thread_count"] = write_threads
     writer = store.make_writer(name, before_commit=write_manifest, **extra)
     fs = getattr(writer, "fs", None)
     if known is not None and isinstance(fs, ChecksummingFileSystem):
         fs.known_checksums = known
+    if signing_key is not None:
+        if not isinstance(fs, ChecksummingFileSystem):
+            raise CheckpointWriteError(
+                f"{type(store).__name__}.make_writer returned a writer whose files are not checksummed, so its blobs "
+                "cannot be signed; build it with CheckpointStore.make_writer's writer class"
+            )
+        fs.mac_key, fs.mac_algorithm = signing_key, default_mac_algorithm()
     planner = CoveringSavePlanner(global_shapes)
     if group is None:
         with warnings.catch_warnings():

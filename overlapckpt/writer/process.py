@@ -29,7 +29,7 @@ from ..cores import usable_cores
 from ..errors import ForgedStoreValueError, WritersRegroupedError
 from ..format import tensor_blob
 from ..format.storage import CheckpointStore, dcp_root_cause
-from ..format.tiers import LOCAL_TIER, ROOT_TIER
+from ..format.tiers import LOCAL_TIER, ROOT_TIER, tier_store
 from ..hostbuf import fd_path, map_shared_file
 from ..qualname import import_qualified
 from .group import WriterGroup
@@ -219,7 +219,7 @@ def serve(conn: Connection, fd_sock: socket.socket) -> None:
         threads = init.writer_threads or writer_thread_count()
         torch.set_num_threads(threads)  # the replay's optimizer kernels
         # The local tier is a directory of this node: the plain store, whatever the root's class.
-        local_store = None if init.local_root is None else CheckpointStore(init.local_root)
+        local_store = None if init.local_root is None else tier_store(init.local_root)
         state = _WriterState(_load_store(init), group, init.signing_key, threads, local_store)
     except BaseException as e:
         _send(conn, _error_response(None, e))

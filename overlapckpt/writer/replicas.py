@@ -42,6 +42,7 @@ from ..errors import CheckpointWriteError
 from ..format.attempts import Attempt, new_attempt_id
 from ..format.manifest import MANIFEST_NAME
 from ..format.peers import NodeLayout
+from ..format.private_files import create_private_file, open_regular_file
 from ..format.storage import CheckpointStore
 from ..protocol import FileCopy
 from .group import WriterGroup
@@ -72,7 +73,8 @@ def own_files(directory: str, rank: int) -> list[tuple[str, int]]:
     """(name, bytes) of the shard files rank ``rank`` wrote into ``directory`` (DCP names them ``__<rank>_<n>.distcp``)."""
     prefix = f"__{rank}_"
     names = sorted(n for n in os.listdir(directory) if n.startswith(prefix) and n.endswith(".distcp"))
-    return [(n, os.path.getsize(os.path.join(directory, n))) for n in names]
+    return [(n, os.lstat(os.path.join(directory, n)).st_size) for n in names]
+
 
 
 def agree_on_failure(group: WriterGroup, failure: BaseException | None, what: str) -> None:
@@ -154,12 +156,17 @@ def copy_files(
     writers: dict[int, Any] = {}
     try:
         for index, c in outgoing:
-            readers[index] = open(os.path.join(read_dir, c.filename), "rb")
-            size = os.fstat(readers[index].fileno()).st_size
+            # A regular file, never a link's target or a FIFO, at the size the manifest gives it.
+            readers[index], size = open_regular_file(os.path.join(read_dir, c.filename))
             if size != c.nbytes:
                 raise CheckpointWriteError(f"{os.path.join(read_dir, c.filename)} holds {size} bytes, {c.nbytes} were listed")
         for index, c in incoming:
-            writers[index] = open(os.path.join(write_dir, c.filename + _PART_SUFFIX), "wb")
+            part = os.path.join(write_dir, c.filename + _PART_SUFFIX)
+            try:
+                os.unlink(part)  # what a killed copy left
+            except FileNotFoundError:
+                pass
+            writers[index] = os.fdopen(create_private_file(part), "wb")  # a tier's file: 0600
     except (OSError, CheckpointWriteError) as e:
         failure = e
     try:

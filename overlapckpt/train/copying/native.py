@@ -24,14 +24,17 @@ from ...cbuild import NativeLibrary, build_c_library, c_library_path
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "gather_values.c"
 
 
+FLAGS = ["-O2"]
+
+
 def library_path() -> Path | None:
-    """Where the built library for this source lives (None without the source: an installed wheel)."""
-    return c_library_path(SOURCE, "gather_values")
+    """Where the built library for this source, compiler and flags lives (None without the source: an installed wheel)."""
+    return c_library_path(SOURCE, "gather_values", FLAGS, [])
 
 
 def build(quiet: bool = True) -> Path | None:
     """Compile the library if it is not built yet; its path, or None where it cannot be built."""
-    return build_c_library(SOURCE, "gather_values", ["-O2"], [], "host values are gathered by the Python twin", quiet)
+    return build_c_library(SOURCE, "gather_values", FLAGS, [], "host values are gathered by the Python twin", quiet)
 
 
 # PyDLL, not CDLL: the call keeps the GIL. It lasts microseconds, and a CDLL call releases the

@@ -40,12 +40,13 @@ from typing import Any
 
 import torch
 
-from ...cbuild import compile_into, native_cache_dir
+from ...cbuild import compile_into, compiler_identity, reuse_or_remove, usable_cache_dir, verified_library_or_missing
 
 log = logging.getLogger("overlapckpt")
 
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "tensor_passes.cpp"
 MODULE_NAME = "overlapckpt_tensor_passes"  # its PyInit_ name
+FLAGS = ["-O2", "-shared", "-fPIC", "-std=c++20"]
 _chain = itertools.chain.from_iterable
 _grad_of = operator.attrgetter("grad")
 _lock = threading.Lock()
@@ -55,13 +56,18 @@ _NOT_LOOKED_UP = object()
 
 def library_path() -> Path | None:
     """Where the built extension for this source, torch and Python lives (None without the source: an installed wheel)."""
-    if not SOURCE.is_file():
+    tools = toolchain()
+    if not SOURCE.is_file() or tools is None:
+        return None
+    cache = usable_cache_dir()
+    if cache is None:
         return None
     key = hashlib.sha256(SOURCE.read_bytes())
-    # Built against this torch's headers and libraries, for this interpreter's ABI: another
-    # torch or Python gets its own file, and never loads one built for the other.
+    # Built against this torch's headers and libraries, for this interpreter's ABI, by this
+    # compiler with these flags: any other gets its own file, and never loads one built otherwise.
     key.update(f"{torch.__version__}|{sys.implementation.cache_tag}|{sysconfig.get_config_var('SOABI')}".encode())
-    return native_cache_dir() / f"tensor_passes-{key.hexdigest()[:16]}.so"
+    key.update(f"{compiler_identity(tools[0])}|{' '.join(FLAGS)}".encode())
+    return cache / f"tensor_passes-{key.hexdigest()[:16]}.so"
 
 
 def toolchain() -> tuple[str, str] | None:
@@ -76,20 +82,20 @@ def toolchain() -> tuple[str, str] | None:
 def build(quiet: bool = True) -> Path | None:
     """Compile the extension if it is not built yet (about 20 s); its path, or None where it cannot be built."""
     target = library_path()
-    if target is None:
-        return None
-    if target.is_file():
-        return target
     tools = toolchain()
     if tools is None:
         log.info("no C++ compiler or Python headers here: the hooks' passes run as their Python twins (%s)", SOURCE)
         return None
+    if target is None:
+        return None
+    if reuse_or_remove(target):
+        return target
     compiler, python_headers = tools
     from torch.utils.cpp_extension import include_paths, library_paths
 
     torch_lib = library_paths()[0]
     flags = [
-        compiler, "-O2", "-shared", "-fPIC", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-isystem{p}" for p in [*include_paths(), python_headers]),
     ]
     libraries = [str(SOURCE), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python"]
@@ -141,6 +147,10 @@ def _load(path: Path | None) -> ModuleType | None:
     if path is None or not path.is_file():
         log.info("the hooks' passes run as their Python twins: no extension built for this source and torch %s "
                  "(make install, or overlapckpt build-native, builds it)", torch.__version__)
+        return None
+    refusal = verified_library_or_missing(path)
+    if refusal is not None:  # truncated, replaced or planted: never dlopen'ed (a truncated one dies of SIGBUS)
+        log.warning("%s: not loaded; the hooks' passes run as their Python twins (`overlapckpt build-native` builds it again)", refusal)
         return None
     try:
         loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(path))

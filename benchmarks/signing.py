@@ -1,0 +1,116 @@
+"""Time to durable with a signing key against without: the cost of the shards' MACs (``format/blob_macs.py``).
+
+    python benchmarks/signing.py [--mib 768] [--repeats 9] [--disk DIR] [--tmpfs DIR] [--out benchmarks/results/signing]
+
+One process holds AdamW state of about ``--mib`` MiB, as in ``durable.py``. On each storage
+(the local disk, tmpfs), two ``Checkpointer``s are kept open on two roots, one with a
+signing key and one without, and their saves alternate (``request()`` to the commit, fsync
+on). With the key, every blob is also MACed on its way to storage (AES-256-GMAC where the
+``cryptography`` package is installed, else HMAC-SHA256: the MAC is named in the report),
+and the manifest is signed. The first save of each is reported apart (cold). Reported:
+min / median / p90 / max of each, their medians' ratio (goal: at most 1.10), and the
+writer's ``write.checksums`` phase, which holds the CRCs and, with a key, the MACs.
+Writes ``signing.json`` and ``signing.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+from typing import Any
+
+from durable import _model, _Overlapckpt, _state_bytes
+from measure import run_header, write_results
+from stats import MIN_REPEATS, spread, spread_text
+
+KEY = "benchmark signing key, 32 bytes!"
+GOAL_RATIO = 1.10
+
+
+def _storage_run(directory: str, mib: int, repeats: int) -> dict[str, Any]:
+    model, opt = _model(mib)
+    scratch = tempfile.mkdtemp(prefix="signing-", dir=directory)
+    try:
+        methods = {
+            "without a key": _Overlapckpt(model, opt, os.path.join(scratch, "plain"), None),
+            "with a key": _Overlapckpt(model, opt, os.path.join(scratch, "signed"), None, signing_key=KEY),
+        }
+        times: dict[str, list[float]] = {label: [] for label in methods}
+        macs: dict[str, list[float]] = {label: [] for label in methods}
+        for _ in range(repeats):
+            for label, method in methods.items():
+                times[label].append(method.save_s())
+                macs[label].append(method.splits[-1].get("writer: write.checksums", float("nan")))
+        cold = {label: method.cold_s for label, method in methods.items()}
+        for method in methods.values():
+            method.close()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    ratio = statistics.median(times["with a key"]) / statistics.median(times["without a key"])
+    return {
+        "directory": directory,
+        "state_bytes": _state_bytes(model),
+        "request_to_durable_s": {label: spread(values) for label, values in times.items()},
+        "samples_s": times,
+        "checksums_phase_s": {label: spread(values) for label, values in macs.items()},
+        "cold_s": cold,
+        "median_ratio": ratio,
+        "goal_ratio": GOAL_RATIO,
+        "meets_goal": ratio <= GOAL_RATIO,
+    }
+
+
+def _report(result: dict[str, Any]) -> str:
+    machine = result["machine"]
+    lines = [
+        f"# Time to durable with a signing key ({machine['date_utc']}, {machine['cpu_count']} CPUs, torch {machine['torch']}, "
+        f"{result['mib']} MiB of AdamW state, commit {result.get('commit') or '?'})",
+        "",
+        f"`{result['command']}`",
+        "",
+        f"Blob MAC: `{result['mac_algorithm']}`. Alternated per repeat; the first save of each is apart (cold).",
+        "",
+    ]
+    for storage, run in result["storages"].items():
+        lines += [
+            f"## {storage} ({run['directory']})",
+            "",
+            "| | request→durable: median (min / p90 / max) | write.checksums phase (CRCs, and MACs with a key) | cold |",
+            "|---|---|---|---|",
+        ]
+        for label in ("without a key", "with a key"):
+            lines.append(
+                f"| {label} | {spread_text(run['samples_s'][label])} | "
+                f"{run['checksums_phase_s'][label]['median'] * 1000:.0f} ms median | {run['cold_s'][label]:.2f} s |"
+            )
+        verdict = "meets" if run["meets_goal"] else "misses"
+        lines += ["", f"Median with a key / without: **{run['median_ratio']:.3f}×** ({verdict} the goal ≤ {GOAL_RATIO:.2f}×).", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mib", type=int, default=768)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--disk", default=None, help="a directory on the local disk (default: the system's temporary directory)")
+    parser.add_argument("--tmpfs", default="/dev/shm", help="a directory on tmpfs ('' skips it)")
+    parser.add_argument("--out", default="benchmarks/results/signing")
+    args = parser.parse_args()
+    if args.repeats < MIN_REPEATS:
+        parser.error(f"--repeats {args.repeats}: at least {MIN_REPEATS}, so that min / median / p90 / max mean something")
+    from overlapckpt.format.blob_macs import default_mac_algorithm
+
+    result: dict[str, Any] = {**run_header(), "mib": args.mib, "repeats": args.repeats, "mac_algorithm": default_mac_algorithm()}
+    result["commit"] = result["machine"].get("commit")
+    storages = {"local disk": args.disk or tempfile.gettempdir()}
+    if args.tmpfs and os.path.isdir(args.tmpfs):
+        storages["tmpfs"] = args.tmpfs
+    result["storages"] = {name: _storage_run(directory, args.mib, args.repeats) for name, directory in storages.items()}
+    write_results(args.out, "signing", result, _report(result))
+
+
+if __name__ == "__main__":
+    main()
