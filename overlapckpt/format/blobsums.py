@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointWriteError
-from .blob_macs import BlobMac, new_nonce
+from .blob_macs import MacPipeline, new_nonce
 from .checksum import hex32, updater
 from .known_sums import KnownChecksums, extend
 from .writeback import WRITEBACK_EVERY_BYTES, start_writeback
@@ -123,12 +123,13 @@ class ChecksummingStream:
         self._span_start = 0
         self._running = 0
         self.segments = FileSegments()
-        # With a signing key, each span's MAC too, over the same bytes in the same pass (blob_macs.py);
-        # never from a known checksum: a MAC cannot be combined, so every byte goes through it.
-        self._mac_key, self._mac_algorithm = mac_key, mac_algorithm
-        self._mac: BlobMac | None = None
+        # With a signing key, each span's MAC too, of the same bytes, on a thread beside the writes
+        # (blob_macs.MacPipeline); never from a known checksum: a MAC cannot be combined.
+        self._macs: MacPipeline | None = None
         if mac_key is not None:
+            assert mac_algorithm is not None
             self.segments.mac_nonce = new_nonce()
+            self._macs = MacPipeline(mac_key, mac_algorithm, self.segments.mac_nonce)
         # A local file: ask the disk to start writing each range early (writeback.py).
         self._fd: int | None = None
         if start_writeback is not None:
@@ -169,11 +170,9 @@ class ChecksummingStream:
         self._running, was_hashed = extend(self._update, self._algorithm, self._running, stored, self._known)
         if was_hashed:
             self.segments.hashed_nbytes += written
-        if self._mac_key is not None:
-            if self._mac is None:
-                assert self._mac_algorithm is not None and self.segments.mac_nonce is not None
-                self._mac = BlobMac(self._mac_key, self._mac_algorithm, self.segments.mac_nonce, self._span_start)
-            self._mac.update(stored)
+        if self._macs is not None:
+            # A known checksum's bytes are a host-snapshot tensor, unchanged until the save ends.
+            self._macs.update(self._span_start, stored, stable=not was_hashed)
         self._position += written
         hashed = time.perf_counter()
         timings.write_s += wrote - started
@@ -189,9 +188,8 @@ class ChecksummingStream:
     def _close_span(self) -> None:
         if self._position != self._span_start:
             self.segments.spans[(self._span_start, self._position)] = self._running
-            if self._mac is not None:
-                self.segments.macs[(self._span_start, self._position)] = self._mac.hexdigest()
-                self._mac = None
+            if self._macs is not None:
+                self._macs.close_span(self._span_start, self._position)
             self._span_start = self._position
             self._running = 0
         self.segments.nbytes = self._position
@@ -221,7 +219,21 @@ class ChecksummingStream:
             self.segments.timings.sync_s += time.perf_counter() - self._sync_started
             self._sync_started = None
 
+    def finish_macs(self) -> None:
+        """Wait for the spans' MACs (with a signing key) and record them; the wait counts as checksum time."""
+        if self._macs is not None:
+            started = time.perf_counter()
+            self.segments.macs.update(self._macs.finish())
+            self.segments.timings.checksum_s += time.perf_counter() - started
+
+    def abandon_macs(self) -> None:
+        """The write failed: stop the MAC thread, dropping what it has not hashed yet."""
+        if self._macs is not None:
+            self._macs.shut_down()
+
     def close(self) -> None:
+        # DCP may close the stream before the file system's context ends: the MACs go on, and
+        # finish_macs, called at that end, waits for them.
         self._close_span()
         self._raw.close()
 
@@ -288,9 +300,12 @@ class ChecksummingFileSystem:
                 yield stream
                 stream.tell()  # closes the last span
                 stream.note_end_of_writes()
+                stream.finish_macs()
                 with self._lock:
                     self.files[name] = stream.segments
         except Exception as e:
+            if stream is not None:
+                stream.abandon_macs()
             if stream is not None and stream.storage_error is not None and stream.storage_error is not e:
                 # The storage's own error, not what the serializer made of it (see storage_error).
                 raise stream.storage_error from e
