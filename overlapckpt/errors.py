@@ -88,5 +88,14 @@ class RootLeaseError(ConfigError):
     """Another job holds the lease on this checkpoint root."""
 
 
+class UnsafeFileError(OverlapCkptError, OSError):
+    """A file that must not be read where a small regular file belongs: a link, a FIFO, a device, one too large.
+
+    Not a storage failure: the file is there, and is not what overlapckpt wrote (damaged or
+    planted). An ``OSError`` too (with its ``errno``), so that a caller that skips unreadable
+    files skips it.
+    """
+
+
 class UntrustedPathError(ConfigError):
     """A node-local tier or the native build cache is a directory another user made or can write (or a symlink): refused."""

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import BinaryIO
 
-from ..errors import UntrustedPathError
+from ..errors import UnsafeFileError, UntrustedPathError
 
 # A lease, ``latest``, a claim or a tier's marker: a few hundred bytes each.
 RECORD_MAX_BYTES = 64 << 10
@@ -68,13 +68,6 @@ def make_private_dir(path: str, what: str, fix: str) -> None:
         raise UntrustedPathError(f"{what}: {refusal}; another user could have planted or could change what it holds. {fix}")
     if stat.S_IMODE(os.lstat(path).st_mode) != PRIVATE_DIR_MODE:
         os.chmod(path, PRIVATE_DIR_MODE, follow_symlinks=False)
-
-
-class UnsafeFileError(OSError):
-    """A file that must not be read where a small regular file belongs: a link, a FIFO, a device, one too large.
-
-    Not a storage failure: the file is there, and is not what overlapckpt wrote (damaged or planted).
-    """
 
 
 def _open_regular(path: str, max_bytes: int) -> tuple[int, int]:

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torch.futures import Future
 
-from ..errors import CheckpointReadError, CheckpointWriteError, ConfigError, CorruptCheckpointError, OverlapCkptError
+from ..errors import CheckpointReadError, CheckpointWriteError, ConfigError, CorruptCheckpointError, OverlapCkptError, UnsafeFileError
 from .blob_reader import verified_reader_class
 from .blobsums import ChecksummingFileSystem, FileSegments, StoredChecksums, attach_checksums, plain_results
 from .checksum import default_algorithm
@@ -50,7 +50,6 @@ from .private_files import (
     PRIVATE_FILE_MODE,
     RECORD_MAX_BYTES,
     SMALL_FILE_MAX_BYTES,
-    UnsafeFileError,
     create_private_file,
     open_regular,
     read_regular_file,
@@ -89,10 +88,10 @@ def translate_read_errors(where: str) -> Iterator[None]:
     """
     try:
         yield
+    except UnsafeFileError as e:  # an OverlapCkptError too: first
+        raise CorruptCheckpointError(f"reading {where} refused {e.filename}: {e.strerror}") from e
     except OverlapCkptError:
         raise
-    except UnsafeFileError as e:
-        raise CorruptCheckpointError(f"reading {where} refused {e.filename}: {e.strerror}") from e
     except Exception as e:
         if not is_storage_error(e):
             raise
