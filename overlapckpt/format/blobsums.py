@@ -43,6 +43,9 @@ from .checksum import hex32, updater
 from .known_sums import KnownChecksums, extend
 from .writeback import WRITEBACK_EVERY_BYTES, start_writeback
 
+# With a signing key, writes larger than this go to storage, and to the MAC thread, in chunks
+# of this size: each is MACed while still in the CPU's cache.
+MAC_CHUNK_BYTES = 1 << 20
 METADATA_FILE_RE = re.compile(r"^(__\d+)?\.metadata$")  # DCP's global or per-rank commit marker
 
 
@@ -156,13 +159,12 @@ class ChecksummingStream:
             view = view.cast("B")
         timings = self.segments.timings
         started = time.perf_counter()
+        maced = self._macs is not None and view.nbytes > MAC_CHUNK_BYTES
         try:
-            written = self._raw.write(view)
+            written = self._write_and_mac(view) if maced else self._write_raw(view)
         except OSError as e:
             self._remember(e)
             raise
-        if written is None:  # a raw stream that does not report: it wrote everything or raised
-            written = view.nbytes
         wrote = time.perf_counter()
         # The bytes handed to storage, read in place: no copy of the tensor; a snapshot tensor's
         # checksum, already computed, is combined instead of hashing its bytes a second time.
@@ -170,7 +172,7 @@ class ChecksummingStream:
         self._running, was_hashed = extend(self._update, self._algorithm, self._running, stored, self._known)
         if was_hashed:
             self.segments.hashed_nbytes += written
-        if self._macs is not None:
+        if self._macs is not None and not maced:
             # A known checksum's bytes are a host-snapshot tensor, unchanged until the save ends.
             self._macs.update(self._span_start, stored, stable=not was_hashed)
         self._position += written
@@ -184,6 +186,29 @@ class ChecksummingStream:
             self._written_back_to = self._position
             timings.writeback_hint_s += time.perf_counter() - hashed
         return written
+
+    def _write_raw(self, view: memoryview) -> int:
+        written = self._raw.write(view)
+        return view.nbytes if written is None else int(written)  # None: a stream that wrote it all or raised
+
+    def _write_and_mac(self, view: memoryview) -> int:
+        """A large write in chunks, each handed to the MAC thread as soon as storage has it.
+
+        The chunk is then still in the CPU's cache: the MAC reads the tensor from there, not from
+        memory a second time, beside the next chunk's copy into storage.
+        """
+        assert self._macs is not None
+        # A host-snapshot tensor stays unchanged until the save ends: its chunks are MACed in place.
+        stable = self._known is not None and self._known.checksum_of(view) is not None
+        total = 0
+        for start in range(0, view.nbytes, MAC_CHUNK_BYTES):
+            part = view[start : start + MAC_CHUNK_BYTES]
+            written = self._write_raw(part)
+            self._macs.update(self._span_start, part if written == part.nbytes else part[:written], stable)
+            total += written
+            if written < part.nbytes:
+                break
+        return total
 
     def _close_span(self) -> None:
         if self._position != self._span_start:
