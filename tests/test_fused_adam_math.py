@@ -121,6 +121,17 @@ def test_cudas_arithmetic_is_not_the_cpu_kernels_it_differs_by_the_float32_betas
     assert not torch.equal(emulated[0], cpu_kernel[0])
 
 
+def test_the_probe_never_steps_its_start_state_in_place():
+    """Before: on the CPU, start.to("cpu") was start itself, so the fused step changed the probe's start state and
+    every candidate measured after it started from the stepped state."""
+    start, grads = _random_state(4096, seed=3)
+    kept = (start.clone(), [g.clone() for g in grads])
+    first = fused_arithmetic._state_after(torch.optim.AdamW, torch.device("cpu"), start, grads)
+    assert torch.equal(start, kept[0]) and all(torch.equal(g, k) for g, k in zip(grads, kept[1]))
+    again = fused_arithmetic._state_after(torch.optim.AdamW, torch.device("cpu"), start, grads)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
 def test_the_measurement_picks_the_cpu_kernel_where_the_cpu_kernel_ran():
     assert fused_arithmetic.measure(torch.optim.AdamW, torch.device("cpu")) is None
     assert fused_arithmetic.measure(torch.optim.Adam, torch.device("cpu")) is None

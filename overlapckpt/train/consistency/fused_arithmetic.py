@@ -84,14 +84,18 @@ def replay_arithmetic(optimizer_cls: type, param_groups: list[dict[str, Any]]) -
 
 
 def _state_after(optimizer_cls: type, device: torch.device, start: torch.Tensor, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The state after ``grads`` stepped by ``optimizer_cls(fused=True)`` on ``device`` (a torch.optim class: no user hooks)."""
-    param = torch.nn.Parameter(start.to(device))
+    """The state after ``grads`` stepped by ``optimizer_cls(fused=True)`` on ``device`` (a torch.optim class: no user hooks).
+
+    ``start`` is copied, never stepped in place: on the CPU, ``.to(device)`` would return it
+    itself, and the candidates measured after this one would start from the stepped state.
+    """
+    param = torch.nn.Parameter(start.to(device, copy=True))
     optimizer = optimizer_cls([param], fused=True, **_PROBE_HYPERPARAMETERS)
     for g in grads:
-        param.grad = g.to(device)
+        param.grad = g.to(device, copy=True)
         optimizer.step()
     state = optimizer.state[param]
-    return [t.detach().to("cpu") for t in (param, state["exp_avg"], state["exp_avg_sq"])]
+    return [t.detach().to("cpu", copy=True) for t in (param, state["exp_avg"], state["exp_avg_sq"])]
 
 
 def _state_by_emulation(optimizer_cls: type, start: torch.Tensor, grads: list[torch.Tensor], arithmetic: str) -> list[torch.Tensor]:
