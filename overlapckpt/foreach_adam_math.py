@@ -1,0 +1,155 @@
+"""CUDA's foreach Adam / AdamW step, computed on the CPU: the arithmetic replay needs for the optimizer CUDA runs by default.
+
+``torch.optim.AdamW`` on CUDA takes the foreach path (``torch/optim/adam.py``,
+``_multi_tensor_adam``, non-capturable): a sequence of ``torch._foreach_*`` kernels. Replayed
+with the CPU's foreach kernels, an H200 run came back bit-identical in 92.29% of parameters
+and 90.84% of ``exp_avg_sq`` (``benchmarks/results/gpu-h200/``), because the two devices round
+differently. CUDA's foreach functors (``ATen/native/cuda/ForeachFunctors.cuh``) compute in
+float32 (``opmath``) with every scalar cast to float32, and nvcc contracts
+``self + s * op(a, b)`` and ``lerp`` into FMAs:
+
+==========================================  =============================================
+``_foreach_mul_(p, 1 - lr * wd)`` (AdamW)   ``p = rn(p * f32(1 - lr*wd))``
+``_foreach_add(g, p, alpha=wd)`` (Adam L2)  ``g = fma(f32(wd), p, g)``
+``_foreach_lerp_(m, g, 1 - beta1)``         ``m = fma(w, rn(g - m), m)`` for ``w < 0.5``, else
+                                            ``m = fma(-rn(g - m), rn(1 - w), g)``
+``_foreach_mul_(v, beta2)``                 ``v = rn(v * f32(beta2))``
+``_foreach_addcmul_(v, g, g, 1 - beta2)``   ``v = fma(f32(1 - beta2), rn(g * g), v)``
+``_foreach_maximum_`` (amsgrad)             ``max(vmax, v)``
+``_foreach_sqrt``                           ``rn(sqrt(v))`` (IEEE ``sqrtf``)
+``_foreach_div_(d, sqrt(bc2))``             ``d = rn(d / f32(sqrt(bc2)))`` (IEEE division)
+``_foreach_add_(d, eps)``                   ``d = rn(d + f32(eps))``
+``_foreach_addcdiv_(p, m, d, -lr / bc1)``   ``p = fma(f32(-lr / bc1), rn(m / d), p)``
+==========================================  =============================================
+
+The bias corrections are the host's float64 values (``1 - beta ** step``), cast to float32
+as scalars: exact at every step count, unlike the fused kernel's float32 ``pow``. Each
+kernel stores its result in the tensor's dtype, so a bfloat16 or float16 state is rounded to
+it after every kernel, temporaries (``sqrt(v)``) included.
+
+Each float32 operation here is float32 (IEEE on the CPU), a square root and a division are
+taken in float64 and rounded once (exact for float32 operands), and an FMA is exact in
+float64 and rounded once (the sum rounded twice, float64 then float32, which differs from
+one rounding with probability about 2^-29 per element). The tests hold it to exact rational
+arithmetic element by element. Which arithmetic a device uses is to be measured on it per
+optimizer group, as for fused (``train/consistency/fused_arithmetic.py``); this module is
+the model that measurement compares against.
+
+Shared by the training side and the writer: imports neither.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+CUDA_FOREACH_FP32_FMA = "cuda-foreach-fp32-fma"
+# The dtypes CUDA's foreach kernels compute in float32 (``opmath``); float64 is computed in double there.
+EMULATED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CHUNK_ELEMENTS = 1 << 20
+
+
+def _scalar(value: float) -> torch.Tensor:
+    """A host scalar as the kernel holds it: ``static_cast<float>`` of the double, one rounding."""
+    return torch.tensor(float(value), dtype=torch.float64).float()
+
+
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fma(a, b, c) of float32 values: the product exact in float64, the sum rounded to float32."""
+    return torch.addcmul(c.double(), a.double(), b.double()).float()
+
+
+def _div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a / b of float32 values, correctly rounded (IEEE division); never by a one-element divisor, which torch's CPU
+    kernels take as a multiply by its reciprocal."""
+    return torch.div(a.double(), b.double().expand_as(a).contiguous()).float()
+
+
+def _sqrt(a: torch.Tensor) -> torch.Tensor:
+    return a.double().sqrt().float()
+
+
+def _lerp(start: torch.Tensor, end: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """ATen's ``lerp`` (``Lerp.h``) of float32 values with a float32 weight, as nvcc contracts it."""
+    difference = end - start
+    if abs(float(weight)) < 0.5:
+        return _fma(weight.expand_as(difference), difference, start)
+    return _fma(-difference, (1 - weight).expand_as(difference), end)
+
+
+def step_like_cuda_foreach_adam(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    max_exp_avg_sqs: Sequence[torch.Tensor] | None,
+    state_steps: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    maximize: bool,
+    decoupled_weight_decay: bool,
+) -> None:
+    """One step of CUDA's foreach Adam (AdamW with ``decoupled_weight_decay``) on CPU tensors, in place.
+
+    As ``_multi_tensor_adam`` with ``capturable=False``: each step count is incremented first.
+    Hyperparameters are Python numbers (the foreach path refuses tensors there). Every tensor's
+    dtype is one of ``EMULATED_DTYPES``; each is computed in chunks (elementwise: independent).
+    """
+    wd = _scalar(weight_decay)
+    decay = _scalar(1 - lr * weight_decay)
+    weight = _scalar(1 - beta1)
+    b2 = _scalar(beta2)
+    one_minus_b2 = _scalar(1 - beta2)
+    eps_f = _scalar(eps)
+    for i, (param, grad, exp_avg, exp_avg_sq, step) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, state_steps)):
+        held = [param, grad, exp_avg, exp_avg_sq] + ([max_exp_avg_sqs[i]] if max_exp_avg_sqs is not None else [])
+        if any(t.dtype not in EMULATED_DTYPES for t in held):
+            raise ValueError(f"CUDA's foreach Adam computes {[t.dtype for t in held]} in double, not as emulated here; "
+                             "step such tensors with the optimizer itself")
+        step.add_(1)
+        count = float(step)
+        step_size = _scalar((lr / (1 - beta1**count)) * -1)  # host float64, then the scalar's cast
+        bias_correction2_sqrt = _scalar((1 - beta2**count) ** 0.5)
+        dtype = param.dtype
+        views = [t.detach().reshape(-1) for t in held]
+        for begin in range(0, param.numel(), _CHUNK_ELEMENTS):
+            end = min(begin + _CHUNK_ELEMENTS, param.numel())
+
+            def stored(x: torch.Tensor, like: torch.Tensor = param) -> torch.Tensor:
+                # Each kernel writes its result in the tensor's own dtype.
+                return x.to(like.dtype).float()
+
+            p, g, m, v = (views[k][begin:end].float() for k in range(4))
+            if maximize:
+                g = stored(-g, grad)
+            if weight_decay != 0:
+                if decoupled_weight_decay:
+                    p = stored(p * decay)
+                else:
+                    g = stored(_fma(wd.expand_as(p), p, g), grad)
+            m = stored(_lerp(m, g, weight), exp_avg)
+            v = stored(v * b2, exp_avg_sq)
+            v = stored(_fma(one_minus_b2.expand_as(g), g * g, v), exp_avg_sq)  # g * g: the functor's float32, not stored
+            if max_exp_avg_sqs is not None:
+                peak = torch.maximum(views[4][begin:end].float(), v)
+                denominator = stored(_sqrt(peak), exp_avg_sq)
+            else:
+                denominator = stored(_sqrt(v), exp_avg_sq)
+            denominator = stored(_div(denominator, bias_correction2_sqrt), exp_avg_sq)
+            denominator = stored(denominator + eps_f, exp_avg_sq)
+            p = _fma(step_size.expand_as(p), _div(m, denominator), p)  # m / d: the functor's float32, not stored
+            with torch.no_grad():
+                views[0][begin:end].copy_(p.to(dtype))
+                views[2][begin:end].copy_(m)
+                views[3][begin:end].copy_(v)
+                if max_exp_avg_sqs is not None:
+                    views[4][begin:end].copy_(peak)
+        with torch.no_grad():
+            for t, flat in zip(held, views):
+                if t is not grad and flat.data_ptr() != t.data_ptr():  # reshape copied a strided view: write it back
+                    t.copy_(flat.view(t.shape))
