@@ -10,7 +10,7 @@ TORCH_PIN ?= torch==2.13.0
 TITAN_TEST_PKGS := torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1 tyro==1.0.17 docstring_parser==0.18.0 \
 	typeguard==4.6.1 shtab==1.13.0 einops==0.8.2 spmd_types==0.2.3
 
-.PHONY: venv install demo demo-dist check docs test soak bench bench-dist clean
+.PHONY: venv install demo demo-dist check docs test soak bench bench-dist peers clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,13 @@ $(VENV)/.installed: $(PY) pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed
+
+# torch_checkpointing (pure Python) copied into peers/, which benchmarks/gpu.sh puts on PYTHONPATH:
+# the GPU machine installs nothing, so the peer travels with the working tree (carry ["peers"]).
+peers: install
+	rm -rf peers && mkdir -p peers
+	$(PY) -c 'import os, shutil, torch_checkpointing as t; d = os.path.dirname(t.__file__); shutil.copytree(d, os.path.join("peers", os.path.basename(d)), ignore=shutil.ignore_patterns("__pycache__"))'
+	@echo "peers/: $$(ls peers)"
 
 demo: install
 	$(PY) examples/demo.py

@@ -288,7 +288,11 @@ def test_the_gpu_run_rehearses_on_the_emulated_device(tmp_path):
     assert (row["state_tensors"], row["mode"], row["schedule"]) == (304, "w1", "held")
     with open(out / "results.json") as f:
         bench = json.load(f)
-    assert set(bench["methods"]) == {"baseline", "dcp_async_thread", "overlapckpt_w1"} and not bench["failed"]
+    assert set(bench["methods"]) == {"baseline", "dcp_async_thread", "torch_checkpointing_async", "overlapckpt_w1"}, bench["methods"]
+    assert not bench["failed"]
+    # The headline first: the benchmark right after the pre-flight, before the checks and tests.
+    parts = [line.split()[0] for line in (out / "timeline.log").read_text().splitlines()]
+    assert parts == ["preflight", "bench", "check", "tests", "hook_scaling"], parts
 
 
 def test_a_gpu_test_that_hangs_loses_itself_and_the_outcomes_are_written_as_they_come(tmp_path):
