@@ -247,6 +247,7 @@ def _load_one(
     name: str | None = None
     extra: dict[str, Any] = {}
     undo_extra: Callable[[], None] | None = None
+    key: bytes | None = None  # the signing key, once the signature held
     try:
         store, name = checkpoint_at(path, step, storage_options)
 
@@ -276,9 +277,9 @@ def _load_one(
         failure = e
     try:
         agree_before_reading(group, failure, name)
-        where = store.checkpoint_url(name)  # type: ignore[arg-type]
         if name is None:  # every rank agreed above that nothing failed, so the name was resolved
             raise CheckpointNotFoundError(f"no checkpoint under {path!r} to load")
+        where = store.checkpoint_url(name)
         host = _read_tensors(store, name, target, group, manifest, verify, key)
         if per_rank_state == "restore":
             warn_of_stateful_not_given(extra, stateful or {}, where)
