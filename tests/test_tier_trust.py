@@ -603,3 +603,37 @@ def test_14_a_library_built_by_another_compiler_or_with_other_flags_is_never_reu
 
     without = [flag for flag in FLAGS if flag != "-ffp-contract=off"]
     assert c_library_path(SOURCE, "fused_adam_cuda", FLAGS, LIBRARIES) != c_library_path(SOURCE, "fused_adam_cuda", without, LIBRARIES)
+
+
+# ---- the ranks of a node prepare its tier at once ---------------------------------------------
+
+
+def _prepare(directory: str, root: str, barrier, failures) -> None:
+    from overlapckpt.format.tiers import prepare_tier
+
+    barrier.wait(timeout=60)
+    try:
+        prepare_tier(directory, root)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        failures.put(f"{type(e).__name__}: {e}")
+
+
+def test_the_ranks_of_a_node_mark_its_tier_at_once_without_refusing_each_other(tmp_path):
+    """Before: the marker was written in place, and a rank that read it half-written refused the tier
+    (UntrustedPathError in 14 of 60 rounds of 4 processes): its peers then waited 180 s in the run id's broadcast."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    failures = context.Queue()
+    for round_ in range(20):
+        barrier = context.Barrier(4)
+        ranks = [context.Process(target=_prepare, args=(str(tmp_path / f"tier{round_}"), str(tmp_path / "root"), barrier, failures))
+                 for _ in range(4)]
+        for rank in ranks:
+            rank.start()
+        for rank in ranks:
+            rank.join(timeout=120)
+            assert rank.exitcode == 0
+        assert failures.empty(), failures.get()
+        assert json.loads((tmp_path / f"tier{round_}" / TIER_MARKER_NAME).read_text())["root"] == os.path.realpath(tmp_path / "root")
+        assert [n for n in os.listdir(tmp_path / f"tier{round_}") if "partial" in n] == []

@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import tempfile
 
 from ..errors import ConfigError, UntrustedPathError
@@ -79,17 +80,37 @@ def prepare_tier(local_dir: str | os.PathLike[str], root: str | os.PathLike[str]
     marker = os.path.join(path, TIER_MARKER_NAME)
     recorded = _marked_root(marker)
     if recorded is None:
-        fd = create_private_file(marker, exclusive=False)
-        with os.fdopen(fd, "wb") as f:
-            f.write(json.dumps({"format": _TIER_MARKER_FORMAT, "root": identity, "uid": os.geteuid()}, sort_keys=True).encode())
-            f.flush()
-            os.fsync(f.fileno())
-    elif recorded != identity:
+        recorded = _mark(marker, identity)
+    if recorded != identity:
         raise ConfigError(
             f"local_dir={os.fspath(local_dir)!r} is the node-local tier of the root {recorded!r}, not of {identity!r}; "
             "pass another local_dir (each root has its own tier), or remove that directory if its job is gone"
         )
     return tier_store(path)
+
+
+def _mark(marker: str, identity: str) -> str:
+    """Write the marker whole under a name of its own, then link it into place; the identity the marker then holds.
+
+    The ranks of a node prepare its tier at once: a marker written in place could be read
+    half-written by another rank (and refused). A link either makes the whole file appear or
+    finds one there, which is read instead.
+    """
+    partial = f"{marker}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+    with os.fdopen(create_private_file(partial), "wb") as f:
+        f.write(json.dumps({"format": _TIER_MARKER_FORMAT, "root": identity, "uid": os.geteuid()}, sort_keys=True).encode())
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(partial, marker)
+    except FileExistsError:
+        pass  # another rank marked it first
+    finally:
+        os.unlink(partial)
+    recorded = _marked_root(marker)
+    if recorded is None:
+        raise UntrustedPathError(f"{marker} vanished while it was written; {_FIX}")
+    return recorded
 
 
 def _marked_root(marker: str) -> str | None:
