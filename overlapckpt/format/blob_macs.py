@@ -197,9 +197,10 @@ class MacPipeline:
     """The MACs of one written file's spans, computed on a thread of their own beside the writes.
 
     A MAC cannot be combined from parts as a CRC can (``known_sums.py``), so every byte is fed
-    to it: 42-45 ms per 768 MiB on the build VM, 6-10% of a save's time to durable when it ran
-    inline (``benchmarks/results/signing/``). GMAC releases the GIL, so this thread hashes one
-    write while the writer's thread hands the next to storage. Bytes that stay put until the
+    to it: run inline in the write, it added 42-45 ms to each 768 MiB save on the build VM
+    (``benchmarks/signing.py``); here 11-12 ms of it stay on the path
+    (``benchmarks/results/signing/signing.md``). GMAC releases the GIL, so this thread hashes
+    one chunk while the writer's thread hands the next to storage. Bytes that stay put until the
     save ends (``stable``: a host-snapshot tensor, which the slot protocol keeps unchanged) are
     fed as they are; any other buffer (torch.save's framing, which its writer reuses) is copied
     first, which costs little: those writes are small.
