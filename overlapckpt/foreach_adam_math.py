@@ -44,6 +44,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .float32_math import div_f32, fma_f32, sqrt_f32
+
 CUDA_FOREACH_FP32_FMA = "cuda-foreach-fp32-fma"
 # The dtypes CUDA's foreach kernels compute in float32 (``opmath``); float64 is computed in double there.
 EMULATED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -55,27 +57,12 @@ def _scalar(value: float) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float64).float()
 
 
-def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """fma(a, b, c) of float32 values: the product exact in float64, the sum rounded to float32."""
-    return torch.addcmul(c.double(), a.double(), b.double()).float()
-
-
-def _div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a / b of float32 values, correctly rounded (IEEE division); never by a one-element divisor, which torch's CPU
-    kernels take as a multiply by its reciprocal."""
-    return torch.div(a.double(), b.double().expand_as(a).contiguous()).float()
-
-
-def _sqrt(a: torch.Tensor) -> torch.Tensor:
-    return a.double().sqrt().float()
-
-
 def _lerp(start: torch.Tensor, end: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """ATen's ``lerp`` (``Lerp.h``) of float32 values with a float32 weight, as nvcc contracts it."""
     difference = end - start
     if abs(float(weight)) < 0.5:
-        return _fma(weight.expand_as(difference), difference, start)
-    return _fma(-difference, (1 - weight).expand_as(difference), end)
+        return fma_f32(weight.expand_as(difference), difference, start)
+    return fma_f32(-difference, (1 - weight).expand_as(difference), end)
 
 
 def step_like_cuda_foreach_adam(
@@ -131,18 +118,18 @@ def step_like_cuda_foreach_adam(
                 if decoupled_weight_decay:
                     p = stored(p * decay)
                 else:
-                    g = stored(_fma(wd.expand_as(p), p, g), grad)
+                    g = stored(fma_f32(wd.expand_as(p), p, g), grad)
             m = stored(_lerp(m, g, weight), exp_avg)
             v = stored(v * b2, exp_avg_sq)
-            v = stored(_fma(one_minus_b2.expand_as(g), g * g, v), exp_avg_sq)  # g * g: the functor's float32, not stored
+            v = stored(fma_f32(one_minus_b2.expand_as(g), g * g, v), exp_avg_sq)  # g * g: the functor's float32, not stored
             if max_exp_avg_sqs is not None:
                 peak = torch.maximum(views[4][begin:end].float(), v)
-                denominator = stored(_sqrt(peak), exp_avg_sq)
+                denominator = stored(sqrt_f32(peak), exp_avg_sq)
             else:
-                denominator = stored(_sqrt(v), exp_avg_sq)
-            denominator = stored(_div(denominator, bias_correction2_sqrt), exp_avg_sq)
+                denominator = stored(sqrt_f32(v), exp_avg_sq)
+            denominator = stored(div_f32(denominator, bias_correction2_sqrt), exp_avg_sq)
             denominator = stored(denominator + eps_f, exp_avg_sq)
-            p = _fma(step_size.expand_as(p), _div(m, denominator), p)  # m / d: the functor's float32, not stored
+            p = fma_f32(step_size.expand_as(p), div_f32(m, denominator), p)  # m / d: the functor's float32, not stored
             with torch.no_grad():
                 views[0][begin:end].copy_(p.to(dtype))
                 views[2][begin:end].copy_(m)

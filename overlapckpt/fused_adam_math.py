@@ -41,6 +41,7 @@ from collections.abc import Sequence
 import torch
 
 from . import fused_adam_native
+from .float32_math import div_f32, fma_f32, sqrt_f32
 
 # The replay log's names for these arithmetics; None in the log means the CPU's own fused kernel.
 CUDA_FP32_FMA = "cuda-fp32-fma"
@@ -77,29 +78,6 @@ def _f32(value: float | torch.Tensor) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32)
 
 
-def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """fma(a, b, c) of float32 values: the product exact in float64, the sum rounded to float32."""
-    return torch.addcmul(c.double(), a.double(), b.double()).float()
-
-
-def _div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a / b of float32 values, correctly rounded to float32, as CUDA's IEEE division (``-prec-div``).
-
-    Taken in float64 and rounded once more (a float64 quotient of float32 values rounds to the same
-    float32 as the exact one). And never by a one-element divisor: torch's CPU kernels divide by one
-    as a multiply by its reciprocal (two roundings), so it goes in as a whole tensor.
-    """
-    if a.dim() == 0:
-        return torch.tensor(a.item() / b.item(), dtype=torch.float32)
-    return torch.div(a.double(), b.double().expand_as(a).contiguous()).float()
-
-
-def _sqrt(a: torch.Tensor) -> torch.Tensor:
-    """sqrt of float32 values correctly rounded, as CUDA's IEEE sqrtf (``-prec-sqrt``): torch's CPU float32 sqrt is
-    not (seen off by an ulp on 4.8e-11), its float64 sqrt is, and one more rounding to float32 keeps it exact."""
-    return a.double().sqrt().float()
-
-
 # The dtypes CUDA's fused kernel computes in float32 (``opmath``), which this emulates; float64
 # parameters are computed in double there, as the CPU's own kernel computes them: not emulated.
 EMULATED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -112,7 +90,7 @@ def _times_one_minus(beta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     (Sterbenz), so it is one float32 multiply, rounded once; else exact in float64 and rounded once."""
     if 0.5 <= float(beta) <= 1.0:
         return x * (1 - beta)
-    return _fma(-beta, x, x)
+    return fma_f32(-beta, x, x)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor | None:
@@ -158,8 +136,8 @@ def step_like_cuda_fused_adam(
         # pow of float32 values, as the kernel's pow_; CUDA's powf may round a step count's power
         # an ulp apart from the CPU's (docs/gpu.md): bit for bit was seen over the first 12 steps.
         bias_correction1 = one - b1.pow(step_count)
-        bias_correction2_sqrt = _sqrt(one - b2.pow(step_count))
-        step_size = _div(lr_f, bias_correction1)
+        bias_correction2_sqrt = sqrt_f32(one - b2.pow(step_count))
+        step_size = div_f32(lr_f, bias_correction1)
         if fused_adam_native.step_float32(
             tensors, max_exp_avg_sqs is not None, lr_times_weight_decay=float(lr_wd), beta1=float(b1), beta2=float(b2),
             weight_decay=float(wd), eps=float(eps_f), step_size=float(step_size), bias_correction2_sqrt=float(bias_correction2_sqrt),
@@ -179,21 +157,21 @@ def step_like_cuda_fused_adam(
                 g = -g
             if weight_decay != 0:
                 if decoupled_weight_decay:
-                    p = _fma(-lr_wd, p, p)  # param -= (lr * wd) * param, contracted
+                    p = fma_f32(-lr_wd, p, p)  # param -= (lr * wd) * param, contracted
                 elif l2_contracted:
-                    g = _fma(p, wd, g)  # grad += param * wd, contracted
+                    g = fma_f32(p, wd, g)  # grad += param * wd, contracted
                 else:
                     g = g + p * wd  # grad += param * wd, the product rounded first
-            m = _fma(b1, m, _times_one_minus(b1, g))
+            m = fma_f32(b1, m, _times_one_minus(b1, g))
             gg = g * g
-            v = _fma(b2, v, _times_one_minus(b2, gg))
+            v = fma_f32(b2, v, _times_one_minus(b2, gg))
             if max_exp_avg_sqs is not None:
                 held = views[4][begin:end].float()
                 peak = torch.where(held < v, v, held)  # std::max(max_exp_avg_sq, exp_avg_sq)
-                denom = _div(_sqrt(peak), bias_correction2_sqrt) + eps_f
+                denom = div_f32(sqrt_f32(peak), bias_correction2_sqrt) + eps_f
             else:
-                denom = _div(_sqrt(v), bias_correction2_sqrt) + eps_f
-            p = p - _div(step_size * m, denom)
+                denom = div_f32(sqrt_f32(v), bias_correction2_sqrt) + eps_f
+            p = p - div_f32(step_size * m, denom)
             with torch.no_grad():
                 views[0][begin:end].copy_(p)
                 views[2][begin:end].copy_(m)

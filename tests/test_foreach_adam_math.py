@@ -14,31 +14,11 @@ from fractions import Fraction
 
 import pytest
 import torch
+from exact_float import f32, fma32
 
 from overlapckpt.foreach_adam_math import step_like_cuda_foreach_adam
 
 LR, BETA1, BETA2, EPS = 1e-3, 0.9, 0.999, 1e-8
-
-
-def _round_f32(x: Fraction) -> float:
-    """x rounded once to the nearest float32, ties to even, subnormals included."""
-    if x == 0:
-        return 0.0
-    magnitude = abs(x)
-    exponent = magnitude.numerator.bit_length() - magnitude.denominator.bit_length()
-    if Fraction(2) ** exponent > magnitude:
-        exponent -= 1
-    quantum = max(exponent - 23, -149)  # below 2^-126 the spacing stays 2^-149
-    rounded = round(magnitude / Fraction(2) ** quantum)  # Fraction rounds half to even
-    return math.copysign(float(rounded * Fraction(2) ** quantum), float(x))
-
-
-def _f(x: float | Fraction) -> float:
-    return _round_f32(Fraction(x))
-
-
-def _fma(a: float, b: float, c: float) -> float:
-    return _round_f32(Fraction(a) * Fraction(b) + Fraction(c))
 
 
 def _as(dtype: torch.dtype):
@@ -55,20 +35,20 @@ def _reference(p: float, g: float, m: float, v: float, vmax: float | None, count
         g = -g
     if weight_decay != 0:
         if decoupled:
-            p = st(_f(Fraction(p) * Fraction(_f(1 - LR * weight_decay))))
+            p = st(f32(Fraction(p) * Fraction(f32(1 - LR * weight_decay))))
         else:
-            g = st(_fma(_f(weight_decay), p, g))
-    w = _f(1 - BETA1)
-    difference = _f(Fraction(g) - Fraction(m))
-    m = st(_fma(w, difference, m) if abs(w) < 0.5 else _fma(-difference, _f(1 - Fraction(w)), g))
-    v = st(_f(Fraction(v) * Fraction(_f(BETA2))))
-    v = st(_fma(_f(1 - BETA2), _f(Fraction(g) * Fraction(g)), v))
+            g = st(fma32(f32(weight_decay), p, g))
+    w = f32(1 - BETA1)
+    difference = f32(Fraction(g) - Fraction(m))
+    m = st(fma32(w, difference, m) if abs(w) < 0.5 else fma32(-difference, f32(1 - Fraction(w)), g))
+    v = st(f32(Fraction(v) * Fraction(f32(BETA2))))
+    v = st(fma32(f32(1 - BETA2), f32(Fraction(g) * Fraction(g)), v))
     peak = v if vmax is None else max(vmax, v)
-    denominator = st(_f(math.sqrt(peak)))  # a float64 sqrt of a float32 value rounds to float32 as the exact one
-    denominator = st(_f(Fraction(denominator) / Fraction(_f((1 - BETA2**count) ** 0.5))))
-    denominator = st(_f(Fraction(denominator) + Fraction(_f(EPS))))
-    quotient = _f(Fraction(m) / Fraction(denominator))
-    p = st(_fma(_f((LR / (1 - BETA1**count)) * -1), quotient, p))
+    denominator = st(f32(math.sqrt(peak)))  # a float64 sqrt of a float32 value rounds to float32 as the exact one
+    denominator = st(f32(Fraction(denominator) / Fraction(f32((1 - BETA2**count) ** 0.5))))
+    denominator = st(f32(Fraction(denominator) + Fraction(f32(EPS))))
+    quotient = f32(Fraction(m) / Fraction(denominator))
+    p = st(fma32(f32((LR / (1 - BETA1**count)) * -1), quotient, p))
     return p, m, v, (None if vmax is None else peak)
 
 

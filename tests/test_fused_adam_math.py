@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import math
 import shutil
-from fractions import Fraction
 
 import pytest
 import torch
+from exact_float import f32, fma32
 
 from overlapckpt import fused_adam_math, fused_adam_native
 from overlapckpt.format.entries import ROLE_OPTIM, ROLE_PARAM, TensorEntry
@@ -36,48 +36,25 @@ def road(request, monkeypatch):
     return request.param
 
 
-def _round_f32(x: Fraction) -> float:
-    """x rounded once to the nearest float32 (ties to even); normal range only."""
-    if x == 0:
-        return 0.0
-    magnitude = abs(x)
-    exponent = magnitude.numerator.bit_length() - magnitude.denominator.bit_length()
-    if Fraction(2) ** exponent > magnitude:
-        exponent -= 1
-    scaled = magnitude / Fraction(2) ** (exponent - 23)  # in [2^23, 2^24)
-    rounded = round(scaled)  # Fraction rounds half to even
-    return math.copysign(rounded * 2.0 ** (exponent - 23), float(x))
-
-
-def _f32(x: float) -> float:
-    """One float32 rounding of a value exact in float64 (a float64 result of float32 operands, +-*/ and sqrt, is
-    rounded once: 53 >= 2 * 24 + 2)."""
-    return _round_f32(Fraction(x))
-
-
-def _fma(a: float, b: float, c: float) -> float:
-    return _round_f32(Fraction(a) * Fraction(b) + Fraction(c))
-
-
 def _reference_step(p: float, g: float, m: float, v: float, step: float, lr: float, b1: float, b2: float, wd: float,
                     eps: float, decoupled: bool, l2_contracted: bool = True) -> tuple[float, float, float]:
     """aten/src/ATen/native/cuda/fused_adam_utils.cuh's adam_math, line by line, in exact arithmetic rounded as float32."""
-    lr, b1, b2, wd, eps = _f32(lr), _f32(b1), _f32(b2), _f32(wd), _f32(eps)
-    bias_correction1 = _f32(1 - _f32(torch.tensor(b1, dtype=torch.float32).pow(torch.tensor(step)).item()))
-    bias_correction2_sqrt = _f32(math.sqrt(_f32(1 - _f32(torch.tensor(b2, dtype=torch.float32).pow(torch.tensor(step)).item()))))
+    lr, b1, b2, wd, eps = f32(lr), f32(b1), f32(b2), f32(wd), f32(eps)
+    bias_correction1 = f32(1 - f32(torch.tensor(b1, dtype=torch.float32).pow(torch.tensor(step)).item()))
+    bias_correction2_sqrt = f32(math.sqrt(f32(1 - f32(torch.tensor(b2, dtype=torch.float32).pow(torch.tensor(step)).item()))))
     if wd != 0:
         if decoupled:
-            p = _fma(-_f32(lr * wd), p, p)
+            p = fma32(-f32(lr * wd), p, p)
         elif l2_contracted:
-            g = _fma(p, wd, g)
+            g = fma32(p, wd, g)
         else:
-            g = _f32(g + _f32(p * wd))
-    m = _fma(b1, m, _fma(-b1, g, g))
-    gg = _f32(g * g)
-    v = _fma(b2, v, _fma(-b2, gg, gg))
-    step_size = _f32(lr / bias_correction1)
-    denom = _f32(_f32(_f32(math.sqrt(v)) / bias_correction2_sqrt) + eps)
-    p = _f32(p - _f32(_f32(step_size * m) / denom))
+            g = f32(g + f32(p * wd))
+    m = fma32(b1, m, fma32(-b1, g, g))
+    gg = f32(g * g)
+    v = fma32(b2, v, fma32(-b2, gg, gg))
+    step_size = f32(lr / bias_correction1)
+    denom = f32(f32(f32(math.sqrt(v)) / bias_correction2_sqrt) + eps)
+    p = f32(p - f32(f32(step_size * m) / denom))
     return p, m, v
 
 
