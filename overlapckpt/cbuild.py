@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UntrustedPathError
-from .format.private_files import RECORD_MAX_BYTES, create_private_file, make_private_dir, read_regular_file
+from .format.private_files import RECORD_MAX_BYTES, make_private_dir, read_regular_file, recreate_private_file
 
 log = logging.getLogger("overlapckpt")
 RECORD_SUFFIX = ".sha256"
@@ -95,9 +95,7 @@ def record_built(target: Path) -> None:
     nbytes, sha256 = _digest_of_file(target)
     record = Path(f"{target}{RECORD_SUFFIX}")
     partial = Path(f"{record}.partial-{os.getpid()}")
-    if partial.exists():
-        partial.unlink()
-    with os.fdopen(create_private_file(str(partial)), "w") as f:
+    with os.fdopen(recreate_private_file(str(partial)), "w") as f:
         json.dump({"nbytes": nbytes, "sha256": sha256}, f)
     os.replace(partial, record)
 
@@ -170,23 +168,28 @@ def compile_into(target: Path, compiler_and_flags: list[str], inputs_and_librari
 
 def c_compiler() -> str | None:
     """``$CC``, else ``cc`` or ``gcc`` on the PATH, else None."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    return os.environ.get("CC") or _compiler_on_path()
+
+
+@functools.lru_cache(maxsize=1)
+def _compiler_on_path() -> str | None:
+    # Looked up once: NativeLibrary.get names its library on every call (replay calls it per tensor).
+    return shutil.which("cc") or shutil.which("gcc")
 
 
 def c_library_path(source: Path, stem: str, flags: list[str], libraries: list[str]) -> Path | None:
     """Where the C library built from ``source`` with this compiler and these flags lives, named by their hash.
 
-    None without the source (an installed wheel), without a compiler, or without a usable cache.
+    None without the source (an installed wheel) or without a compiler. Whether the cache may
+    be used is checked where a library is built or reused (:func:`build_c_library`), not here:
+    ``NativeLibrary.get`` names its library on every call.
     """
     compiler = c_compiler()
     if not source.is_file() or compiler is None:
         return None
-    cache = usable_cache_dir()
-    if cache is None:
-        return None
     key = hashlib.sha256(source.read_bytes())
     key.update(json.dumps([compiler_identity(compiler), flags, libraries]).encode())
-    return cache / f"{stem}-{key.hexdigest()[:16]}.so"
+    return native_cache_dir() / f"{stem}-{key.hexdigest()[:16]}.so"
 
 
 def build_c_library(source: Path, stem: str, flags: list[str], libraries: list[str], without_it: str, quiet: bool = True) -> Path | None:
@@ -199,7 +202,7 @@ def build_c_library(source: Path, stem: str, flags: list[str], libraries: list[s
         log.info("no C compiler found: %s (set CC to build %s)", without_it, source)
         return None
     target = c_library_path(source, stem, flags, libraries)
-    if target is None:
+    if target is None or usable_cache_dir() is None:  # the cache is this user's own, or nothing is built or loaded
         return None
     if reuse_or_remove(target):
         return target

@@ -24,6 +24,7 @@ nonce (and a one-time MAC) safe.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import os
@@ -44,8 +45,10 @@ _KEY_LABEL = b"overlapckpt blob mac v1\0"
 _GCM_NONCE = b"\0" * 12  # safe fixed: every key authenticates one blob
 
 
+@functools.lru_cache(maxsize=1)
 def _gmac_factory() -> Any:
-    """``key -> GCM encryptor`` where the ``cryptography`` package runs AES-GCM, else None."""
+    """``key -> GCM encryptor`` where the ``cryptography`` package runs AES-GCM, else None; probed once per process
+    (every blob's MAC asks)."""
     try:
         from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
     except ImportError:

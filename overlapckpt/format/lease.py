@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import shutil
-import stat
 import time
 from dataclasses import dataclass
 
@@ -163,9 +162,7 @@ def sweep_dead_tiers(own_dir: str) -> list[str]:
         path = os.path.join(parent, name)
         if not name.startswith(LOCAL_DIR_PREFIX) or path == os.path.abspath(own_dir) or refusal_of_directory(path) is not None:
             continue
-        try:
-            if not stat.S_ISDIR(os.lstat(path).st_mode):
-                continue
+        try:  # refusal_of_directory passed: a real directory of this user's, or gone since (the reads fail)
             read_regular_file(os.path.join(path, TIER_MARKER_NAME), RECORD_MAX_BYTES)
             holder = LeaseHolder.parse(read_regular_file(os.path.join(path, LEASE_NAME), RECORD_MAX_BYTES))
         except OSError:

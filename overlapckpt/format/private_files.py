@@ -128,10 +128,21 @@ def open_regular(path: str, max_bytes: int = 1 << 62) -> Iterator[tuple[BinaryIO
         yield f, size
 
 
-def create_private_file(path: str, exclusive: bool = True) -> int:
-    """A descriptor of ``path``, created ``0600`` for writing; with ``exclusive``, FileExistsError if it exists. Never follows a link."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_EXCL if exclusive else os.O_TRUNC)
-    return os.open(path, flags, PRIVATE_FILE_MODE)
+def create_private_file(path: str) -> int:
+    """A descriptor of ``path``, created ``0600`` for writing; FileExistsError if it exists. Never follows a link."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+
+
+def recreate_private_file(path: str) -> int:
+    """:func:`create_private_file` after removing what is there (a partial file a killed writer left).
+
+    Removed, not truncated: an existing file would keep its mode and owner.
+    """
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return create_private_file(path)
 
 
 def narrow_tree(directory: str) -> None:

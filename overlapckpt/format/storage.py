@@ -50,9 +50,9 @@ from .private_files import (
     PRIVATE_FILE_MODE,
     RECORD_MAX_BYTES,
     SMALL_FILE_MAX_BYTES,
-    create_private_file,
     open_regular,
     read_regular_file,
+    recreate_private_file,
 )
 from .safe_unpickle import SafeFileSystemReader, safe_reader_class
 
@@ -316,11 +316,7 @@ class CheckpointStore:
         if self.is_local:
             tmp = f"{path}.tmp-{os.getpid()}"
             if self.private:
-                try:
-                    os.unlink(tmp)  # one a killed writer of this pid left
-                except FileNotFoundError:
-                    pass
-                fd = create_private_file(tmp)
+                fd = recreate_private_file(tmp)  # over one a killed writer of this pid left
             else:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
             with os.fdopen(fd, "wb") as f:

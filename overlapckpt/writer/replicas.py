@@ -42,7 +42,7 @@ from ..errors import CheckpointWriteError
 from ..format.attempts import Attempt, new_attempt_id
 from ..format.manifest import MANIFEST_NAME
 from ..format.peers import NodeLayout
-from ..format.private_files import create_private_file, open_regular_file
+from ..format.private_files import open_regular_file, recreate_private_file
 from ..format.storage import CheckpointStore
 from ..protocol import FileCopy
 from .group import WriterGroup
@@ -74,7 +74,6 @@ def own_files(directory: str, rank: int) -> list[tuple[str, int]]:
     prefix = f"__{rank}_"
     names = sorted(n for n in os.listdir(directory) if n.startswith(prefix) and n.endswith(".distcp"))
     return [(n, os.lstat(os.path.join(directory, n)).st_size) for n in names]
-
 
 
 def agree_on_failure(group: WriterGroup, failure: BaseException | None, what: str) -> None:
@@ -161,12 +160,8 @@ def copy_files(
             if size != c.nbytes:
                 raise CheckpointWriteError(f"{os.path.join(read_dir, c.filename)} holds {size} bytes, {c.nbytes} were listed")
         for index, c in incoming:
-            part = os.path.join(write_dir, c.filename + _PART_SUFFIX)
-            try:
-                os.unlink(part)  # what a killed copy left
-            except FileNotFoundError:
-                pass
-            writers[index] = os.fdopen(create_private_file(part), "wb")  # a tier's file: 0600
+            # A tier's file: 0600, over what a killed copy left.
+            writers[index] = os.fdopen(recreate_private_file(os.path.join(write_dir, c.filename + _PART_SUFFIX)), "wb")
     except (OSError, CheckpointWriteError) as e:
         failure = e
     try:
