@@ -24,7 +24,7 @@ from .errors import ConfigError, UnsupportedOptimizerError
 from .format.extra_state import encode
 from .format.key_layout import GET_STATE_DICT, KEY_LAYOUTS
 from .format.storage import CheckpointStore
-from .format.tiers import LOCAL_TIER, ROOT_TIER
+from .format.tiers import LOCAL_TIER, ROOT_TIER, root_identity
 from .optimizers import REPLAYABLE_OPTIMIZERS, describe_optimizer, update_rule_class
 from .protocol import EXPORT_FORMATS
 
@@ -203,8 +203,8 @@ class CheckpointerSettings:
         if t.local_every is None:
             raise ConfigError(f"local_dir={t.local_dir!r} is set but local_every is None; pass local_every=N to write the local tier")
         # realpath: a local_dir that is a symlink to the root is the root (its retention would delete root checkpoints).
-        real_local = os.path.realpath(os.fspath(t.local_dir))
-        if "://" not in os.fspath(self.storage.path) and real_local == os.path.realpath(os.fspath(self.storage.path)):
+        real_local = root_identity(t.local_dir)
+        if real_local == root_identity(self.storage.path):
             raise ConfigError(
                 f"local_dir={t.local_dir!r} is the root itself (both are {real_local!r}); pass a separate directory on this node"
             )

@@ -170,6 +170,8 @@ def test_02_two_projects_with_the_same_relative_root_never_share_a_tier(tmp_path
     _train("ckpts", 6, every=100)
     monkeypatch.chdir(tmp_path / "b")
     assert default_local_dir("ckpts") != tier_a
+    # As the store opens it: "~/ckpts" is a directory "~" here, not the home's ckpts (before: both hashed alike).
+    assert default_local_dir("~/ckpts") != default_local_dir(os.path.expanduser("~/ckpts"))
     model, opt, _, _ = make_run(seed=7)
     assert load("ckpts", model, opt, local_dir=default_local_dir("ckpts"), missing_ok=True) is None
 

@@ -44,11 +44,15 @@ _TIER_MARKER_FORMAT = 1
 
 
 def root_identity(root: str | os.PathLike[str]) -> str:
-    """What a tier is bound to: a URL as given (less a trailing ``/``), a local root's ``realpath``."""
+    """What a tier is bound to: a URL as given (less a trailing ``/``), a local root's ``realpath``.
+
+    The path as the store opens it: ``~`` is not expanded there, so not here either (a root
+    ``"~/ckpts"`` is the directory ``~`` under the working directory, not the home's ``ckpts``).
+    """
     text = os.fspath(root)
     if "://" in text:
         return text.rstrip("/")
-    return os.path.realpath(os.path.expanduser(text))
+    return os.path.realpath(text)
 
 
 def default_local_dir(root: str | os.PathLike[str]) -> str:
