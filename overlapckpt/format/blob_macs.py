@@ -201,7 +201,7 @@ class MacPipeline:
 
     A MAC cannot be combined from parts as a CRC can (``known_sums.py``), so every byte is fed
     to it: run inline in the write, it added 42-45 ms to each 768 MiB save on the build VM
-    (``benchmarks/signing.py``); here 11-12 ms of it stay on the path
+    (``benchmarks/signing.py``); here 10-12 ms of it stay on the path
     (``benchmarks/results/signing/signing.md``). GMAC releases the GIL, so this thread hashes
     one chunk while the writer's thread hands the next to storage. Bytes that stay put until the
     save ends (``stable``: a host-snapshot tensor, which the slot protocol keeps unchanged) are
