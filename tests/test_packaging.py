@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from overlapckpt.train.copying import tensor_passes
+
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = ("overlapckpt/csrc/gather_values.c", "overlapckpt/csrc/tensor_passes.cpp", "overlapckpt/csrc/fused_adam_cuda.c")
 
@@ -69,13 +71,13 @@ def test_a_wheel_ships_the_native_sources_and_all_three_helpers_load_from_a_fres
     # The hooks' extension takes about 20 s to compile against torch's headers: the one make install
     # built from the same source (its name is the source's hash) is reused, and must load from the
     # wheel's path; the two C helpers are built from the wheel's sources here.
-    built = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "overlapckpt"
+    # Only this torch's build: the cache may hold others (another torch, another compiler).
     (cache / "overlapckpt").mkdir(parents=True)
-    for existing in built.glob("tensor_passes-*.so"):
-        record = Path(f"{existing}.sha256")  # a library is loaded only beside its size and SHA-256 (cbuild.py)
-        if record.is_file():
-            (cache / "overlapckpt" / existing.name).write_bytes(existing.read_bytes())
-            (cache / "overlapckpt" / record.name).write_bytes(record.read_bytes())
+    existing = tensor_passes.library_path()
+    record = Path(f"{existing}.sha256")  # a library is loaded only beside its size and SHA-256 (cbuild.py)
+    if existing is not None and existing.is_file() and record.is_file():
+        (cache / "overlapckpt" / existing.name).write_bytes(existing.read_bytes())
+        (cache / "overlapckpt" / record.name).write_bytes(record.read_bytes())
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OVERLAPCKPT_NATIVE")}
     env["XDG_CACHE_HOME"] = str(cache)
     done = subprocess.run([str(python), "-c", CHECK], capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)

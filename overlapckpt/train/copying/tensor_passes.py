@@ -51,6 +51,7 @@ _chain = itertools.chain.from_iterable
 _grad_of = operator.attrgetter("grad")
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}  # by torch version
+_background_builds: dict[str, threading.Thread] = {}  # by torch version: the build passes() started, if any
 _NOT_LOOKED_UP = object()
 
 
@@ -79,9 +80,13 @@ def toolchain() -> tuple[str, str] | None:
     return compiler, python_headers
 
 
-def build(quiet: bool = True) -> Path | None:
-    """Compile the extension if it is not built yet (about 20 s); its path, or None where it cannot be built."""
-    target = library_path()
+def build(quiet: bool = True, target: Path | None = None) -> Path | None:
+    """Compile the extension if it is not built yet (about 20 s); its path, or None where it cannot be built.
+
+    ``target`` is the path to build (``library_path()`` by default): a background build
+    builds the very path ``passes()`` looked up and found missing.
+    """
+    target = target or library_path()
     tools = toolchain()
     if tools is None:
         log.info("no C++ compiler or Python headers here: the hooks' passes run as their Python twins (%s)", SOURCE)
@@ -123,15 +128,15 @@ def passes() -> ModuleType | None:
             path = library_path()
             _loaded[key] = _load(path)
             if _loaded[key] is None and path is not None and not path.is_file() and toolchain() is not None:
-                _build_in_background(key)
+                _build_in_background(key, path)
         return _loaded[key]
 
 
-def _build_in_background(key: str) -> None:
-    """Build the extension on a thread (the compiler is a subprocess) and publish it to ``passes()`` once loaded."""
+def _build_in_background(key: str, target: Path) -> None:
+    """Build ``target`` on a thread (the compiler is a subprocess) and publish it to ``passes()`` once loaded."""
 
     def build_and_load() -> None:
-        built = build()
+        built = build(target=target)
         module = _load(built) if built is not None else None
         if module is not None:
             with _lock:
@@ -140,7 +145,9 @@ def _build_in_background(key: str) -> None:
 
     log.info("building the hooks' native passes once, in the background (about 20 s; `overlapckpt build-native` builds "
              "them ahead): their Python twins run meanwhile")
-    threading.Thread(target=build_and_load, name="overlapckpt-build-native", daemon=True).start()
+    thread = threading.Thread(target=build_and_load, name="overlapckpt-build-native", daemon=True)
+    _background_builds[key] = thread
+    thread.start()
 
 
 def _load(path: Path | None) -> ModuleType | None:
