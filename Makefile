@@ -25,7 +25,7 @@ $(VENV)/.installed: $(PY) pyproject.toml
 	@# The optional native helper (csrc/): built ahead where a C compiler exists, else the Python twin runs.
 	$(PY) -c 'from overlapckpt.train.copying.native import build; print("native helper:", build() or "not built (the Python twin runs)")'
 	$(PY) -c 'from overlapckpt.train.copying.tensor_passes import build; print("tensor passes:", build() or "not built (the Python twins run)")'
-	$(PY) -c 'from overlapckpt.fused_adam_native import build; print("fused Adam replay:", build() or "not built (its torch twin runs)")'
+	$(PY) -c 'from overlapckpt.cuda_adam_native import build; print("fused Adam replay:", build() or "not built (its torch twin runs)")'
 	touch $@
 
 install: $(VENV)/.installed

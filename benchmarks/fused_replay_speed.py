@@ -1,13 +1,14 @@
-"""Replay's CUDA fused Adam arithmetic on the CPU, per element: the C pass, its torch twin, and the CPU's own fused kernel.
+"""Replay's CUDA Adam arithmetics on the CPU, per element: the C pass, its torch twin, and the CPU's own kernel, fused and foreach.
 
     .venv/bin/python benchmarks/fused_replay_speed.py [--elements 4194304] [--repeats 7] [--threads 1]
 
-Replay of a fused AdamW that stepped on a GPU rounds as CUDA's kernel does
-(overlapckpt/fused_adam_math.py). The writer computes that in one pass of C
-(csrc/fused_adam_cuda.c) where it is built, else through torch operations; the CPU's own
-fused kernel (what replay ran before, with the CPU's roundings) is the floor. One AdamW
-step (weight decay 0.01) of one float32 tensor, timed alone; min / median / p90 / max ns
-per element over the repeats, and whether the max is within 1.5x of the median.
+Replay of an AdamW that stepped on a GPU rounds as CUDA's kernels do
+(overlapckpt/fused_adam_math.py, overlapckpt/foreach_adam_math.py). The writer computes
+that in one pass of C (csrc/cuda_adam.c) where it is built, else through torch operations;
+the CPU's own kernel for the same flags (what replay would run with the CPU's roundings) is
+the floor. One AdamW step (weight decay 0.01) of one float32 tensor, timed alone; min /
+median / p90 / max ns per element over the repeats, and whether the max is within 1.5x of
+the median.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from overlapckpt import fused_adam_native  # noqa: E402
+from overlapckpt import cuda_adam_native  # noqa: E402
+from overlapckpt.foreach_adam_math import step_like_cuda_foreach_adam  # noqa: E402
 from overlapckpt.fused_adam_math import step_like_cuda_fused_adam  # noqa: E402
 
 
@@ -45,25 +47,37 @@ def main() -> None:
     n = args.elements
     grad = torch.randn(n)
 
-    def emulated() -> float:
-        param, exp_avg, exp_avg_sq, step = torch.randn(n), torch.zeros(n), torch.zeros(n), torch.zeros(())
-        started = time.perf_counter()
-        step_like_cuda_fused_adam([param], [grad], [exp_avg], [exp_avg_sq], None, [step], lr=1e-3, beta1=0.9, beta2=0.999,
-                                  weight_decay=0.01, eps=1e-8, maximize=False, decoupled_weight_decay=True)
-        return time.perf_counter() - started
+    def emulated(step_like: Callable[..., None]) -> Callable[[], float]:
+        def run() -> float:
+            param, exp_avg, exp_avg_sq, step = torch.randn(n), torch.zeros(n), torch.zeros(n), torch.zeros(())
+            started = time.perf_counter()
+            step_like([param], [grad], [exp_avg], [exp_avg_sq], None, [step], lr=1e-3, beta1=0.9, beta2=0.999,
+                      weight_decay=0.01, eps=1e-8, maximize=False, decoupled_weight_decay=True)
+            return time.perf_counter() - started
 
-    def cpu_kernel() -> float:
-        param = torch.nn.Parameter(torch.randn(n))
-        optimizer = torch.optim.AdamW([param], fused=True, weight_decay=0.01)
-        param.grad = grad
-        optimizer.step()  # its state made, untimed
-        started = time.perf_counter()
-        optimizer.step()
-        return time.perf_counter() - started
+        return run
 
-    roads: list[tuple[str, str, Callable[[], float]]] = [("the C pass", "1", emulated), ("the torch twin", "0", emulated),
-                                                         ("the CPU's own fused kernel", "1", cpu_kernel)]
-    if fused_adam_native.library() is None:
+    def cpu_kernel(**flags: bool) -> Callable[[], float]:
+        def run() -> float:
+            param = torch.nn.Parameter(torch.randn(n))
+            optimizer = torch.optim.AdamW([param], weight_decay=0.01, **flags)
+            param.grad = grad
+            optimizer.step()  # its state made, untimed
+            started = time.perf_counter()
+            optimizer.step()
+            return time.perf_counter() - started
+
+        return run
+
+    roads: list[tuple[str, str, Callable[[], float]]] = [
+        ("fused: the C pass", "1", emulated(step_like_cuda_fused_adam)),
+        ("fused: the torch twin", "0", emulated(step_like_cuda_fused_adam)),
+        ("fused: the CPU's own fused kernel", "1", cpu_kernel(fused=True)),
+        ("foreach: the C pass", "1", emulated(step_like_cuda_foreach_adam)),
+        ("foreach: the torch twin", "0", emulated(step_like_cuda_foreach_adam)),
+        ("foreach: the CPU's own foreach kernels", "1", cpu_kernel(foreach=True)),
+    ]
+    if cuda_adam_native.library() is None:
         raise SystemExit("the C pass is not built here (no C compiler?): run `make install`")
     print(f"{n:,} float32 elements, {args.threads} thread(s), torch {torch.__version__}")
     for name, native, run in roads:

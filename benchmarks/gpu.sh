@@ -109,11 +109,11 @@ mark preflight
 # benchmark and the tests then run the code a user's install runs. Not fatal: without a compiler
 # the Python twins run, and say so.
 timeout "$BUILD_TIMEOUT_S" "$py" -c '
-from overlapckpt import fused_adam_native
+from overlapckpt import cuda_adam_native
 from overlapckpt.train.copying import native, tensor_passes
 print("native helper:", native.build() or "not built (the Python twin runs)")
 print("tensor passes:", tensor_passes.build() or "not built (the Python twins run)")
-print("fused Adam replay:", fused_adam_native.build() or "not built (its torch twin runs)")' >"$out/build.log" 2>&1 &
+print("fused Adam replay:", cuda_adam_native.build() or "not built (its torch twin runs)")' >"$out/build.log" 2>&1 &
 build_pid=$!
 timeout "$PREFLIGHT_TIMEOUT_S" "$py" benchmarks/preflight.py "${emulate_flag[@]}" 2>&1 | tee "$out/preflight.log"
 if [ "${PIPESTATUS[0]}" -ne 0 ]; then
@@ -191,7 +191,8 @@ if [ "$what" != bench ]; then
   if [ "$emulate" = 0 ] && [ "$(shm_free_gb)" -lt "$TESTS_SHM_GB" ] 2>/dev/null; then
     mount -o remount,size=110G /dev/shm 2>/dev/null || true
   fi
-  timeout "$(capped "$TESTS_TIMEOUT_S")" "$py" -m pytest -q -m "gpu or device" tests/test_gpu.py tests/test_gpu_runtime.py "${tests_select[@]}" \
+  # The replay arithmetic of every Adam / AdamW path first: seconds, and the exactness claim itself.
+  timeout "$(capped "$TESTS_TIMEOUT_S")" "$py" -m pytest -q -m "gpu or device" tests/test_gpu_arithmetic.py tests/test_gpu.py tests/test_gpu_runtime.py "${tests_select[@]}" \
     --per-test-timeout-s "$PER_TEST_TIMEOUT_S" --results-jsonl "$out/tests/results.jsonl" --junitxml="$out/tests/gpu-tests.xml" \
     --gpu-report="$out/tests/gpu-report.json" -p no:cacheprovider >"$out/tests/gpu-tests.log" 2>&1
   tests_rc=$?

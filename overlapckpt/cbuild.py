@@ -231,10 +231,10 @@ class NativeLibrary:
 
     def __init__(
         self, path: Callable[[], Path | None], build: Callable[[], Path | None], loader: type[ctypes.CDLL],
-        function: str, argtypes: list[Any], without_it: str,
+        functions: dict[str, list[Any]], without_it: str,
     ) -> None:
         self._path, self._build, self._loader = path, build, loader
-        self._function, self._argtypes, self._without_it = function, argtypes, without_it
+        self._functions, self._without_it = functions, without_it  # each function's argument types
         self._lock = threading.Lock()
         self._loaded: dict[str, ctypes.CDLL | None] = {}
 
@@ -253,9 +253,10 @@ class NativeLibrary:
                 if built is not None:
                     try:
                         library = self._loader(str(built))
-                        function = getattr(library, self._function)
-                        function.argtypes = self._argtypes
-                        function.restype = None
+                        for name, argtypes in self._functions.items():
+                            function = getattr(library, name)
+                            function.argtypes = argtypes
+                            function.restype = None
                     except (OSError, AttributeError) as e:
                         log.warning("loading %s failed (%s); %s", built, e, self._without_it)
                         library = None

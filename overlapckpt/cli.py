@@ -232,6 +232,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         _say(f"  group {g['index']}: {_size(g['nbytes'])} at version {g['version']}, landed {'-' if landed is None else f'{landed * 1000:.1f} ms'} after the request")
     if ledger.get("gradient_steps"):
         _say(f"  gradients logged for steps {', '.join(ledger['gradient_steps'])}; replayed on the CPU to version {m.step}")
+    for a in m.replay_arithmetic:
+        _say(f"  replay of {a.describe()}")
     if ledger.get("closed_early_at") is not None:
         _say(f"  window closed early at step {ledger['closed_early_at']}")
     choice = ledger.get("window_choice")
@@ -337,7 +339,7 @@ def _quiet_on_closed_pipe(command: Any, args: argparse.Namespace) -> int:
 
 def cmd_build_native(args: argparse.Namespace) -> int:
     """Build the optional native helpers now, into the user's cache (they are otherwise built on first use)."""
-    from .fused_adam_native import build as build_fused_adam
+    from .cuda_adam_native import build as build_fused_adam
     from .train.copying.native import build as build_gather
     from .train.copying.tensor_passes import build as build_passes
 

@@ -23,17 +23,25 @@ float32 (``opmath``) with every scalar cast to float32, and nvcc contracts
 ==========================================  =============================================
 
 The bias corrections are the host's float64 values (``1 - beta ** step``), cast to float32
-as scalars: exact at every step count, unlike the fused kernel's float32 ``pow``. Each
+as scalars: exact at every step count, unlike the fused kernel's float32 ``pow``. With
+``capturable=True`` they are computed on the device from the step tensors instead
+(``_foreach_pow``, ``sub_``, ``div_``, ``reciprocal_``, ``sqrt_``), the update divides the
+denominator by the step size and adds ``m / d``: the powers are then the device's
+(``beta_powers.py``) and the rest float32 operations, each rounded once. Each
 kernel stores its result in the tensor's dtype, so a bfloat16 or float16 state is rounded to
 it after every kernel, temporaries (``sqrt(v)``) included.
+
+Contiguous float32 tensors go through one pass of C (``cuda_adam_native.py``,
+``csrc/cuda_adam.c``); the torch operations here are its twin, for other tensors (bfloat16,
+float16, strided) and where no C compiler exists: the tests hold both to the same reference.
 
 Each float32 operation here is float32 (IEEE on the CPU), a square root and a division are
 taken in float64 and rounded once (exact for float32 operands), and an FMA is exact in
 float64 and rounded once (the sum rounded twice, float64 then float32, which differs from
 one rounding with probability about 2^-29 per element). The tests hold it to exact rational
-arithmetic element by element. Which arithmetic a device uses is to be measured on it per
-optimizer group, as for fused (``train/consistency/fused_arithmetic.py``); this module is
-the model that measurement compares against.
+arithmetic element by element. Which arithmetic a device uses is measured on it per param
+group (``train/consistency/replay_arithmetic.py``); this module is one of the candidates
+that measurement compares against.
 
 Shared by the training side and the writer: imports neither.
 """
@@ -44,9 +52,13 @@ from collections.abc import Sequence
 
 import torch
 
+from . import cuda_adam_native
+from .beta_powers import BetaPowerTables
 from .float32_math import div_f32, fma_f32, sqrt_f32
 
 CUDA_FOREACH_FP32_FMA = "cuda-foreach-fp32-fma"
+# The capturable path's (bias corrections on the device, from the step tensors).
+CUDA_FOREACH_CAPTURABLE_FP32_FMA = "cuda-foreach-capturable-fp32-fma"
 # The dtypes CUDA's foreach kernels compute in float32 (``opmath``); float64 is computed in double there.
 EMULATED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CHUNK_ELEMENTS = 1 << 20
@@ -65,6 +77,23 @@ def _lerp(start: torch.Tensor, end: torch.Tensor, weight: torch.Tensor) -> torch
     return fma_f32(-difference, (1 - weight).expand_as(difference), end)
 
 
+def _capturable_bias_corrections(
+    step: torch.Tensor, lr: float, beta1: float, beta2: float, powers: BetaPowerTables | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The capturable path's ``step_size`` (``-lr / (1 - beta1^t)``, by its own route) and ``sqrt(1 - beta2^t)``, float32.
+
+    ``_foreach_pow(beta, steps)``, then ``sub_(1)``, ``neg_``, ``div_(lr)``, ``reciprocal_`` and
+    ``sqrt_``: each a float32 operation on the device, rounded once.
+    """
+    count = step.detach().to(torch.float32).reshape(())
+    power = powers.power if powers is not None else torch.pow
+    bias_correction1 = power(_scalar(beta1), count) - 1  # beta1^t - 1 < 0: the step size comes out as -lr / (1 - beta1^t)
+    bias_correction2 = -(power(_scalar(beta2), count) - 1)
+    bias_correction1 = div_f32(bias_correction1, _scalar(lr))
+    step_size = div_f32(torch.ones((), dtype=torch.float32), bias_correction1)
+    return step_size, sqrt_f32(bias_correction2)
+
+
 def step_like_cuda_foreach_adam(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -80,12 +109,16 @@ def step_like_cuda_foreach_adam(
     eps: float,
     maximize: bool,
     decoupled_weight_decay: bool,
+    capturable: bool = False,
+    powers: BetaPowerTables | None = None,
 ) -> None:
     """One step of CUDA's foreach Adam (AdamW with ``decoupled_weight_decay``) on CPU tensors, in place.
 
-    As ``_multi_tensor_adam`` with ``capturable=False``: each step count is incremented first.
-    Hyperparameters are Python numbers (the foreach path refuses tensors there). Every tensor's
-    dtype is one of ``EMULATED_DTYPES``; each is computed in chunks (elementwise: independent).
+    As ``_multi_tensor_adam``: each step count is incremented first. Hyperparameters are Python
+    numbers (the non-capturable path refuses tensors there). ``capturable`` computes the bias
+    corrections as that path does, on the device from the step tensors: their powers are the
+    device's where ``powers`` holds them (``beta_powers.py``), else the CPU's float32 ``pow``.
+    Every tensor's dtype is one of ``EMULATED_DTYPES``; each is computed in chunks (elementwise).
     """
     wd = _scalar(weight_decay)
     decay = _scalar(1 - lr * weight_decay)
@@ -99,9 +132,19 @@ def step_like_cuda_foreach_adam(
             raise ValueError(f"CUDA's foreach Adam computes {[t.dtype for t in held]} in double, not as emulated here; "
                              "step such tensors with the optimizer itself")
         step.add_(1)
-        count = float(step)
-        step_size = _scalar((lr / (1 - beta1**count)) * -1)  # host float64, then the scalar's cast
-        bias_correction2_sqrt = _scalar((1 - beta2**count) ** 0.5)
+        if capturable:
+            step_size, bias_correction2_sqrt = _capturable_bias_corrections(step, lr, beta1, beta2, powers)
+        else:
+            count = float(step)
+            step_size = _scalar((lr / (1 - beta1**count)) * -1)  # host float64, then the scalar's cast
+            bias_correction2_sqrt = _scalar((1 - beta2**count) ** 0.5)
+        if cuda_adam_native.foreach_step_float32(
+            held, max_exp_avg_sqs is not None, weight_decay=float(wd), decay=float(decay), lerp_weight=float(weight), beta2=float(b2),
+            one_minus_beta2=float(one_minus_b2), eps=float(eps_f), step_size=float(step_size),
+            bias_correction2_sqrt=float(bias_correction2_sqrt), decoupled_weight_decay=decoupled_weight_decay, maximize=maximize,
+            capturable=capturable,
+        ):
+            continue  # one pass in C (csrc/cuda_adam.c); below, its twin in torch operations
         dtype = param.dtype
         views = [t.detach().reshape(-1) for t in held]
         for begin in range(0, param.numel(), _CHUNK_ELEMENTS):
@@ -129,7 +172,11 @@ def step_like_cuda_foreach_adam(
                 denominator = stored(sqrt_f32(v), exp_avg_sq)
             denominator = stored(div_f32(denominator, bias_correction2_sqrt), exp_avg_sq)
             denominator = stored(denominator + eps_f, exp_avg_sq)
-            p = fma_f32(step_size.expand_as(p), div_f32(m, denominator), p)  # m / d: the functor's float32, not stored
+            if capturable:
+                denominator = stored(div_f32(denominator, step_size), exp_avg_sq)  # _foreach_div_(denominators, step_size)
+                p = p + div_f32(m, denominator)  # addcdiv with value 1: fma(1, m / d, p) is one rounding of the sum
+            else:
+                p = fma_f32(step_size.expand_as(p), div_f32(m, denominator), p)  # m / d: the functor's float32, not stored
             with torch.no_grad():
                 views[0][begin:end].copy_(p.to(dtype))
                 views[2][begin:end].copy_(m)

@@ -19,17 +19,18 @@ float32 (every input and the one rounding of each result), each FMA exactly in f
 rounded once (a product of two float32 values is exact in float64, and ``g - b1 * g`` is
 too; the outer sum is rounded twice, float64 then float32, which differs from one rounding
 with probability about 2^-29 per element). Bias corrections are float32 ``pow`` as the
-kernel's ``pow_`` of float32 values (CUDA's ``powf`` may differ by an ulp or two: a
-relative 1e-7 of an lr-sized update).
+kernel's ``pow_`` of float32 values. CUDA's ``powf`` may differ from the CPU's by an ulp or
+two (a relative 1e-7 of an lr-sized update), so replay takes the device's own powers from a
+table the training side computes on the device (``beta_powers.py``).
 
-Contiguous float32 tensors go through one pass of C (``fused_adam_native.py``,
-``csrc/fused_adam_cuda.c``); the torch operations here are its twin, held by the tests to the
+Contiguous float32 tensors go through one pass of C (``cuda_adam_native.py``,
+``csrc/cuda_adam.c``); the torch operations here are its twin, held by the tests to the
 same exact reference, for other tensors and where no C compiler exists.
 
 Which arithmetic a run's CUDA kernel uses is not assumed from the torch version: the
-training side measures it once per optimizer class and device
-(``train/consistency/fused_arithmetic.py``), comparing a real fused step on the device
-with both CPU candidates, and the replay log names the one that matched.
+training side measures it per param group on its device
+(``train/consistency/replay_arithmetic.py``), comparing real fused steps on the device with
+each CPU candidate, and the replay log names the one that matched.
 
 Shared by the training side (the measurement) and the writer (the replay): imports neither.
 """
@@ -40,7 +41,8 @@ from collections.abc import Sequence
 
 import torch
 
-from . import fused_adam_native
+from . import cuda_adam_native
+from .beta_powers import BetaPowerTables
 from .float32_math import div_f32, fma_f32, sqrt_f32
 
 # The replay log's names for these arithmetics; None in the log means the CPU's own fused kernel.
@@ -113,11 +115,14 @@ def step_like_cuda_fused_adam(
     maximize: bool,
     decoupled_weight_decay: bool,
     arithmetic: str = CUDA_FP32_FMA,
+    powers: BetaPowerTables | None = None,
 ) -> None:
     """One step of CUDA's fused Adam (AdamW with ``decoupled_weight_decay``) on CPU tensors, in place.
 
     As ``torch.optim``'s fused path: each step count is incremented first, then the kernel's update.
-    ``arithmetic`` is one of ``ARITHMETICS``; every tensor's dtype one of ``EMULATED_DTYPES``. Each
+    ``arithmetic`` is one of ``ARITHMETICS``; every tensor's dtype one of ``EMULATED_DTYPES``. The
+    bias corrections' powers are the device's where ``powers`` holds them (``beta_powers.py``), else
+    the CPU's float32 ``pow``. Each
     tensor is computed in chunks of ``_CHUNK_ELEMENTS`` (elementwise: the chunks are independent).
     """
     if arithmetic not in ARITHMETICS:
@@ -133,17 +138,18 @@ def step_like_cuda_fused_adam(
                              "step such tensors with the optimizer itself")
         step.add_(1)
         step_count = _f32(step)
-        # pow of float32 values, as the kernel's pow_; CUDA's powf may round a step count's power
-        # an ulp apart from the CPU's (docs/gpu.md): bit for bit was seen over the first 12 steps.
-        bias_correction1 = one - b1.pow(step_count)
-        bias_correction2_sqrt = sqrt_f32(one - b2.pow(step_count))
+        # pow of float32 values, as the kernel's pow_: the device's own where the table holds it
+        # (CUDA's powf may round a step count's power an ulp apart from the CPU's).
+        power = powers.power if powers is not None else torch.pow
+        bias_correction1 = one - power(b1, step_count)
+        bias_correction2_sqrt = sqrt_f32(one - power(b2, step_count))
         step_size = div_f32(lr_f, bias_correction1)
-        if fused_adam_native.step_float32(
+        if cuda_adam_native.fused_step_float32(
             tensors, max_exp_avg_sqs is not None, lr_times_weight_decay=float(lr_wd), beta1=float(b1), beta2=float(b2),
             weight_decay=float(wd), eps=float(eps_f), step_size=float(step_size), bias_correction2_sqrt=float(bias_correction2_sqrt),
             decoupled_weight_decay=decoupled_weight_decay, l2_contracted=l2_contracted, maximize=maximize,
         ):
-            continue  # one pass in C (csrc/fused_adam_cuda.c); below, its twin in torch operations
+            continue  # one pass in C (csrc/cuda_adam.c); below, its twin in torch operations
         flats = [_flat(t) for t in tensors]
         if any(f is None for f in flats):  # a strided view: one pass over the whole tensor, copied back
             views: list[torch.Tensor] = [t.detach().reshape(-1) for t in tensors]

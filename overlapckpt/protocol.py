@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .format.entries import TensorEntry
-from .format.manifest import CheckpointInfo
+from .format.manifest import CheckpointInfo, GroupArithmetic
 
 # How long a writer whose collective failed waits for a replacement writer to open the next
 # generation of the writers' group before it reports the failure as it is (writer/group.py;
@@ -88,9 +88,20 @@ class ReplayLog:
     base_step: int  # the step s at which the snapshot was requested
     group_versions: list[int | None] = field(default_factory=list)
     steps: list[GradientStep] = field(default_factory=list)
-    # How to replay fused Adam / AdamW groups: a name from fused_adam_math (the device's kernel,
-    # measured on the training side), or None: the CPU's own fused kernel, which CPU training ran.
-    fused_arithmetic: str | None = None
+    # How each param group is replayed (by its index in optimizer.param_groups), as the training
+    # side measured it on the group's device: an emulation's name (device_adam_step.EMULATIONS),
+    # or None: the CPU's own kernel, which CPU training ran. The manifest records them.
+    group_arithmetics: list[GroupArithmetic] = field(default_factory=list)
+    # The device's pow(beta, k) for the groups whose kernels compute their bias corrections on it
+    # (beta_powers.BetaPowerTables.tables: float32 bits of beta -> float32 values for k = 1, 2, ...).
+    beta_powers: dict[int, bytes] = field(default_factory=dict)
+
+    def arithmetic_names(self) -> list[str | None]:
+        """Each param group's arithmetic, by group index (None past the measured groups: the CPU's kernel)."""
+        names: list[str | None] = [None] * (max((a.group for a in self.group_arithmetics), default=-1) + 1)
+        for a in self.group_arithmetics:
+            names[a.group] = a.arithmetic
+        return names
 
 
 @dataclass

@@ -59,10 +59,17 @@ def test_inspect_shows_the_ledger_and_the_manifest(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "version      step 3 (requested at step 1), mode replay, window 3" in out
     assert "gradients logged for steps 2, 3; replayed on the CPU to version 3" in out
+    # How each param group was replayed, and how exactly: CPU training's own kernel, exact by construction.
+    assert ("  replay of param group 0 (for-loop on cpu): the CPU's own kernel, bit for bit "
+            "(trained on the CPU: replay runs the same kernel)") in out
     assert main(["inspect", str(tmp_path), "--json"]) == 0
     manifest = json.loads(capsys.readouterr().out)
     on_disk = json.loads((tmp_path / "step-000000003" / "overlapckpt.json").read_text())
     assert manifest == on_disk
+    assert manifest["replay_arithmetic"] == [
+        {"group": 0, "device": "cpu", "path": "for-loop", "arithmetic": None, "exact": True,
+         "evidence": "trained on the CPU: replay runs the same kernel"}
+    ]
 
 
 def test_verify_passes_then_names_the_flipped_tensor(tmp_path, capsys):

@@ -10,15 +10,30 @@ CPU's own foreach kernels compute, which is why replay cannot use them for a GPU
 from __future__ import annotations
 
 import math
+import shutil
 from fractions import Fraction
 
 import pytest
 import torch
 from exact_float import f32, fma32
 
+from overlapckpt import cuda_adam_native
+from overlapckpt.beta_powers import BetaPowerTables, table_length
 from overlapckpt.foreach_adam_math import step_like_cuda_foreach_adam
 
 LR, BETA1, BETA2, EPS = 1e-3, 0.9, 0.999, 1e-8
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def road(request, monkeypatch):
+    """Every test on both roads: the C loop (csrc/cuda_adam.c, contiguous float32) and its torch twin."""
+    if request.param == "python":
+        monkeypatch.setenv("OVERLAPCKPT_NATIVE", "0")
+    elif shutil.which("cc") or shutil.which("gcc"):
+        assert cuda_adam_native.library() is not None  # where it can be built it must be: no silent twin
+    else:
+        pytest.skip("no C compiler: the native road is not built here")
+    return request.param
 
 
 def _as(dtype: torch.dtype):
@@ -28,8 +43,14 @@ def _as(dtype: torch.dtype):
     return store
 
 
+def _cpu_power(beta: float, count: int) -> float:
+    """float32 pow on the CPU: the powers the emulation takes where no device table is given."""
+    return float(torch.tensor(beta, dtype=torch.float32).pow(torch.tensor(float(count))))
+
+
 def _reference(p: float, g: float, m: float, v: float, vmax: float | None, count: int, weight_decay: float,
-               decoupled: bool, maximize: bool, dtype: torch.dtype) -> tuple[float, float, float, float | None]:
+               decoupled: bool, maximize: bool, dtype: torch.dtype, capturable: bool = False,
+               power=_cpu_power) -> tuple[float, float, float, float | None]:
     st = _as(dtype)
     if maximize:
         g = -g
@@ -44,11 +65,24 @@ def _reference(p: float, g: float, m: float, v: float, vmax: float | None, count
     v = st(f32(Fraction(v) * Fraction(f32(BETA2))))
     v = st(fma32(f32(1 - BETA2), f32(Fraction(g) * Fraction(g)), v))
     peak = v if vmax is None else max(vmax, v)
+    if capturable:  # _foreach_pow(beta, steps), sub_(1), neg_, div_(lr), reciprocal_, sqrt_: float32 on the device
+        bias_correction1 = f32(Fraction(power(BETA1, count)) - 1)
+        bias_correction2 = -f32(Fraction(power(BETA2, count)) - 1)
+        step_size = f32(1 / Fraction(f32(Fraction(bias_correction1) / Fraction(f32(LR)))))
+        bias_correction2_sqrt = f32(math.sqrt(bias_correction2))
+    else:  # the host's float64 values, cast to float32
+        step_size = f32((LR / (1 - BETA1**count)) * -1)
+        bias_correction2_sqrt = f32((1 - BETA2**count) ** 0.5)
     denominator = st(f32(math.sqrt(peak)))  # a float64 sqrt of a float32 value rounds to float32 as the exact one
-    denominator = st(f32(Fraction(denominator) / Fraction(f32((1 - BETA2**count) ** 0.5))))
+    denominator = st(f32(Fraction(denominator) / Fraction(bias_correction2_sqrt)))
     denominator = st(f32(Fraction(denominator) + Fraction(f32(EPS))))
+    if capturable:
+        denominator = st(f32(Fraction(denominator) / Fraction(step_size)))
     quotient = f32(Fraction(m) / Fraction(denominator))
-    p = st(fma32(f32((LR / (1 - BETA1**count)) * -1), quotient, p))
+    if capturable:
+        p = st(f32(Fraction(p) + Fraction(quotient)))
+    else:
+        p = st(fma32(step_size, quotient, p))
     return p, m, v, (None if vmax is None else peak)
 
 
@@ -58,7 +92,10 @@ def _state(elements: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, 
     # float16 holds nothing below 6e-8: smaller gradients would leave v at 0 and divide by an eps that rounds to 0
     # (inf, as on the device), which exact arithmetic cannot compare.
     smallest = -1 if dtype == torch.float16 else -6
-    grads = [(torch.randn(elements, generator=generator) * torch.logspace(smallest, 0, elements)).to(dtype) for _ in range(3)]
+    grads = [torch.randn(elements, generator=generator) for _ in range(3)]
+    if dtype == torch.float16:  # and no normal draw near 0 either: |g| >= 0.01 keeps (1 - beta2) g^2 above 6e-8
+        grads = [g.sign() * g.abs().clamp(min=0.1) for g in grads]
+    grads = [(g * torch.logspace(smallest, 0, elements)).to(dtype) for g in grads]
     if dtype == torch.float32:
         grads[0][:3] = torch.tensor([1e-40, -3e-39, 0.0])  # subnormal gradients, and an exact zero
     return start, grads
@@ -66,11 +103,13 @@ def _state(elements: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
-    "weight_decay, decoupled, maximize, amsgrad",
-    [(0.01, True, False, False), (0.01, False, False, False), (0.0, True, True, False), (0.01, True, False, True)],
-    ids=["adamw", "adam-l2", "maximize", "amsgrad"],
+    "weight_decay, decoupled, maximize, amsgrad, capturable",
+    [(0.01, True, False, False, False), (0.01, False, False, False, False), (0.0, True, True, False, False),
+     (0.01, True, False, True, False), (0.01, True, False, False, True), (0.01, False, True, True, True)],
+    ids=["adamw", "adam-l2", "maximize", "amsgrad", "capturable", "capturable-adam-l2-maximize-amsgrad"],
 )
-def test_the_emulation_is_cudas_foreach_kernels_with_one_rounding_per_operation(dtype, weight_decay, decoupled, maximize, amsgrad):
+def test_the_emulation_is_cudas_foreach_kernels_with_one_rounding_per_operation(dtype, weight_decay, decoupled, maximize, amsgrad,
+                                                                               capturable):
     elements = 67  # odd: no vector width divides it
     start, grads = _state(elements, seed=1, dtype=dtype)
     param, exp_avg, exp_avg_sq = start.clone(), torch.zeros(elements, dtype=dtype), torch.zeros(elements, dtype=dtype)
@@ -80,10 +119,10 @@ def test_the_emulation_is_cudas_foreach_kernels_with_one_rounding_per_operation(
     for count, g in enumerate(grads, start=1):
         step_like_cuda_foreach_adam(
             [param], [g], [exp_avg], [exp_avg_sq], None if max_sq is None else [max_sq], [step], lr=LR, beta1=BETA1, beta2=BETA2,
-            weight_decay=weight_decay, eps=EPS, maximize=maximize, decoupled_weight_decay=decoupled,
+            weight_decay=weight_decay, eps=EPS, maximize=maximize, decoupled_weight_decay=decoupled, capturable=capturable,
         )
         reference = [
-            _reference(p, float(gi), m, v, vmax, count, weight_decay, decoupled, maximize, dtype)
+            _reference(p, float(gi), m, v, vmax, count, weight_decay, decoupled, maximize, dtype, capturable)
             for (p, m, v, vmax), gi in zip(reference, g.float())
         ]
     assert float(step) == 3.0
@@ -128,3 +167,77 @@ def test_a_double_state_is_refused_by_name():
     with pytest.raises(ValueError, match="in double, not as emulated here"):
         step_like_cuda_foreach_adam([double], [double], [double], [double], None, [torch.zeros(())], lr=LR, beta1=BETA1,
                                     beta2=BETA2, weight_decay=0.0, eps=EPS, maximize=False, decoupled_weight_decay=True)
+
+
+@pytest.mark.parametrize("decoupled, maximize, amsgrad, weight_decay, betas", [
+    (True, False, False, 0.01, (0.9, 0.999)), (False, True, True, 0.01, (0.9, 0.999)), (True, True, True, 0.0, (0.9, 0.999)),
+    (False, False, False, 0.1, (0.3, 0.45)),  # 1 - beta1 above one half: lerp's other formula
+])
+def test_the_c_loop_and_its_torch_twin_agree_bit_for_bit(monkeypatch, road, decoupled, maximize, amsgrad, weight_decay, betas):
+    """Tens of thousands of elements over many decades, with subnormals, zeros, infinities and NaNs: the C pass and the
+    torch twin give the same bits (the reference above holds each on a few dozen)."""
+    if road == "python":
+        pytest.skip("compares the two roads: run once, on the native one")
+    generator = torch.Generator().manual_seed(7)
+    n = 40_001
+    start = torch.randn(n, generator=generator) * torch.logspace(-30, 30, n)
+    grads = [torch.randn(n, generator=generator) * torch.logspace(-42, 20, n) for _ in range(3)]
+    grads[0][:6] = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1e-45])
+    states = []
+    for native in ("1", "0"):
+        monkeypatch.setenv("OVERLAPCKPT_NATIVE", native)
+        state = [start.clone(), torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(())]
+        for g in grads:
+            step_like_cuda_foreach_adam([state[0]], [g], [state[1]], [state[2]], [state[3]] if amsgrad else None, [state[4]],
+                                        lr=LR, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, eps=EPS,
+                                        maximize=maximize, decoupled_weight_decay=decoupled)
+        states.append(state)
+    for c_pass, twin in zip(*states):
+        # Bit for bit, -0.0 apart from 0.0; a NaN's sign and payload are the hardware's (CUDA writes its own canonical
+        # one), so NaNs are compared by place.
+        assert torch.equal(c_pass.isnan(), twin.isnan())
+        zero = torch.zeros(())
+        assert torch.equal(torch.where(c_pass.isnan(), zero, c_pass).view(torch.int32), torch.where(twin.isnan(), zero, twin).view(torch.int32))
+
+
+def test_capturable_bias_corrections_take_the_devices_powers_from_its_table():
+    """A device whose powf rounds beta^t an ulp above the CPU's: with that device's table, the emulation is its arithmetic
+    (the reference with the same powers), and without it, not."""
+    def device_power(beta: float, count: int) -> float:
+        cpu = torch.tensor(_cpu_power(beta, count), dtype=torch.float32)
+        return float(torch.nextafter(cpu, torch.tensor(2.0)))
+
+    powers = BetaPowerTables()
+    for beta in (BETA1, BETA2):
+        powers.add(beta, torch.tensor([device_power(beta, k) for k in range(1, table_length(beta) + 1)], dtype=torch.float32))
+    start, grads = _state(67, seed=4, dtype=torch.float32)
+    results = {}
+    for table in (powers, None):
+        param, exp_avg, exp_avg_sq, step = start.clone(), torch.zeros(67), torch.zeros(67), torch.zeros(())
+        for g in grads:
+            step_like_cuda_foreach_adam([param], [g], [exp_avg], [exp_avg_sq], None, [step], lr=LR, beta1=BETA1, beta2=BETA2,
+                                        weight_decay=0.01, eps=EPS, maximize=False, decoupled_weight_decay=True, capturable=True,
+                                        powers=table)
+        results[table is None] = param
+    reference = [(float(p), 0.0, 0.0, None) for p in start]
+    for count, g in enumerate(grads, start=1):
+        reference = [_reference(p, float(gi), m, v, None, count, 0.01, True, False, torch.float32, True, device_power)
+                     for (p, m, v, _), gi in zip(reference, g)]
+    assert torch.equal(results[False], torch.tensor([r[0] for r in reference], dtype=torch.float32))
+    assert not torch.equal(results[False], results[True])
+
+
+def test_a_power_table_holds_the_devices_values_and_the_cpus_past_its_end():
+    for beta in (0.9, 0.999):  # out to where beta^k is below 2^-26, and no further than a step past it
+        n = table_length(beta)
+        beta32 = float(torch.tensor(beta, dtype=torch.float32))
+        assert beta32 ** (n - 1) < 2**-26 <= beta32 ** (n - 3)
+    assert table_length(1.0) == 0 and table_length(0.0) == 0
+    values = torch.arange(1, 174, dtype=torch.float32)  # not powers at all: only where they come from is checked
+    powers = BetaPowerTables()
+    powers.add(0.9, values)
+    beta = torch.tensor(0.9, dtype=torch.float32)
+    assert torch.equal(powers.power(beta, torch.tensor(5.0)), torch.tensor(5.0))
+    assert torch.equal(powers.power(beta, torch.tensor(174.0)), beta.pow(torch.tensor(174.0)))  # past the table
+    assert torch.equal(powers.power(torch.tensor(0.8), torch.tensor(5.0)), torch.tensor(0.8).pow(torch.tensor(5.0)))  # no table
+    assert BetaPowerTables(powers.tables).power(beta, torch.tensor(173.0)) == 173.0  # as the replay log carries it

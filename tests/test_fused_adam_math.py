@@ -3,8 +3,8 @@
 On an H200 (torch 2.11) replay through the CPU's fused kernel left exp_avg_sq 1.25e-5 away
 from the device's own state after 3 steps: the CUDA kernel computes with float32 betas and
 FMAs. Here: the emulation is that formula with one rounding per operation (against exact
-rational arithmetic), it is not the CPU kernel, the measurement picks the CPU kernel where
-the CPU kernel ran, and the writer's replay takes the arithmetic the log names.
+rational arithmetic), the C loop is its torch twin, and the writer's replay takes the arithmetic
+the log names (the measurement that names it: tests/test_replay_arithmetic.py).
 """
 
 from __future__ import annotations
@@ -16,21 +16,21 @@ import pytest
 import torch
 from exact_float import f32, fma32
 
-from overlapckpt import fused_adam_math, fused_adam_native
+from overlapckpt import cuda_adam_native, fused_adam_math
 from overlapckpt.format.entries import ROLE_OPTIM, ROLE_PARAM, TensorEntry
-from overlapckpt.fused_adam_math import ARITHMETICS, CUDA_FP32_FMA, CUDA_FP32_FMA_L2_ROUNDED, step_like_cuda_fused_adam
+from overlapckpt.format.manifest import GroupArithmetic
+from overlapckpt.fused_adam_math import CUDA_FP32_FMA, CUDA_FP32_FMA_L2_ROUNDED, step_like_cuda_fused_adam
 from overlapckpt.protocol import GradientStep, ReplayLog, ReplayTables
-from overlapckpt.train.consistency import fused_arithmetic
 from overlapckpt.writer.replay import replay_to_version
 
 
 @pytest.fixture(autouse=True, params=["native", "python"])
 def road(request, monkeypatch):
-    """Every test on both roads: the C loop (csrc/fused_adam_cuda.c) and its torch twin."""
+    """Every test on both roads: the C loop (csrc/cuda_adam.c) and its torch twin."""
     if request.param == "python":
         monkeypatch.setenv("OVERLAPCKPT_NATIVE", "0")
     elif shutil.which("cc") or shutil.which("gcc"):
-        assert fused_adam_native.library() is not None  # where it can be built it must be: no silent twin
+        assert cuda_adam_native.library() is not None  # where it can be built it must be: no silent twin
     else:
         pytest.skip("no C compiler: the native road is not built here")
     return request.param
@@ -87,64 +87,8 @@ def test_the_emulation_is_cudas_fused_formula_with_one_rounding_per_operation(de
         assert torch.equal(got, torch.tensor([r[column] for r in reference], dtype=torch.float32))
 
 
-def test_cudas_arithmetic_is_not_the_cpu_kernels_it_differs_by_the_float32_betas():
-    # Why replay cannot use the CPU kernel for a GPU's fused steps: 1 - float32(0.999) is not float32(1 - 0.999).
-    start, grads = _random_state(4096, seed=2)
-    emulated = fused_arithmetic._state_by_emulation(torch.optim.AdamW, start, grads, CUDA_FP32_FMA)
-    cpu_kernel = fused_arithmetic._state_after(torch.optim.AdamW, torch.device("cpu"), start, grads)
-    relative = ((emulated[2] - cpu_kernel[2]).abs() / cpu_kernel[2]).max().item()
-    one_minus_beta2 = 1 - torch.tensor(0.999, dtype=torch.float32).item()
-    assert relative == pytest.approx(abs(one_minus_beta2 - 0.001) / 0.001, rel=0.05)  # 1.29e-5
-    assert not torch.equal(emulated[0], cpu_kernel[0])
-
-
-def test_the_probe_never_steps_its_start_state_in_place():
-    """Before: on the CPU, start.to("cpu") was start itself, so the fused step changed the probe's start state and
-    every candidate measured after it started from the stepped state."""
-    start, grads = _random_state(4096, seed=3)
-    kept = (start.clone(), [g.clone() for g in grads])
-    first = fused_arithmetic._state_after(torch.optim.AdamW, torch.device("cpu"), start, grads)
-    assert torch.equal(start, kept[0]) and all(torch.equal(g, k) for g, k in zip(grads, kept[1]))
-    again = fused_arithmetic._state_after(torch.optim.AdamW, torch.device("cpu"), start, grads)
-    assert all(torch.equal(a, b) for a, b in zip(first, again))
-
-
-def test_the_measurement_picks_the_cpu_kernel_where_the_cpu_kernel_ran():
-    assert fused_arithmetic.measure(torch.optim.AdamW, torch.device("cpu")) is None
-    assert fused_arithmetic.measure(torch.optim.Adam, torch.device("cpu")) is None
-    # CPU training is never measured: its own kernel is what ran.
-    model = torch.nn.Linear(4, 4)
-    assert fused_arithmetic.replay_arithmetic(torch.optim.AdamW, torch.optim.AdamW(model.parameters(), fused=True).param_groups) is None
-    assert fused_arithmetic.fused_device(torch.optim.SGD, [{"fused": True, "params": [torch.zeros(1, device="meta")]}]) is None
-
-
-def test_a_device_whose_fused_step_cannot_be_measured_leaves_the_cpu_kernel_with_a_warning(caplog, monkeypatch):
-    monkeypatch.setattr(fused_arithmetic, "_measured", {})  # measured once per process and (class, device): again here
-    # The meta device runs no kernel: the measurement fails, and the Checkpointer must still build.
-    params = [torch.nn.Parameter(torch.zeros(4, device="meta"))]
-    with caplog.at_level("WARNING", logger="overlapckpt"):
-        assert fused_arithmetic.replay_arithmetic(torch.optim.AdamW, [{"fused": True, "params": params}]) is None
-    assert "could not measure the device's arithmetic" in caplog.text and "on meta" in caplog.text
-
-
-@pytest.mark.parametrize("device_computes", ARITHMETICS)
-def test_the_measurement_picks_the_arithmetic_the_device_computes(monkeypatch, device_computes):
-    # The device's own fused step stood in for by one of the emulations (no GPU here); the CPU kernel stays itself.
-    real_state_after = fused_arithmetic._state_after
-
-    def state_after(optimizer_cls, device, start, grads):
-        if device.type == "cpu":
-            return real_state_after(optimizer_cls, device, start, grads)
-        return fused_arithmetic._state_by_emulation(optimizer_cls, start, grads, device_computes)
-
-    monkeypatch.setattr(fused_arithmetic, "_state_after", state_after)
-    assert fused_arithmetic.measure(torch.optim.Adam, torch.device("cuda")) == device_computes
-    # AdamW never reaches Adam's L2 line: both emulations are the same, and the tie goes to the first listed.
-    assert fused_arithmetic.measure(torch.optim.AdamW, torch.device("cuda")) == CUDA_FP32_FMA
-
-
-def test_the_writer_refuses_a_fused_arithmetic_it_does_not_know():
-    with pytest.raises(ValueError, match=r"names the fused arithmetic 'cuda-fp64'.*run one version"):
+def test_the_writer_refuses_an_arithmetic_it_does_not_know():
+    with pytest.raises(ValueError, match=r"names the arithmetic 'cuda-fp64'.*run one version"):
         _replay_one_step("cuda-fp64", torch.optim.AdamW, amsgrad=False)
 
 
@@ -165,7 +109,7 @@ def _replay_one_step(arithmetic: str | None, optimizer_cls: type, amsgrad: bool)
     log = ReplayLog(
         optimizer_class=(optimizer_cls.__module__, optimizer_cls.__qualname__), grad_buffer_id=0, base_step=1,
         group_versions=[1], steps=[GradientStep(step=2, groups=[0], hyperparameters=[hyperparameters], grad_none=[])],
-        fused_arithmetic=arithmetic,
+        group_arithmetics=[GroupArithmetic(0, "cuda:0", "fused", arithmetic, True, "named by the test")] if arithmetic else [],
     )
     tables = ReplayTables(grad_offsets={(1, "w"): 0}, grad_nbytes=256, param_group_of={"w": 0}, copy_group_of={"w": 0})
     replay_to_version(entries, tensors, log, tables, grads[1].view(torch.uint8).clone())
@@ -234,84 +178,6 @@ def test_float64_tensors_are_refused_by_the_emulation_and_left_to_the_cpu_kernel
                                   beta2=0.999, weight_decay=0.0, eps=1e-8, maximize=False, decoupled_weight_decay=True)
 
 
-def _mixed_optimizer(cls: type) -> tuple[torch.optim.Optimizer, dict[str, torch.nn.Parameter]]:
-    start, grads = _random_state(64, seed=5)
-    params = {
-        "fused32": torch.nn.Parameter(start.clone()),
-        "fused64": torch.nn.Parameter(start.double()),
-        "fused_no_grad": torch.nn.Parameter(start.clone() * 2),
-        "plain": torch.nn.Parameter(start.clone() * 3),
-    }
-    optimizer = cls(
-        [{"params": [params["fused32"], params["fused64"], params["fused_no_grad"]], "fused": True, "amsgrad": True},
-         {"params": [params["plain"]], "foreach": True}],
-        lr=1e-3, weight_decay=0.01,
-    )
-    params["fused32"].grad = grads[0].clone()
-    params["fused64"].grad = grads[0].double()
-    params["plain"].grad = grads[1].clone()
-    return optimizer, params
-
-
-def test_the_writer_emulates_only_torchs_fused_float_steps_and_steps_everything_else_with_the_optimizer():
-    from overlapckpt.writer.replay import _step_fused_groups_like_the_device
-
-    replayed, params = _mixed_optimizer(torch.optim.AdamW)
-    _step_fused_groups_like_the_device(replayed, CUDA_FP32_FMA)
-    stock, stock_params = _mixed_optimizer(torch.optim.AdamW)
-    stock.step()  # the CPU's kernels throughout
-    # The float32 fused parameter: the emulation, with its amsgrad state made as torch makes it.
-    expected = torch.nn.Parameter(_random_state(64, seed=5)[0].clone())
-    state = {"step": torch.zeros(()), "exp_avg": torch.zeros(64), "exp_avg_sq": torch.zeros(64), "max_exp_avg_sq": torch.zeros(64)}
-    step_like_cuda_fused_adam([expected], [params["fused32"].grad], [state["exp_avg"]], [state["exp_avg_sq"]],
-                              [state["max_exp_avg_sq"]], [state["step"]], lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01,
-                              eps=1e-8, maximize=False, decoupled_weight_decay=True)
-    assert torch.equal(params["fused32"], expected)
-    assert replayed.state[params["fused32"]].keys() == state.keys()
-    for k, v in state.items():
-        assert torch.equal(replayed.state[params["fused32"]][k], v), k
-    assert not torch.equal(params["fused32"], stock_params["fused32"])  # so the line above can tell them apart
-    # Float64, the non-fused group, and the parameter without a gradient: as the optimizer itself steps them.
-    for name in ("fused64", "plain", "fused_no_grad"):
-        assert torch.equal(params[name], stock_params[name]), name
-        assert replayed.state[params[name]].keys() == stock.state[stock_params[name]].keys(), name
-        for k, v in stock.state[stock_params[name]].items():
-            assert torch.equal(replayed.state[params[name]][k], v), (name, k)
-    assert not replayed.state[params["fused_no_grad"]]
-
-
-def test_a_subclass_with_its_own_step_is_replayed_by_that_step_and_never_measured(caplog):
-    from overlapckpt.writer.replay import _step_fused_groups_like_the_device
-
-    class CountingAdamW(torch.optim.AdamW):
-        steps = 0
-
-        def step(self, closure=None):
-            CountingAdamW.steps += 1
-            return super().step(closure)
-
-    class PlainSubclass(torch.optim.AdamW):
-        pass
-
-    replayed, params = _mixed_optimizer(CountingAdamW)
-    _step_fused_groups_like_the_device(replayed, CUDA_FP32_FMA)
-    stock, stock_params = _mixed_optimizer(torch.optim.AdamW)
-    stock.step()
-    assert CountingAdamW.steps == 1
-    for name in params:
-        assert torch.equal(params[name], stock_params[name]), name
-    on_device = [{"fused": True, "params": [torch.zeros(1, device="meta")]}]
-    assert fused_arithmetic.fused_device(CountingAdamW, on_device) is None
-    assert fused_arithmetic.fused_device(PlainSubclass, on_device) == torch.device("meta")
-    # Fused parameters on the CPU and an accelerator at once: one arithmetic cannot serve both.
-    with caplog.at_level("WARNING", logger="overlapckpt"):
-        mixed = [{"fused": True, "params": [torch.zeros(1), torch.zeros(1, device="meta")]}]
-        assert fused_arithmetic.fused_device(torch.optim.AdamW, mixed) is None
-    assert "step on ['cpu', 'meta']; replay uses the CPU's fused kernel" in caplog.text
-    # Float64 parameters alone are not emulated: nothing to measure.
-    assert fused_arithmetic.fused_device(torch.optim.AdamW, [{"fused": True, "params": [torch.zeros(1, dtype=torch.float64, device="meta")]}]) is None
-
-
 @pytest.mark.parametrize("decoupled, arithmetic", [(True, CUDA_FP32_FMA), (False, CUDA_FP32_FMA), (False, CUDA_FP32_FMA_L2_ROUNDED)])
 @pytest.mark.parametrize("amsgrad, maximize", [(False, False), (True, True)])
 def test_the_c_loop_and_its_torch_twin_agree_bit_for_bit(monkeypatch, road, decoupled, arithmetic, amsgrad, maximize):
@@ -336,12 +202,12 @@ def test_a_failed_build_of_the_c_pass_leaves_no_file_and_the_torch_twin_runs(mon
         pytest.skip("about the native road's build: run once")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a compiler that fails
-    monkeypatch.setattr(fused_adam_native._fused_adam, "_loaded", {})
-    assert fused_adam_native.build() is None and fused_adam_native.library() is None
+    monkeypatch.setattr(cuda_adam_native._cuda_adam, "_loaded", {})
+    assert cuda_adam_native.build() is None and cuda_adam_native.library() is None
     assert list((tmp_path / "overlapckpt").iterdir()) == []
     param, grad = torch.ones(8), torch.full((8,), 0.5)
     state = [torch.zeros(8), torch.zeros(8)]
-    assert not fused_adam_native.step_float32([param, grad, *state], False, lr_times_weight_decay=0.0, beta1=0.9, beta2=0.999,
+    assert not cuda_adam_native.fused_step_float32([param, grad, *state], False, lr_times_weight_decay=0.0, beta1=0.9, beta2=0.999,
                                               weight_decay=0.0, eps=1e-8, step_size=1e-3, bias_correction2_sqrt=1.0,
                                               decoupled_weight_decay=True, l2_contracted=True, maximize=False)
     step_like_cuda_fused_adam([param], [grad], state[:1], state[1:], None, [torch.zeros(())], lr=1e-3, beta1=0.9, beta2=0.999,

@@ -23,20 +23,20 @@ import torch
 from overlapckpt.train.copying import tensor_passes
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = ("overlapckpt/csrc/gather_values.c", "overlapckpt/csrc/tensor_passes.cpp", "overlapckpt/csrc/fused_adam_cuda.c")
+SOURCES = ("overlapckpt/csrc/gather_values.c", "overlapckpt/csrc/tensor_passes.cpp", "overlapckpt/csrc/cuda_adam.c")
 
 CHECK = r"""
 import json, sys
 import overlapckpt
-from overlapckpt import fused_adam_native
+from overlapckpt import cuda_adam_native
 from overlapckpt.train.copying import native, tensor_passes
 tensor_passes.build()
 print(json.dumps({
     "package": overlapckpt.__file__,
     "gather_values": native.gather_library() is not None,
-    "fused_adam_cuda": fused_adam_native.library() is not None,
+    "cuda_adam": cuda_adam_native.library() is not None,
     "tensor_passes": tensor_passes.passes() is not None,
-    "sources": [str(native.SOURCE), str(tensor_passes.SOURCE), str(fused_adam_native.SOURCE)],
+    "sources": [str(native.SOURCE), str(tensor_passes.SOURCE), str(cuda_adam_native.SOURCE)],
 }))
 """
 
@@ -85,5 +85,5 @@ def test_a_wheel_ships_the_native_sources_and_all_three_helpers_load_from_a_fres
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["package"].startswith(str(site)), report  # the wheel's package, not the repository's
     assert all(source.startswith(str(site)) for source in report["sources"]), report
-    assert report["gather_values"] and report["fused_adam_cuda"] and report["tensor_passes"], report
-    assert sorted(p.name.split("-")[0] for p in (cache / "overlapckpt").glob("*.so")) == ["fused_adam_cuda", "gather_values", "tensor_passes"]
+    assert report["gather_values"] and report["cuda_adam"] and report["tensor_passes"], report
+    assert sorted(p.name.split("-")[0] for p in (cache / "overlapckpt").glob("*.so")) == ["cuda_adam", "gather_values", "tensor_passes"]

@@ -595,16 +595,16 @@ def test_14_a_library_built_by_another_compiler_or_with_other_flags_is_never_reu
     wrapper = tmp_path / "cc-fast"
     wrapper.write_text('#!/bin/sh\nexec cc -ffp-contract=fast "$@"\n')
     os.chmod(wrapper, 0o755)
-    code = "from overlapckpt.fused_adam_native import library_path; print(library_path())"
+    code = "from overlapckpt.cuda_adam_native import library_path; print(library_path())"
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
     plain = _run_python(code, env={**env, "CC": "cc"}).stdout.strip()
     other = _run_python(code, env={**env, "CC": str(wrapper)}).stdout.strip()
     assert plain.endswith(".so") and other.endswith(".so") and plain != other
     from overlapckpt.cbuild import c_library_path
-    from overlapckpt.fused_adam_native import FLAGS, LIBRARIES, SOURCE
+    from overlapckpt.cuda_adam_native import FLAGS, LIBRARIES, SOURCE
 
     without = [flag for flag in FLAGS if flag != "-ffp-contract=off"]
-    assert c_library_path(SOURCE, "fused_adam_cuda", FLAGS, LIBRARIES) != c_library_path(SOURCE, "fused_adam_cuda", without, LIBRARIES)
+    assert c_library_path(SOURCE, "cuda_adam", FLAGS, LIBRARIES) != c_library_path(SOURCE, "cuda_adam", without, LIBRARIES)
 
 
 # ---- the ranks of a node prepare its tier at once ---------------------------------------------

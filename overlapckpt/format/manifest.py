@@ -342,6 +342,43 @@ class ExportRecord:
 
 
 @dataclass(frozen=True)
+class GroupArithmetic:
+    """How replay steps one optimizer param group on the CPU, and whether that is known to be the training's step bit for bit.
+
+    Written to the manifest of a replay-mode checkpoint, one per param group (``inspect``
+    shows them): the training side measures each group on its device when the Checkpointer
+    is built (``train/consistency/replay_arithmetic.py``), and the writer steps each group by
+    the arithmetic named here (``device_adam_step.py``).
+    """
+
+    group: int  # the index of the param group in optimizer.param_groups
+    device: str  # where its parameters step in training ("cpu", "cuda:0")
+    path: str  # the optimizer's implementation there: "fused", "foreach", "for-loop" or "own-step"
+    arithmetic: str | None  # an emulation's name (fused_adam_math, foreach_adam_math), or None: the CPU's own kernel
+    exact: bool  # replay reproduces the training's step bit for bit: by construction, or as the probe measured
+    evidence: str  # how that is known, in words
+
+    @classmethod
+    def from_json(cls, raw: Any, where: str) -> GroupArithmetic:
+        return cls(
+            _field(raw, "group", int, where),
+            _field(raw, "device", str, where),
+            _field(raw, "path", str, where),
+            _field(raw, "arithmetic", (str, type(None)), where),
+            _field(raw, "exact", bool, where),
+            _field(raw, "evidence", str, where),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"group": self.group, "device": self.device, "path": self.path, "arithmetic": self.arithmetic,
+                "exact": self.exact, "evidence": self.evidence}
+
+    def describe(self) -> str:
+        how = self.arithmetic or "the CPU's own kernel"
+        return f"param group {self.group} ({self.path} on {self.device}): {how}, {'bit for bit' if self.exact else 'approximate'} ({self.evidence})"
+
+
+@dataclass(frozen=True)
 class RankSection:
     """What one rank of a distributed checkpoint wrote: its parts, its per-rank state, its own ledger."""
 
@@ -404,6 +441,8 @@ class Manifest:
     key_layout: str = "get_state_dict"  # how the state is named inside DCP (format/key_layout.py)
     # The optimizer class(es) whose state it holds, by full name (None: written before it was recorded).
     optimizer: str | None = None
+    # A replay-mode checkpoint: how each param group was replayed, and how exactly (empty otherwise).
+    replay_arithmetic: tuple[GroupArithmetic, ...] = ()
     # The JSON as read, for what is checked on the exact document (the signature, inspect --json).
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -447,6 +486,9 @@ class Manifest:
             stats=_field(raw, "stats", (dict, type(None)), where, None),
             key_layout=_known_layout(_field(raw, "key_layout", str, where, GET_STATE_DICT), where),
             optimizer=_field(raw, "optimizer", (str, type(None)), where, None),
+            replay_arithmetic=tuple(
+                GroupArithmetic.from_json(r, f"{where} (replay_arithmetic)") for r in _field(raw, "replay_arithmetic", list, where, [])
+            ),
             raw=raw,
         )
 
@@ -472,6 +514,7 @@ class Manifest:
             "extra_state_index": list(self.extra_state_index),
             "key_layout": self.key_layout,
             "optimizer": self.optimizer,
+            **({"replay_arithmetic": [r.to_json() for r in self.replay_arithmetic]} if self.replay_arithmetic else {}),
         }
         if self.ranks:
             out["ranks"] = [r.to_json() for r in self.ranks]

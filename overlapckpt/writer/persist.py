@@ -463,6 +463,8 @@ def _manifest(
         "extra_state_index": tuple(sorted(req.extra_state.keys())),
         "key_layout": req.key_layout,
         "optimizer": req.optimizer,
+        # How each param group was replayed, and how exactly: the coordinator's own (every rank measures its groups alike).
+        "replay_arithmetic": tuple(req.replay.group_arithmetics) if req.replay is not None else (),
     }
     if sections is None:
         return Manifest(nbytes=sum(e.nbytes for e in entries), items={}, **common)

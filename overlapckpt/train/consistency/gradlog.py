@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ...errors import InternalError
+from ...format.manifest import GroupArithmetic
 from ...optimizers import OptimizerGroup, describe_optimizer, update_rule_class
 from ...protocol import GradientStep, ReplayLog
 from ..copying.layout import StateLayout, optimizer_shape_signature
@@ -45,7 +46,7 @@ from ..copying.replay_tables import gradient_layout
 from ..copying.slots import HostSlot
 from ..copying.tensor_passes import grads_of
 from ..copying.transfer import Copier, CopyTicket, copy_values_to_host
-from .fused_arithmetic import replay_arithmetic
+from .replay_arithmetic import group_arithmetics
 
 
 def capture_hyperparameters(
@@ -98,15 +99,21 @@ class GradientLogger:
         # Gradient views into a slot's gradient buffer, per (buffer id, layout fingerprint, window).
         self._views: dict[tuple[int, int, int], tuple[dict[tuple[int, str], int], dict[tuple[int, str], torch.Tensor]]] = {}
         self._targets_by_key: dict[tuple[int, ...], _LogTargets] = {}
-        self._fused_arithmetic: str | None = None
-        self._fused_arithmetic_known = False
+        self._arithmetics: list[GroupArithmetic] | None = None
+        self._beta_powers: dict[int, bytes] = {}
 
     def prepare(self) -> None:
-        """Measure how the CPU replays this optimizer's fused steps on its device (a sync: call it outside any step)."""
-        if not self._fused_arithmetic_known:
+        """Measure how the CPU replays each param group's steps on its device (a sync: call it outside any step).
+
+        Again where groups were added since (``add_param_group``): each configuration is measured once per process.
+        """
+        if self._arithmetics is None or len(self._arithmetics) != len(self.optimizer.param_groups):
             rule = update_rule_class(self.optimizer)
-            self._fused_arithmetic = replay_arithmetic(rule, list(self.optimizer.param_groups)) if rule is not None else None
-            self._fused_arithmetic_known = True
+            if rule is None:
+                self._arithmetics = []
+            else:
+                self._arithmetics, powers = group_arithmetics(rule, list(self.optimizer.param_groups))
+                self._beta_powers = powers.tables
 
     def open(self, slot: HostSlot, plan: CopyPlan, layout: StateLayout, base_step: int) -> ReplayLog:
         """The replay log of a snapshot started at ``base_step``, writing into ``slot``'s gradient buffer."""
@@ -120,7 +127,8 @@ class GradientLogger:
             grad_buffer_id=slot.grad_buffer_id,  # type: ignore[arg-type]
             base_step=base_step,
             group_versions=[None] * len(plan.groups),
-            fused_arithmetic=self._fused_arithmetic,
+            group_arithmetics=list(self._arithmetics or []),
+            beta_powers=self._beta_powers,
         )
 
     def _slot_views(

@@ -41,8 +41,8 @@ def build(quiet: bool = True) -> Path | None:
 # GIL and must win it back, which waits for any other Python thread for up to the switch
 # interval (5 ms) inside optimizer.step().
 _gather = NativeLibrary(
-    library_path, build, ctypes.PyDLL, "overlapckpt_gather_values",
-    [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p], "the Python twin is used",
+    library_path, build, ctypes.PyDLL, {"overlapckpt_gather_values": [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p]},
+    "the Python twin is used",
 )
 
 

@@ -1,0 +1,107 @@
+"""The optional native helper for replay's CUDA arithmetic (``csrc/cuda_adam.c``): one pass per tensor, fused or foreach.
+
+``fused_adam_math.py`` computes CUDA's fused Adam/AdamW roundings with torch operations, about
+twenty passes over each tensor (17 to 29 ns per element on one thread, against under 1 ns for
+the CPU's own fused kernel). This C loop does it in one (about 4 ns), for contiguous float32
+tensors (``benchmarks/fused_replay_speed.py``); ``foreach_adam_math.py``'s kernels likewise.
+The tests hold both roads to the same exact reference. Compiled once per source version into the user's cache (``cbuild.py``) by
+``cc -O2 -fno-math-errno -ffp-contract=off``: where no compiler exists, or
+``OVERLAPCKPT_NATIVE=0``, the torch road runs. Used by the writer; imports neither side.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from .cbuild import NativeLibrary, build_c_library, c_library_path
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cuda_adam.c"
+
+
+# -ffp-contract=off: no FMA the kernel does not write; -fno-math-errno changes no result. Both
+# are in the library's name (cbuild.py): one built otherwise is never reused.
+FLAGS = ["-O2", "-fno-math-errno", "-ffp-contract=off"]
+LIBRARIES = ["-lm"]
+
+
+def library_path() -> Path | None:
+    """Where the built library for this source, compiler and flags lives (None without the source: an installed wheel)."""
+    return c_library_path(SOURCE, "cuda_adam", FLAGS, LIBRARIES)
+
+
+def build(quiet: bool = True) -> Path | None:
+    """Compile the library if it is not built yet (a fraction of a second); its path, or None where it cannot be."""
+    return build_c_library(SOURCE, "cuda_adam", FLAGS, LIBRARIES, "replay's CUDA arithmetic runs through torch", quiet)
+
+
+# CDLL: the call releases the GIL; it runs for milliseconds on large tensors, and the writer's
+# other threads (storage, the training side's requests) go on meanwhile.
+_cuda_adam = NativeLibrary(
+    library_path, build, ctypes.CDLL,
+    {
+        "overlapckpt_cuda_fused_adam_f32": [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 7 + [ctypes.c_int] * 3,
+        "overlapckpt_cuda_foreach_adam_f32": [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 8 + [ctypes.c_int] * 3,
+    },
+    "replay's CUDA arithmetic runs through torch",
+)
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library (built on first use), or None: disabled, no compiler, or no source."""
+    return _cuda_adam.get()
+
+
+def _takes(tensors: list[torch.Tensor]) -> ctypes.CDLL | None:
+    """The library, where every tensor is contiguous float32 on the CPU; else None (the torch road runs)."""
+    lib = library()
+    if lib is None or any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
+        return None
+    return lib
+
+
+def fused_step_float32(
+    tensors: list[torch.Tensor], has_max: bool, *, lr_times_weight_decay: float, beta1: float, beta2: float,
+    weight_decay: float, eps: float, step_size: float, bias_correction2_sqrt: float, decoupled_weight_decay: bool,
+    l2_contracted: bool, maximize: bool,
+) -> bool:
+    """One tensor's update in place through the library: param, grad, exp_avg, exp_avg_sq (, max_exp_avg_sq).
+
+    Every scalar is a float32 value already (the kernel's). False, with nothing written, where the
+    library is not loaded or a tensor is not contiguous float32 on the CPU: the torch road then runs.
+    """
+    lib = _takes(tensors)
+    if lib is None:
+        return False
+    param, grad, exp_avg, exp_avg_sq = tensors[:4]
+    lib.overlapckpt_cuda_fused_adam_f32(
+        param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), tensors[4].data_ptr() if has_max else None,
+        param.numel(), lr_times_weight_decay, beta1, beta2, weight_decay, eps, step_size, bias_correction2_sqrt,
+        int(decoupled_weight_decay), int(l2_contracted), int(maximize),
+    )
+    return True
+
+
+def foreach_step_float32(
+    tensors: list[torch.Tensor], has_max: bool, *, weight_decay: float, decay: float, lerp_weight: float, beta2: float,
+    one_minus_beta2: float, eps: float, step_size: float, bias_correction2_sqrt: float, decoupled_weight_decay: bool,
+    maximize: bool, capturable: bool,
+) -> bool:
+    """One tensor's foreach update in place through the library, as :func:`fused_step_float32` (False: the torch road runs).
+
+    The scalars are the kernels' float32 values: ``decay`` is ``1 - lr * weight_decay``, ``lerp_weight``
+    ``1 - beta1``, ``step_size`` ``-lr / bias_correction1``, each cast once from the host's double
+    (``capturable``: the device's own float32 step size, and the capturable path's update).
+    """
+    lib = _takes(tensors)
+    if lib is None:
+        return False
+    param, grad, exp_avg, exp_avg_sq = tensors[:4]
+    lib.overlapckpt_cuda_foreach_adam_f32(
+        param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), tensors[4].data_ptr() if has_max else None,
+        param.numel(), weight_decay, decay, lerp_weight, beta2, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
+        int(decoupled_weight_decay), int(maximize), int(capturable),
+    )
+    return True
