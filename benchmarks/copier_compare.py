@@ -1,10 +1,10 @@
-"""Whether the copier over the emulated device (copies on a worker thread) beats copying in the hook, on the CPU.
+"""Whether the copier over the plain CPU device (copies on a worker thread) beats copying in the hook, on the CPU.
 
     python benchmarks/copier_compare.py [--width 2048] [--steps 40] [--every 5]
 
 Trains the tests' small model with window=1 checkpoints every few steps, once with the
 default ``CpuCopier`` (the copy runs inside the post-hook) and once with
-``StreamCopier`` over ``EmulatedDevice`` (the CPU default: the copy runs on the side
+``StreamCopier`` over ``CpuDevice`` (the CPU default: the copy runs on the side
 stream's worker thread while the next forward and
 backward run; the next optimizer step waits for it). Prints the median step time,
 the host time spent in overlapckpt's hooks per checkpoint and the total time, per
@@ -27,14 +27,14 @@ sys.path[:0] = [os.path.join(os.path.dirname(_HERE), "tests"), os.path.dirname(_
 import torch  # noqa: E402
 
 from overlapckpt.seams import Checkpointer  # noqa: E402
-from overlapckpt.train.copying.emulated_device import EmulatedDevice  # noqa: E402
+from overlapckpt.train.copying.cpu_device import CpuDevice  # noqa: E402
 from overlapckpt.train.copying.transfer import CpuCopier, StreamCopier  # noqa: E402
 
 from helpers import make_run, train_step  # noqa: E402
 
 
 def _stream_copier() -> StreamCopier:
-    return StreamCopier(EmulatedDevice())
+    return StreamCopier(CpuDevice())
 
 
 COPIERS = {"CpuCopier": CpuCopier, "StreamCopier": _stream_copier}

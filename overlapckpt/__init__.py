@@ -7,7 +7,7 @@ without live objects is ``overlapckpt.restore.read_checkpoint``, one consolidate
 ``overlapckpt.lightning``, ``overlapckpt.hf`` and ``overlapckpt.titan``.
 """
 
-from .checkpointer import Checkpointer
+from .checkpointer import Checkpointer, RestoreTargets
 from .errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
@@ -30,6 +30,7 @@ __all__ = [
     # the API
     "Checkpointer",
     "CheckpointInfo",
+    "RestoreTargets",
     "CheckpointStore",
     "list_checkpoints",
     "load",

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +35,6 @@ from .train.consistency.autowindow import PhaseTimer, make_gap_timer
 from .train.copying.layout import CheckpointScope
 from .train.copying.transfer import Copier, make_copier
 from .train.lifecycle.engine import SnapshotEngine
-from .train.lifecycle.warnings_text import KEEP_STAGING_WARNING
 from .train.run.distributed import DistributedRun, is_distributed, node_keys_of, set_up_distributed
 from .train.run.lineage import Lineage
 from .train.run.preemption import PreemptionGuard, default_grace_s
@@ -141,8 +139,6 @@ def build(
         preemption, control_page = _preemption_guard(s, writer, link, distributed, save_now, lambda: engine_box[0].step_count, stack)
         first = next(iter(model.parameters()), None)
         device = first.device if first is not None else torch.device("cpu")
-        if s.window.keep_staging is False:
-            warnings.warn(KEEP_STAGING_WARNING, DeprecationWarning, stacklevel=4)
         auto = s.window.window == AUTO_WINDOW
         phase_timer = seams.phase_timer if seams.phase_timer is not None or not auto else make_gap_timer(device)
         try:

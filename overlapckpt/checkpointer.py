@@ -9,7 +9,7 @@ import os
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, overload
 
 from torch import nn
@@ -86,10 +86,6 @@ class Checkpointer:
         max_inflight: snapshots in flight at once; each holds one host slot of the state's size.
         store_class: a ``CheckpointStore`` subclass the writer process uses to reach storage.
         max_window: with ``window="auto"``, the widest window it may choose.
-        keep_staging: accepted for compatibility; stage mode's staging region is now always kept
-            (allocated once, outside the checkpoints' hooks: a region freed after each checkpoint was
-            allocated again inside ``optimizer.step()``, where it could run out of memory or
-            synchronize). ``False`` warns.
         max_writer_restarts: a writer process that dies is replaced by a new one, which persists the
             snapshots complete in host memory, at most this many times an hour; the next death is raised
             as WriterDiedError (at once in a distributed run, whose writers share a group).
@@ -159,7 +155,6 @@ class Checkpointer:
         max_inflight: int = 1,
         store_class: type[CheckpointStore] = CheckpointStore,
         max_window: int = DEFAULT_MAX_WINDOW,
-        keep_staging: bool | None = None,
         max_writer_restarts: int = DEFAULT_MAX_WRITER_RESTARTS,
         exit_timeout_s: float = 60.0,
         save_on_signal: tuple[int, ...] = (),
@@ -181,7 +176,7 @@ class Checkpointer:
     ) -> None:
         settings = CheckpointerSettings(
             storage=StorageSettings(check_path(path), dict(storage_options or {}), store_class, key_layout, lease),
-            window=WindowSettings(window, consistency, max_window, stage_budget_bytes, keep_staging),
+            window=WindowSettings(window, consistency, max_window, stage_budget_bytes),
             cadence=CadenceSettings(every, keep, max_inflight),
             tier=TierSettings(
                 local_every, local_keep, os.fspath(local_dir) if isinstance(local_dir, os.PathLike) else local_dir, local_replicas, replica_mib_per_s
@@ -383,12 +378,14 @@ class Checkpointer:
         return self._engine.snapshots_dropped
 
     @overload
-    def restore(self, step: int | None = ..., *, missing_ok: Literal[False] = ...) -> CheckpointInfo: ...
+    def restore(
+        self, step: int | None = ..., *, missing_ok: Literal[False] = ..., into: RestoreTargets | None = ...
+    ) -> CheckpointInfo: ...
 
     @overload
-    def restore(self, step: int | None = ..., *, missing_ok: bool) -> CheckpointInfo | None: ...
+    def restore(self, step: int | None = ..., *, missing_ok: bool, into: RestoreTargets | None = ...) -> CheckpointInfo | None: ...
 
-    def restore(self, step: int | None = None, *, missing_ok: bool = False) -> CheckpointInfo | None:
+    def restore(self, step: int | None = None, *, missing_ok: bool = False, into: RestoreTargets | None = None) -> CheckpointInfo | None:
         """Load this Checkpointer's newest (or ``step``'s) checkpoint into its objects and continue its step count.
 
         ``ckpt.restore(missing_ok=True)`` is the one line a restartable script needs: it
@@ -401,13 +398,18 @@ class Checkpointer:
         count and lineage from the restored checkpoint (a rollback inside one run starts a
         new lineage, ``train/run/lineage.py``), with its hooks off while the load may step the
         optimizer to create its state.
+
+        ``into``: load into these objects instead of the Checkpointer's own (a framework's
+        resume that excludes some of them, or holds its model in parts); the version count and
+        lineage continue all the same.
         """
+        targets = into if into is not None else RestoreTargets(self.model, self.optimizer, self.stateful)
         with self.steps_not_counted():
             # load() on this Checkpointer's objects; across nodes, a node that lacks the local tier's
             # newest files gets them from a partner's replica through the writers (restore/tiers.py).
             report = RestoreReport()
             info = load_fetching_replicas(
-                self._fetch_replicas, self.path, self.model, self.optimizer, self.stateful, step, self.storage_options,
+                self._fetch_replicas, self.path, targets.model, targets.optimizer, targets.stateful, step, self.storage_options,
                 process_group=self.process_group, signing_key=self._signing_key, local_dir=self.local_dir, report=report,
                 missing_ok=missing_ok,
             )
@@ -420,6 +422,16 @@ class Checkpointer:
         # Every writer copies and then agrees (replicas.py): within two collective timeouts or dead.
         timeout_s = 2 * self.settings.distributed.collective_timeout_s
         self._engine.dispatcher.fetch_replicas(name, copies, self._lineage.run_id, timeout_s)
+
+    @property
+    def store(self) -> CheckpointStore:
+        """The root's store: its committed checkpoints (``committed_names()``), their URLs, its files."""
+        return self._store
+
+    @property
+    def signed(self) -> bool:
+        """Whether this Checkpointer signs its checkpoints and refuses unsigned ones (a signing key is set)."""
+        return self._signing_key is not None
 
     @property
     def local_dir(self) -> str | None:
@@ -471,15 +483,18 @@ class Checkpointer:
         finally:
             self._engine.install_hooks()
 
-    def continued_from(self, info: CheckpointInfo | int) -> None:
+    def continued_from(self, info: CheckpointInfo | int, report: RestoreReport | None = None) -> None:
         """The state now equals checkpoint ``info``, restored by a framework's own resume: continue from it.
 
         The next update makes version ``info.step + 1``; retention and ``latest`` treat
         this run as the one that continued from ``info`` (as after ``restore()``). An int
         is a version restored from elsewhere (a framework's own checkpoint): only the
-        count continues.
+        count continues. ``report``: that resume's figures, for ``restore_figures`` and the
+        next commit's ``on_commit``, as ``restore()`` gives them.
         """
         self._check_open()
+        if report is not None:
+            self._report_restore(report, info if isinstance(info, int) else info.step)
         if isinstance(info, int):
             self._engine.continue_from(info)
             return
@@ -498,6 +513,15 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError("this Checkpointer is closed; create a new one to keep checkpointing")
+
+
+@dataclass(frozen=True)
+class RestoreTargets:
+    """The live objects a ``Checkpointer.restore(into=...)`` loads into, where they are not the Checkpointer's own."""
+
+    model: nn.Module
+    optimizer: Any = None  # None: the optimizers' state is left as it is
+    stateful: dict[str, Any] = field(default_factory=dict)
 
 
 class _ExitCommit:

@@ -174,14 +174,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
     listed: list[tuple[str, Any]] = []
     if args.tier in ("all", ROOT_TIER):
         _existing_store(args)
-        listed += [(ROOT_TIER, i) for i in list_checkpoints(args.root, _storage_options(args.option))]
+        listed += [(ROOT_TIER, dataclasses.replace(i, tier=ROOT_TIER)) for i in list_checkpoints(args.root, _storage_options(args.option))]
     local = args.local_dir or default_local_dir(args.root)
     if args.tier == LOCAL_TIER or (args.tier == "all" and os.path.isdir(local)):
         if not os.path.isdir(local):
             raise CheckpointNotFoundError(f"no local tier at {local}; pass --local-dir (the Checkpointer's local_dir)")
-        listed += [(LOCAL_TIER, i) for i in list_checkpoints(local)]
+        listed += [(LOCAL_TIER, dataclasses.replace(i, tier=LOCAL_TIER)) for i in list_checkpoints(local)]
     if args.json:
-        rows = [{"tier": tier, **dataclasses.asdict(i)} for tier, i in listed]
+        rows = [{"tier": tier, **dataclasses.asdict(i)} for tier, i in listed]  # "tier" first, as the table shows it
         for line in json.dumps(rows, indent=1).splitlines():
             _say(line)  # json escapes control characters itself; printable() leaves the lines as they are
         return 0

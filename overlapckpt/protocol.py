@@ -6,6 +6,7 @@ shared host buffers that both processes map.
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,11 @@ from .format.manifest import CheckpointInfo, GroupArithmetic
 # WriterGroupSpec.regroup_join_timeout_s.
 REGROUP_WAIT_S = 60.0
 
+
+
+def new_store_key() -> bytes:
+    """A fresh key for sealing the job store's values (writer/sealed_store.py), drawn on training rank 0 for one run."""
+    return secrets.token_bytes(32)
 
 @dataclass(frozen=True)
 class WriterGroupSpec:

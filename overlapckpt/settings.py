@@ -24,7 +24,7 @@ from .errors import ConfigError, UnsupportedOptimizerError
 from .format.extra_state import encode
 from .format.key_layout import GET_STATE_DICT, KEY_LAYOUTS
 from .format.storage import CheckpointStore
-from .format.tiers import LOCAL_TIER, ROOT_TIER, root_identity
+from .format.tiers import root_identity, tiers_for
 from .optimizers import REPLAYABLE_OPTIMIZERS, describe_optimizer, update_rule_class
 from .protocol import EXPORT_FORMATS
 
@@ -60,7 +60,6 @@ class WindowSettings:
     consistency: str = "replay"
     max_window: int = DEFAULT_MAX_WINDOW
     stage_budget_bytes: int | None = None
-    keep_staging: bool | None = None  # accepted for compatibility; the staging region is always kept
 
 
 @dataclass(frozen=True)
@@ -90,14 +89,8 @@ class TierSettings:
         return self.local_every is not None
 
     def tiers_for(self, every: int | None, scheduled_version: int | None, on_request: bool) -> tuple[str, ...]:
-        """The tiers a snapshot goes to, the local one first (it is the faster to commit).
-
-        The local tier takes every snapshot; the root the versions of ``every=``, and
-        every ``request()`` (a restart, a preemption, the end of training).
-        """
-        to_root = on_request or scheduled_version is None or (every is not None and scheduled_version % every == 0)
-        tiers = (LOCAL_TIER,) if self.enabled else ()
-        return tiers + ((ROOT_TIER,) if to_root or not self.enabled else ())
+        """The tiers a snapshot goes to (``format/tiers.py``'s routing, for this run's tiers)."""
+        return tiers_for(self.enabled, every, scheduled_version, on_request)
 
 
 @dataclass(frozen=True)

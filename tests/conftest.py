@@ -8,6 +8,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# CPU training's copier runs on the CUDA emulation in the tests (garbage in fresh allocations, freed
+# memory reused at once, CUDA's error codes), and in their subprocesses, which inherit this; the
+# plain CPU device that CPU training runs by default is tested end to end in test_cpu_device.py.
+os.environ.setdefault("OVERLAPCKPT_CPU_DEVICE", "emulated")
+
 
 def pytest_collection_modifyitems(config, items):
     # "gpu": needs real hardware. "device": runs on CUDA where there is one, else on the
@@ -18,6 +23,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(params=["emulated", "plain"])
+def cpu_device(request, monkeypatch):
+    """An end-to-end CPU test on both CPU backends: the tests' CUDA emulation and the plain device CPU training runs."""
+    monkeypatch.setenv("OVERLAPCKPT_CPU_DEVICE", request.param)
+    return request.param
 
 
 @pytest.fixture(scope="session")

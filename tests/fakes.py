@@ -13,8 +13,13 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from overlapckpt.format.attempts import checkpoint_of_directory
+from overlapckpt.format.attempts import ATTEMPT_MARK
 from overlapckpt.format.storage import CheckpointStore
+
+
+def checkpoint_of_directory(directory: str) -> str:
+    """The checkpoint a writer's directory belongs to: itself, or the one an attempt directory (``NAME.attempt-...``) publishes to."""
+    return directory.split(ATTEMPT_MARK, 1)[0]
 
 FAIL_AT_ENV = "OVERLAPCKPT_TEST_FAIL_AT_WRITE"  # N: the N-th write of a checkpoint raises OSError
 ONLY_NAME_ENV = "OVERLAPCKPT_TEST_ONLY_NAME"  # only writes of this checkpoint count

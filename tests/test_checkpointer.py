@@ -19,7 +19,7 @@ from helpers import assert_state_equal, make_run, snapshot, states_differ, train
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_snapshot_equals_state_at_request_step(tmp_path, optimizer):
+def test_snapshot_equals_state_at_request_step(tmp_path, optimizer, cpu_device):
     model, opt, sched, sampler = make_run(optimizer=optimizer)
     with Checkpointer(model, opt, tmp_path, window=1, stateful={"sched": sched, "sampler": sampler}) as ckpt:
         for _ in range(4):
@@ -180,7 +180,7 @@ class _WithAnEmptyBuffer(torch.nn.Module):
 
 
 @pytest.mark.parametrize("window", [1, 3])
-def test_a_model_with_an_empty_buffer_checkpoints_and_restores_bit_exact(tmp_path, window):
+def test_a_model_with_an_empty_buffer_checkpoints_and_restores_bit_exact(tmp_path, window, cpu_device):
     """Before: optimizer.step() raised `invalid storage offset` at the first checkpoint (the emulated device's view)."""
     torch.manual_seed(0)
     model = _WithAnEmptyBuffer()

@@ -8,8 +8,9 @@ import pytest
 import torch.distributed as dist
 
 from overlapckpt.errors import RankDisagreementError
+from overlapckpt.protocol import new_store_key
 from overlapckpt.writer.claims import ClaimBoard
-from overlapckpt.writer.sealed_store import SealedStore, new_store_key
+from overlapckpt.writer.sealed_store import SealedStore
 
 KEY = new_store_key()
 

@@ -57,7 +57,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("optimizer, opt_kwargs, window, consistency", CASES, ids=lambda v: str(v).replace(" ", ""))
-def test_snapshot_equals_twin_at_version(tmp_path, optimizer, opt_kwargs, window, consistency):
+def test_snapshot_equals_twin_at_version(tmp_path, optimizer, opt_kwargs, window, consistency, cpu_device):
     skip_at = REQUEST_AT + 2  # one iteration inside the window takes no optimizer step
     iterations = REQUEST_AT + window + 3
     twin = _twin(optimizer, iterations, skip_at, **opt_kwargs)

@@ -17,10 +17,10 @@ import pytest
 import torch.distributed as dist
 
 from overlapckpt.control_page import AGREED, AGREED_SIGNAL, FORGED, HOLD, NOT_YET, SIGNAL, STEP, OwnedControlPage
-from overlapckpt.protocol import WriterGroupSpec
+from overlapckpt.protocol import WriterGroupSpec, new_store_key
 from overlapckpt.writer.group import run_keys_prefix
 from overlapckpt.writer.preempt_watch import AGREEMENT_MARGIN_STEPS, PreemptionWatch
-from overlapckpt.writer.sealed_store import SealedStore, new_store_key
+from overlapckpt.writer.sealed_store import SealedStore
 
 KEY = new_store_key()
 WAIT_S = 30.0

@@ -22,7 +22,7 @@ import torch
 from overlapckpt import Checkpointer, CorruptCheckpointError, load
 from overlapckpt.cli import main
 from overlapckpt.errors import UnsafeCheckpointError
-from overlapckpt.format.checksum import checksum_bytes, hex32
+from overlapckpt.format.checksum import hex32, updater
 from overlapckpt.format.manifest import dump_manifest
 
 from helpers import make_run, train_step
@@ -55,14 +55,14 @@ def _recompute_checksums(ckpt: Path, shard_blob: dict | None = None) -> None:
     manifest = json.loads((ckpt / "overlapckpt.json").read_text())
     sums = manifest["checksums"]
     metadata = (ckpt / ".metadata").read_bytes()
-    sums["metadata"]["checksum"] = hex32(checksum_bytes(sums["algorithm"], metadata))
+    sums["metadata"]["checksum"] = hex32(updater(sums["algorithm"])(metadata, 0))
     sums["metadata"]["nbytes"] = len(metadata)
     if shard_blob is not None:
         whole = (ckpt / shard_blob["file"]).read_bytes()
         data = whole[shard_blob["offset"] :]
         sums["files"][shard_blob["file"]]["nbytes"] = len(whole)
         sums["files"][shard_blob["file"]]["blobs"].append(
-            {"checksum": hex32(checksum_bytes(sums["algorithm"], data)), "key": shard_blob["key"], "length": len(data), "offset": shard_blob["offset"]}
+            {"checksum": hex32(updater(sums["algorithm"])(data, 0)), "key": shard_blob["key"], "length": len(data), "offset": shard_blob["offset"]}
         )
     manifest.pop("manifest_crc32", None)
     (ckpt / "overlapckpt.json").write_bytes(dump_manifest(manifest))

@@ -14,10 +14,10 @@ import pytest
 import torch.distributed as dist
 
 from overlapckpt.errors import ForgedStoreValueError
-from overlapckpt.protocol import WriterGroupSpec
+from overlapckpt.protocol import WriterGroupSpec, new_store_key
 from overlapckpt.writer.group import GENERATION_KEY, WriterGroup, run_keys_prefix
 from overlapckpt.writer.process import idle_poll
-from overlapckpt.writer.sealed_store import SealedStore, new_store_key
+from overlapckpt.writer.sealed_store import SealedStore
 
 KEY = new_store_key()
 

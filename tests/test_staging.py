@@ -38,16 +38,14 @@ def _state(model, opt):
     return {k: v.clone() for k, v in model.state_dict().items()}, {k: v.clone() for p in opt.state for k, v in opt.state[p].items() if k == "step"}
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # keep_staging=False is now a no-op that warns
 def test_stage_mode_holds_one_staging_region_at_a_time(tmp_path):
     # A checkpoint every 2 steps at W=4 with two slots: the next snapshot stages while the
-    # previous one is sent but not yet committed. keep_staging=False was CUDA's default:
-    # the region was freed once its drains landed, while the sent snapshot's views still
-    # held it, and the next snapshot allocated a second one.
+    # previous one is sent but not yet committed. A region freed once its drains landed,
+    # while the sent snapshot's views still held it, made the next snapshot allocate a second one.
     model, opt, step = _run()
     dev = EmulatedDevice("held")
     twin = {}
-    with Checkpointer(model, opt, tmp_path, window=4, consistency="stage", every=2, max_inflight=2, keep_staging=False,
+    with Checkpointer(model, opt, tmp_path, window=4, consistency="stage", every=2, max_inflight=2,
                       copier=StreamCopier(dev)) as ckpt:
         for s in range(1, 13):
             step()

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from overlapckpt import Checkpointer, list_checkpoints, load
+from overlapckpt import Checkpointer, RestoreTargets, list_checkpoints, load
 from overlapckpt.errors import ConfigError, CorruptCheckpointError
 from overlapckpt.format.lease import LEASE_NAME, sweep_dead_tiers
 from overlapckpt.format.manifest import MANIFEST_NAME
@@ -105,6 +105,7 @@ def test_restore_takes_the_local_tier_when_it_is_newer_and_never_reads_the_root(
         _flip_one_byte(info.path)
     info, model, opt = _fresh_load(root, local)
     assert info.step == 10 and info.path == os.path.join(local, "step-000000010")
+    assert info.tier == "local"  # recorded where it was read, not worked out from its path
     assert_state_equal(*TWIN[10], model, opt)
 
 
@@ -115,7 +116,7 @@ def test_a_newer_root_wins_over_the_local_tier(tmp_path, caplog):
     CheckpointStore(local).remove_checkpoint("step-000000012")  # the local tier's newest is 8 now, the root's 12
     with caplog.at_level(logging.INFO, logger="overlapckpt"):
         info, model, opt = _fresh_load(root, local)
-    assert info.step == 12 and info.path == os.path.join(root, "step-000000012")
+    assert info.step == 12 and info.path == os.path.join(root, "step-000000012") and info.tier == "root"
     assert "the root holds version 12, newer than the local tier's newest complete version 8" in caplog.text
     assert_state_equal(*TWIN[12], model, opt)
 
@@ -154,6 +155,21 @@ def test_restore_from_the_local_tier_continues_the_run_bit_exact(tmp_path):
         assert info.step == 8 and info.path.startswith(local)
         assert ckpt.step_count == 8
     assert_state_equal(*TWIN[8], model, opt)
+
+
+def test_restore_into_other_objects_loads_them_leaves_its_own_and_continues_the_count(tmp_path):
+    """restore(into=...): what a framework's resume uses (TorchTitan's manager loads into its model parts, less what
+    exclude_from_loading names), instead of the Checkpointer's private members."""
+    root, local = str(tmp_path / "root"), str(tmp_path / "local")
+    _train(root, local, steps=8, every=6, local_every=2)
+    model, opt, _, _ = make_run(seed=1)
+    own_before = {k: v.clone() for k, v in model.state_dict().items()}
+    other_model, other_opt, _, _ = make_run(seed=2)
+    with Checkpointer(model, opt, root, every=6, local_every=2, local_dir=local) as ckpt:
+        info = ckpt.restore(into=RestoreTargets(other_model, other_opt))
+        assert (info.step, info.tier, ckpt.step_count) == (8, "local", 8)
+    assert_state_equal(*TWIN[8], other_model, other_opt)
+    assert all(torch.equal(v, own_before[k]) for k, v in model.state_dict().items())  # its own objects untouched
 
 
 def test_a_restore_reports_its_source_and_times_to_the_figures_callback_with_the_next_commit(tmp_path):

@@ -177,8 +177,7 @@ class OverlapCheckpoint(ModelCheckpoint):  # type: ignore[misc, valid-type]
         resumed, self._resumed = self._resumed, None
         if resumed is not None:
             contents, report = resumed
-            self.ckpt.continued_from(contents.info)
-            self.ckpt._report_restore(report, contents.info.step)
+            self.ckpt.continued_from(contents.info, report)
             self.restore_figures = self.ckpt.restore_figures
             say_resumed(contents.info.path, contents.info.step, report.source, report.choose_s + report.read_s)
 

@@ -245,7 +245,7 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
             return self._initial_load()
         directory = _join(self.folder, name)
         stateful, optimizer = self._load_targets()
-        ours = _is_ours(self.ckpt._store, name)
+        ours = _is_ours(self.ckpt.store, name)
         if not ours:
             self._check_stock_allowed(name, directory)
         with self.ckpt.steps_not_counted():  # a load may step the optimizers once to create their state
@@ -257,7 +257,7 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
                 self.ckpt.continued_from(info)
                 log.info("restored %s", directory)
                 return True
-            read_stock_checkpoint(self.ckpt._store, name, self._model, optimizer, stateful, self.ckpt.process_group)
+            read_stock_checkpoint(self.ckpt.store, name, self._model, optimizer, stateful, self.ckpt.process_group)
         version = _step_of(name)
         self.ckpt.continued_from(version)
         log.info("restored %s, written by TorchTitan's own manager (no manifest: not verified)", directory)
@@ -284,20 +284,11 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
 
     def _load_newest_tier(self) -> bool:
         """Resume from the newest verified of this node's local tier and the folder (``restore/tiers.py``)."""
-        from ..restore.pipeline import load_fetching_replicas
-        from ..restore.tiers import RestoreReport
+        from ..checkpointer import RestoreTargets
 
         stateful, optimizer = self._load_targets()
-        local_dir = self.ckpt.local_dir
-        assert local_dir is not None  # _local_tier_holds_any() said so
-        report = RestoreReport()
-        with self.ckpt.steps_not_counted():
-            # Across nodes a replaced node's ranks get the files through the writers (restore/tiers.py).
-            info = load_fetching_replicas(
-                self.ckpt._fetch_replicas, self.folder, self._model, optimizer, stateful, None, dict(self.config.storage_options),
-                process_group=self.ckpt.process_group, signing_key=self.ckpt._signing_key, local_dir=local_dir, report=report,
-            )
-        self.ckpt._continue_after_load(info, report)
+        # Across nodes a replaced node's ranks get the files through the writers (restore/tiers.py).
+        info = self.ckpt.restore(into=RestoreTargets(self._model, optimizer, stateful))
         log.info("restored %s", info.path)
         return True
 
@@ -307,12 +298,12 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
         Deleting a signed checkpoint's manifest used to make this manager read it as a stock
         checkpoint, with no checks: tampered shards loaded.
         """
-        if self.ckpt._signing_key is not None:
+        if self.ckpt.signed:
             raise SignatureError(
                 f"{directory} has no {MANIFEST_NAME}, and a signing key is set: an unsigned checkpoint is refused in a "
                 "signed folder (its manifest may have been deleted). Resume from a signed checkpoint (checkpoint.load_step)"
             )
-        ours = [n for n in self.ckpt._store.committed_names() if _is_ours(self.ckpt._store, n)]
+        ours = [n for n in self.ckpt.store.committed_names() if _is_ours(self.ckpt.store, n)]
         if ours:
             raise CorruptCheckpointError(
                 f"{directory} has no {MANIFEST_NAME}, while this folder holds overlapckpt checkpoints ({', '.join(ours[-3:])}): "
@@ -327,7 +318,7 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
 
     def _checkpoint_to_load(self, step: int) -> str | None:
         """The directory to resume from: ``step``'s, or the newest committed one; None when the folder has none."""
-        names = self.ckpt._store.committed_names()
+        names = self.ckpt.store.committed_names()
         if step != -1:
             matching = [n for n in names if _step_of(n) == step]
             if not matching:
@@ -351,7 +342,7 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
         if not store.is_committed(name):
             raise ConfigError(f"checkpoint.initial_load_path={path!r} is not a DCP checkpoint directory (it has no .metadata)")
         ours = _is_ours(store, name)
-        if not ours and self.ckpt._signing_key is not None:
+        if not ours and self.ckpt.signed:
             raise SignatureError(
                 f"checkpoint.initial_load_path={path!r} has no {MANIFEST_NAME}, and a signing key is set: an unsigned "
                 "checkpoint is refused; unset OVERLAPCKPT_SIGNING_KEY to load a TorchTitan checkpoint unverified"

@@ -62,12 +62,6 @@ def new_attempt_id(run_id: str) -> str:
     return f"{run_id[:8]}-{secrets.token_hex(4)}"
 
 
-def checkpoint_of_directory(directory: str) -> str:
-    """The checkpoint name a writer's directory belongs to (itself, or the one an attempt directory publishes to)."""
-    match = _ATTEMPT_RE.fullmatch(directory)
-    return directory if match is None else match.group(1)
-
-
 @dataclass(frozen=True)
 class Attempt:
     """One attempt at writing checkpoint ``name`` of run ``run_id``."""

@@ -57,15 +57,10 @@ def updater(algorithm: str) -> Updater:
         if fn is None:
             raise ConfigError(
                 "checksum algorithm 'crc32c' needs the crc32c package, which is not installed; "
-                "pip install 'overlapckpt[crc32c]' (or crc32c), or write with OVERLAPCKPT_CHECKSUM=crc32"
+                "pip install crc32c (a dependency of overlapckpt), or write with OVERLAPCKPT_CHECKSUM=crc32"
             )
         return fn
     raise ConfigError(f"checksum algorithm {algorithm!r} is unknown; use one of {list(ALGORITHMS)}")
-
-
-def checksum_bytes(algorithm: str, data: Any) -> int:
-    """The checksum of one whole buffer."""
-    return updater(algorithm)(data, 0)
 
 
 def hex32(value: int) -> str:

@@ -109,11 +109,6 @@ def _in_place(t: torch.Tensor) -> Any:
     return (ctypes.c_char * nbytes).from_address(t.data_ptr()) if nbytes else b""
 
 
-def tensor_crc32(t: torch.Tensor) -> int:
-    """zlib's CRC-32 of a CPU tensor's bytes: the tensor checksum of format 2 manifests."""
-    return zlib.crc32(_in_place(t))
-
-
 def tensor_checksum(t: torch.Tensor, algorithm: str) -> str:
     """The checksum of a CPU tensor's bytes in ``algorithm`` (8 hex digits), read in place."""
     return hex32(updater(algorithm)(_in_place(t), 0))
@@ -136,9 +131,12 @@ class CheckpointInfo:
     restored_from: str | None = None  # the checkpoint its run continued from (its lineage), if any
     # The runs its run descends from, nearest first: (run id, the version it continued from).
     ancestors: tuple[tuple[str, int], ...] = ()
+    # The tier it was written to or restored from ("root", "local": format/tiers.py); None where it
+    # was read from a directory by name (list_checkpoints, read_checkpoint).
+    tier: str | None = None
 
     @classmethod
-    def from_manifest(cls, manifest: Manifest, path: str) -> CheckpointInfo:
+    def from_manifest(cls, manifest: Manifest, path: str, tier: str | None = None) -> CheckpointInfo:
         return cls(
             step=manifest.step,
             path=path,
@@ -152,6 +150,7 @@ class CheckpointInfo:
             run_id=manifest.run_id,
             restored_from=manifest.restored_from,
             ancestors=manifest.ancestors,
+            tier=tier,
         )
 
 

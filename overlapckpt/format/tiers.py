@@ -43,6 +43,18 @@ TIER_MARKER_NAME = ".overlapckpt-tier"
 _TIER_MARKER_FORMAT = 1
 
 
+def tiers_for(local_tier: bool, every: int | None, scheduled_version: int | None, on_request: bool) -> tuple[str, ...]:
+    """The tiers a snapshot goes to, the local one first (it is the faster to commit): the routing, beside the tiers' names.
+
+    With a local tier it takes every snapshot; the root the versions of ``every=``, and
+    every ``request()`` (a restart, a preemption, the end of training). Without one, the root.
+    """
+    if not local_tier:
+        return (ROOT_TIER,)
+    to_root = on_request or scheduled_version is None or (every is not None and scheduled_version % every == 0)
+    return (LOCAL_TIER,) + ((ROOT_TIER,) if to_root else ())
+
+
 def root_identity(root: str | os.PathLike[str]) -> str:
     """What a tier is bound to: a URL as given (less a trailing ``/``), a local root's ``realpath``.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from ..errors import (
 )
 from ..format.blob_reader import ADOPT, CHECK, PLACE
 from ..format.manifest import CheckpointInfo
+from ..format.tiers import LOCAL_TIER, ROOT_TIER
 from ..format.verify import read_manifest
 from ..optimizers import each_optimizer, torch_optimizers, unwrap_optimizer
 from ..restore_marks import mark_restored
@@ -207,9 +209,10 @@ def _read_newest(
 
     def read(source: Source) -> CheckpointInfo:
         if source.is_root:
-            return _load_one(source.url, model, optimizer, optimizers, live, stateful, step, storage_options, verify, **kwargs)
-        # One local checkpoint directory: of it, this rank checks the files it reads.
-        return _load_one(source.url, model, optimizer, optimizers, live, stateful, None, None, verify, files=source.files, **kwargs)
+            info = _load_one(source.url, model, optimizer, optimizers, live, stateful, step, storage_options, verify, **kwargs)
+        else:  # one local checkpoint directory: of it, this rank checks the files it reads
+            info = _load_one(source.url, model, optimizer, optimizers, live, stateful, None, None, verify, files=source.files, **kwargs)
+        return dataclasses.replace(info, tier=ROOT_TIER if source.is_root else LOCAL_TIER)
 
     def files_read(where: str) -> frozenset[str]:
         store, name = checkpoint_at(where, None, None)

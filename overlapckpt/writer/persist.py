@@ -286,7 +286,7 @@ class _TierWrite:
         stream_phases = {} if streams is None else {self.prefix + k: v for k, v in streams.as_phases().items()}
         return p.CommittedResponse(
             request_id=req.request_id,
-            info=CheckpointInfo.from_manifest(self.manifest, path),
+            info=CheckpointInfo.from_manifest(self.manifest, path, self.tier),
             committed_at=committed_at,
             persist_s=time.perf_counter() - started,
             phases_s={**phases.laps, **stream_phases},
@@ -391,7 +391,7 @@ def _committed_already(
         warnings += retention_warnings
     return p.CommittedResponse(
         request_id=req.request_id,
-        info=CheckpointInfo.from_manifest(manifest, where),
+        info=CheckpointInfo.from_manifest(manifest, where, tier),
         committed_at=manifest.created_at,
         persist_s=time.perf_counter() - started,
         removed=removed,

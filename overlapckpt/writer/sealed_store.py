@@ -40,17 +40,12 @@ _MAC_HEX = 64  # SHA-256 in hex
 _MAX_INCREMENT_TRIES = 1000
 
 
-def new_store_key() -> bytes:
-    """A fresh sealing key, drawn on training rank 0 for one run."""
-    return secrets.token_bytes(32)
-
-
 class SealedStore:
     """A torch.distributed store whose values this run's writers seal, under ``namespace`` (the prefix the store adds)."""
 
     def __init__(self, store: Any, key: bytes, namespace: str) -> None:
         if len(key) < 16:
-            raise ValueError(f"a store sealing key of {len(key)} bytes is too short; draw one with new_store_key()")
+            raise ValueError(f"a store sealing key of {len(key)} bytes is too short; draw one with protocol.new_store_key()")
         self.store = store
         self._key = key
         self.namespace = namespace

@@ -21,7 +21,7 @@ import torch
 
 from ..copying.layout import StateLayout
 from ..copying.transfer import Copier, CopyTicket, copy_values_to_host
-from ..lifecycle.snapshot import BoundaryState
+from .snapshot import BoundaryState
 
 
 @dataclass(frozen=True)

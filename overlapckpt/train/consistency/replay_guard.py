@@ -16,21 +16,22 @@ says so.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-from ..lifecycle.snapshot import Snapshot, SnapshotMode
-
-if TYPE_CHECKING:
-    from ..lifecycle.step_hooks import StepPoint
+from .snapshot import Snapshot, SnapshotMode
 
 
 class ReplayMutationGuard:
-    """Version counters of replay's copied tensors, recorded at our pre-hook, checked at the update point."""
+    """Version counters of replay's copied tensors, recorded at our pre-hook, checked at the update point.
 
-    def __init__(self, step_point: StepPoint) -> None:
-        self.step_point = step_point
+    ``other_pre_hook_names`` names the pre-hooks that run after ours (``StepPoint``'s): what a
+    changed counter is blamed on.
+    """
+
+    def __init__(self, other_pre_hook_names: Callable[[], list[str]]) -> None:
+        self.other_pre_hook_names = other_pre_hook_names
         self._recorded: list[tuple[torch.Tensor, int]] = []
 
     def record(self, snapshots: list[Snapshot]) -> None:
@@ -46,5 +47,5 @@ class ReplayMutationGuard:
         """The pre-hooks that may have written copied state since ``record`` ([] if nothing changed)."""
         recorded, self._recorded = self._recorded, []
         if any(t._version != v for t, v in recorded):
-            return self.step_point.other_pre_hook_names()
+            return self.other_pre_hook_names()
         return []

@@ -11,8 +11,8 @@ from __future__ import annotations
 from ...settings import AUTO_WINDOW
 from ..copying.layout import StateLayout
 from ..copying.plan_cache import PlanCache
-from ..lifecycle.snapshot import SnapshotMode
 from .autowindow import PhaseTimer, WindowChoice, WindowTuner, copy_schedule
+from .snapshot import SnapshotMode
 from .stage_area import StagingArea
 
 

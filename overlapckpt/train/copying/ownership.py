@@ -21,7 +21,6 @@ copies about 1/N of what it holds.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -101,5 +100,3 @@ def owned_units(units: list[OwnershipUnit]) -> set[str]:
     return owned
 
 
-def chunk_volume(shape: tuple[int, ...]) -> int:
-    return math.prod(shape) if shape else 1

@@ -5,9 +5,10 @@ One protocol, two implementations:
 * ``StreamCopier``: the copier. Device-to-host copies on a side stream into pinned
   shared host buffers, tracked with events; the training process learns that a copy
   landed by querying those events from its hooks, never by synchronizing. It runs over
-  a device seam (``device.py``) with two backends: CUDA (``cuda_device.py``) and a CUDA
-  device emulated on the CPU (``emulated_device.py``), which is what CPU training and
-  every CPU test run. So every line of logic below runs in the CPU tests.
+  a device seam (``device.py``) with three backends: CUDA (``cuda_device.py``), the plain
+  CPU device CPU training runs (``cpu_device.py``: worker-thread streams over host
+  memory), and a CUDA device emulated on the CPU (``emulated_device.py``), which every
+  CPU test runs. So every line of logic below runs in the CPU tests.
 * ``CpuCopier``: copies at the call with a plain memcpy; every ticket it returns has
   already landed, so no fence is ever needed.
 
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import enum
 import operator
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -52,7 +54,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ...errors import InternalError
+from ...errors import ConfigError, InternalError
 from .device import StreamDevice, TensorRun, align_up
 from .host_values import HostValues, copy_on_host
 
@@ -582,19 +584,31 @@ class StreamCopier:
         ticket.keepalive.clear()
 
 
-def make_copier(device: torch.device) -> Copier:
-    """The default copier for the device the state lives on: a side stream on CUDA, the emulated device elsewhere.
+# "emulated": CPU training's copier runs on the CUDA emulation instead of the plain CPU device
+# (the tests' default: tests/conftest.py sets it, and their subprocesses inherit it).
+CPU_DEVICE_ENV = "OVERLAPCKPT_CPU_DEVICE"
 
-    On the CPU, the emulated device's side stream is a worker thread: its copies run on a
+
+def make_copier(device: torch.device) -> Copier:
+    """The default copier for the device the state lives on: a side stream on CUDA, the plain CPU device elsewhere.
+
+    On the CPU the side stream is a worker thread (``cpu_device.py``): its copies run on a
     spare core while forward and backward run (benchmarks/copier_compare.py).
     """
     if device.type == "cuda" and torch.cuda.is_available():
         from .cuda_device import CudaDevice
 
         return StreamCopier(CudaDevice(device))
-    from .emulated_device import EmulatedDevice
+    choice = os.environ.get(CPU_DEVICE_ENV, "plain")
+    if choice == "emulated":
+        from .emulated_device import EmulatedDevice
 
-    return StreamCopier(EmulatedDevice())
+        return StreamCopier(EmulatedDevice())
+    if choice != "plain":
+        raise ConfigError(f"{CPU_DEVICE_ENV}={choice!r} is not a CPU device; use 'plain' (the default) or 'emulated' (the tests' CUDA model)")
+    from .cpu_device import CpuDevice
+
+    return StreamCopier(CpuDevice())
 
 
 def copy_values_to_host(

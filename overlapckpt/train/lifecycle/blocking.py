@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from ...errors import CheckpointTimeoutError, OverlapCkptError
 from ...format.manifest import CheckpointInfo
-from .snapshot import SnapshotMode, SnapshotState
+from ..consistency.snapshot import SnapshotMode, SnapshotState
 
 # A hook waiting for a host slot looks at the copies' events and the writer's pipe this often.
 SLOT_POLL_S = 0.002

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ...errors import WriterDiedError
+from ..consistency.snapshot import SnapshotMode, SnapshotState
 from ..copying.transfer import CopyTicket
-from .snapshot import SnapshotMode, SnapshotState
-from .warnings_text import WRITER_RESTART_WARNING
+from ..warnings_text import WRITER_RESTART_WARNING
 
 if TYPE_CHECKING:
     from .engine_parts import EngineParts

@@ -26,12 +26,12 @@ from ...format.key_layout import GET_STATE_DICT
 from ...format.manifest import CheckpointInfo
 from ...format.tiers import LOCAL_TIER, ROOT_TIER
 from ..consistency.boundary import resolve_boundary, resolve_values
+from ..consistency.snapshot import Snapshot, SnapshotState, SnapshotStats
 from ..copying.replay_tables import replay_tables
 from ..copying.slots import SlotPool
 from ..run.lineage import Lineage
 from ..writer_client.client import WriterClient, writer_error
 from ..writer_client.link import WriterLink
-from .snapshot import Snapshot, SnapshotState, SnapshotStats
 
 log = logging.getLogger("overlapckpt.commits")
 

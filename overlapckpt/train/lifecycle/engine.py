@@ -43,13 +43,14 @@ from ...settings import CheckpointerSettings
 from ..consistency.autowindow import FWD_BWD_END, FWD_BWD_START, OPT_END, OPT_START, PhaseTimer
 from ..consistency.gradlog import GradientLogger
 from ..consistency.replay_guard import ReplayMutationGuard
+from ..consistency.snapshot import SnapshotMode, SnapshotState, SnapshotStats
+from ..consistency.snapshot_copies import SnapshotCopies
 from ..consistency.stage_area import StagingArea
 from ..consistency.window_policy import WindowPolicy
 from ..copying import tensor_passes
 from ..copying.layout import CheckpointScope
 from ..copying.plan_cache import PlanCache
 from ..copying.slots import SlotPool
-from ..copying.snapshot_copies import SnapshotCopies
 from ..copying.transfer import Copier
 from ..run.lineage import Lineage
 from ..writer_client.link import WriterLink
@@ -59,7 +60,6 @@ from .dispatch import PersistDispatcher
 from .engine_parts import EngineParts, EngineState
 from .landing_watch import LandingWatch
 from .requests import CheckpointSchedule, RequestQueue
-from .snapshot import SnapshotMode, SnapshotState, SnapshotStats
 from .snapshot_restarts import SnapshotRestarts
 from .starting import SnapshotStarts
 from .step_hooks import StepPoint
@@ -146,7 +146,7 @@ class SnapshotEngine:
             requests=RequestQueue(lambda version, on_request: settings.tier.tiers_for(cadence.every, version, on_request)),
             schedule=CheckpointSchedule(cadence.every, settings.tier.local_every),
             step_point=step_point,
-            replay_guard=ReplayMutationGuard(step_point),
+            replay_guard=ReplayMutationGuard(step_point.other_pre_hook_names),
             gap_timer=gap_timer,
         )
         p = self.parts

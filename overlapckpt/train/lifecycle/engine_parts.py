@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...errors import WriterDiedError
-from .snapshot import Snapshot, SnapshotMode, SnapshotState
-from .warnings_text import BOUNDARY_WARNING
+from ..consistency.snapshot import Snapshot, SnapshotMode, SnapshotState
+from ..warnings_text import BOUNDARY_WARNING
 
 if TYPE_CHECKING:
     import torch
@@ -34,11 +34,11 @@ if TYPE_CHECKING:
     from ..consistency.autowindow import PhaseTimer
     from ..consistency.gradlog import GradientLogger
     from ..consistency.replay_guard import ReplayMutationGuard
+    from ..consistency.snapshot_copies import SnapshotCopies
     from ..consistency.stage_area import StagingArea
     from ..consistency.window_policy import WindowPolicy
     from ..copying.plan_cache import PlanCache
     from ..copying.slots import SlotPool
-    from ..copying.snapshot_copies import SnapshotCopies
     from ..copying.transfer import Copier
     from ..writer_client.link import WriterLink
     from .blocking import BlockingCalls

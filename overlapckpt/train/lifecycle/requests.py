@@ -26,23 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ...format.tiers import ROOT_TIER
+from ..consistency.snapshot import StartingRequest
 
 log = logging.getLogger("overlapckpt.requests")
-
-
-@dataclass(frozen=True)
-class StartingRequest:
-    """What the snapshot starting now answers."""
-
-    requested_step: int  # the earliest pending request's step
-    deferred: bool  # it waited for a free slot
-    restarted_from: int | None  # the started step of a snapshot this one replaces
-    scheduled_version: int | None = None  # every=N: the version it must hold (None: request())
-    tiers: tuple[str, ...] = (ROOT_TIER,)  # where it goes (TierSettings.tiers_for): some versions go to the local tier alone
-
-    @property
-    def reaches_root(self) -> bool:
-        return ROOT_TIER in self.tiers
 
 
 @dataclass(frozen=True)
@@ -54,7 +40,7 @@ class PendingRequest:
 class CheckpointSchedule:
     """``every=N`` (and ``local_every=M``): the versions N, 2N, ... (and M, 2M, ...) and the step at which each one's window opens.
 
-    One snapshot serves both tiers where their versions meet (``train/lifecycle/tiers.py``
+    One snapshot serves both tiers where their versions meet (``format/tiers.py``'s ``tiers_for``
     says which tiers each version goes to).
     """
 

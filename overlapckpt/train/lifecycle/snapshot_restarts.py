@@ -15,8 +15,8 @@ import warnings
 from typing import TYPE_CHECKING
 
 from ...optimizers import step_owner
-from .snapshot import Snapshot, SnapshotMode
-from .warnings_text import CLOSURE_IGNORED_WARNING, GRAD_SCALER_WARNING, LATE_HOOK_WARNING, NEW_STATE_WARNING, REPLAY_MUTATION_WARNING
+from ..consistency.snapshot import Snapshot, SnapshotMode
+from ..warnings_text import CLOSURE_IGNORED_WARNING, GRAD_SCALER_WARNING, LATE_HOOK_WARNING, NEW_STATE_WARNING, REPLAY_MUTATION_WARNING
 
 if TYPE_CHECKING:
     from .engine_parts import EngineParts

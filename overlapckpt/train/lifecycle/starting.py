@@ -13,17 +13,17 @@ import time
 from typing import TYPE_CHECKING
 
 from ...errors import ConfigError, WriterDiedError
-from .snapshot import Snapshot, SnapshotMode
+from ..consistency.snapshot import Snapshot, SnapshotMode
 
 log = logging.getLogger("overlapckpt.requests")
 
 if TYPE_CHECKING:
     from ..consistency.autowindow import WindowChoice
+    from ..consistency.snapshot import StartingRequest
     from ..copying.layout import StateLayout
     from ..copying.plan import CopyPlan
     from ..copying.slots import HostSlot
     from .engine_parts import EngineParts
-    from .requests import StartingRequest
 
 
 class SnapshotStarts:

@@ -25,8 +25,7 @@ from torch import nn
 
 from ...errors import ConfigError
 from ...format.peers import node_key
-from ...writer.group import WriterGroupSpec
-from ...writer.sealed_store import new_store_key
+from ...protocol import WriterGroupSpec, new_store_key
 from ..copying.layout import CheckpointScope
 
 

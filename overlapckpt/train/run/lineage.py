@@ -29,7 +29,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from ...format.manifest import MAX_ANCESTORS, RUN_ID_HEX, STEP_NAMES, NameStyle, checkpoint_name, step_of_name
-from ..lifecycle.warnings_text import ROOT_AHEAD_WARNING
+from ..warnings_text import ROOT_AHEAD_WARNING
 
 log = logging.getLogger("overlapckpt.lineage")
 

@@ -65,9 +65,8 @@ def package_parent_dir() -> str:
     from this file. From a plain source checkout (``PYTHONPATH=.``, nothing installed)
     it is the only place the writer can import the package from.
     """
-    import overlapckpt
-
-    return os.path.dirname(os.path.dirname(os.path.abspath(overlapckpt.__file__)))
+    package = sys.modules[__name__.partition(".")[0]]  # imported already: this module is inside it
+    return os.path.dirname(os.path.dirname(os.path.abspath(str(package.__file__))))
 
 
 def writer_environment() -> dict[str, str]:

@@ -13,13 +13,13 @@ from typing import Any
 import torch
 
 from ...format.entries import ROLE_BUFFER
-from ..consistency.boundary import capture_boundary
-from ..consistency.gradlog import GradientLogger
-from ..consistency.stage_area import StagingArea
-from ..lifecycle.snapshot import Snapshot, SnapshotMode, SnapshotState
-from .device import TensorRun
-from .slots import GroupTensors
-from .transfer import Copier, CopyTicket, FenceResult
+from ..copying.device import TensorRun
+from ..copying.slots import GroupTensors
+from ..copying.transfer import Copier, CopyTicket, FenceResult
+from .boundary import capture_boundary
+from .gradlog import GradientLogger
+from .snapshot import Snapshot, SnapshotMode, SnapshotState
+from .stage_area import StagingArea
 
 
 class SnapshotCopies:

@@ -28,8 +28,23 @@ from .ledger import CheckpointLedger, GroupRecord
 
 if TYPE_CHECKING:
     from ...protocol import ReplayLog
-    from ..consistency.autowindow import WindowChoice
-    from .requests import StartingRequest
+    from .autowindow import WindowChoice
+
+
+@dataclass(frozen=True)
+class StartingRequest:
+    """What the snapshot starting now answers."""
+
+    requested_step: int  # the earliest pending request's step
+    deferred: bool  # it waited for a free slot
+    restarted_from: int | None  # the started step of a snapshot this one replaces
+    scheduled_version: int | None = None  # every=N: the version it must hold (None: request())
+    tiers: tuple[str, ...] = (ROOT_TIER,)  # where it goes (TierSettings.tiers_for): some versions go to the local tier alone
+
+    @property
+    def reaches_root(self) -> bool:
+        return ROOT_TIER in self.tiers
+
 
 
 class SnapshotMode(str, enum.Enum):

@@ -52,12 +52,6 @@ REPLAY_MUTATION_WARNING = (
     "and the open window restarts. Use consistency='stage' to spread the copy over a window."
 )
 
-KEEP_STAGING_WARNING = (
-    "overlapckpt: keep_staging=False no longer frees stage mode's staging region after each checkpoint: the "
-    "region is allocated once, outside the checkpoints' hooks, and kept, because allocating it again inside "
-    "optimizer.step() could run out of device memory or synchronize the device. Drop the keep_staging argument"
-)
-
 ROOT_AHEAD_WARNING = (
     "overlapckpt: this run's checkpoint of version {version} goes to {root}, which holds another run's checkpoints "
     "up to version {newest} (the newest: {versions}): its names read as if training had started over. To continue "
