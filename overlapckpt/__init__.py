@@ -7,7 +7,7 @@ without live objects is ``overlapckpt.restore.read_checkpoint``, one consolidate
 ``overlapckpt.lightning``, ``overlapckpt.hf`` and ``overlapckpt.titan``.
 """
 
-from .checkpointer import Checkpointer, RestoreTargets
+from .checkpointer import Checkpointer
 from .errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
@@ -22,6 +22,7 @@ from .errors import (
 from .format.manifest import CheckpointInfo
 from .format.storage import CheckpointStore
 from .restore import list_checkpoints, load
+from .restore.pipeline import LoadTargets
 from .user_log import install_default_handler, set_verbosity
 
 install_default_handler()  # a resume and a close are told without any logging set-up (user_log.py)
@@ -30,7 +31,7 @@ __all__ = [
     # the API
     "Checkpointer",
     "CheckpointInfo",
-    "RestoreTargets",
+    "LoadTargets",
     "CheckpointStore",
     "list_checkpoints",
     "load",

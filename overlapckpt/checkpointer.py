@@ -9,7 +9,7 @@ import os
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any, Literal, overload
 
 from torch import nn
@@ -22,7 +22,7 @@ from .format.signing import resolve_key
 from .format.storage import CheckpointStore
 from .optimizers import torch_optimizers, unwrap_optimizer
 from .protocol import FileCopy
-from .restore.pipeline import load_fetching_replicas
+from .restore.pipeline import LoadOptions, LoadTargets, load_fetching_replicas
 from .restore.tiers import RestoreReport
 from .restore_marks import take_restore_mark
 from .settings import (
@@ -379,13 +379,13 @@ class Checkpointer:
 
     @overload
     def restore(
-        self, step: int | None = ..., *, missing_ok: Literal[False] = ..., into: RestoreTargets | None = ...
+        self, step: int | None = ..., *, missing_ok: Literal[False] = ..., into: LoadTargets | None = ...
     ) -> CheckpointInfo: ...
 
     @overload
-    def restore(self, step: int | None = ..., *, missing_ok: bool, into: RestoreTargets | None = ...) -> CheckpointInfo | None: ...
+    def restore(self, step: int | None = ..., *, missing_ok: bool, into: LoadTargets | None = ...) -> CheckpointInfo | None: ...
 
-    def restore(self, step: int | None = None, *, missing_ok: bool = False, into: RestoreTargets | None = None) -> CheckpointInfo | None:
+    def restore(self, step: int | None = None, *, missing_ok: bool = False, into: LoadTargets | None = None) -> CheckpointInfo | None:
         """Load this Checkpointer's newest (or ``step``'s) checkpoint into its objects and continue its step count.
 
         ``ckpt.restore(missing_ok=True)`` is the one line a restartable script needs: it
@@ -403,15 +403,16 @@ class Checkpointer:
         resume that excludes some of them, or holds its model in parts); the version count and
         lineage continue all the same.
         """
-        targets = into if into is not None else RestoreTargets(self.model, self.optimizer, self.stateful)
+        targets = into if into is not None else LoadTargets(self.model, self.optimizer, self.stateful)
         with self.steps_not_counted():
             # load() on this Checkpointer's objects; across nodes, a node that lacks the local tier's
             # newest files gets them from a partner's replica through the writers (restore/tiers.py).
             report = RestoreReport()
             info = load_fetching_replicas(
-                self._fetch_replicas, self.path, targets.model, targets.optimizer, targets.stateful, step, self.storage_options,
-                process_group=self.process_group, signing_key=self._signing_key, local_dir=self.local_dir, report=report,
-                missing_ok=missing_ok,
+                self._fetch_replicas, self.path, targets,
+                LoadOptions(step, self.storage_options, process_group=self.process_group, signing_key=self._signing_key,
+                            local_dir=self.local_dir, missing_ok=missing_ok),
+                report,
             )
         if info is None:
             return None
@@ -513,15 +514,6 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError("this Checkpointer is closed; create a new one to keep checkpointing")
-
-
-@dataclass(frozen=True)
-class RestoreTargets:
-    """The live objects a ``Checkpointer.restore(into=...)`` loads into, where they are not the Checkpointer's own."""
-
-    model: nn.Module
-    optimizer: Any = None  # None: the optimizers' state is left as it is
-    stateful: dict[str, Any] = field(default_factory=dict)
 
 
 class _ExitCommit:

@@ -35,7 +35,7 @@ from overlapckpt.format.storage import CheckpointStore
 from overlapckpt.format.tensor_decode import locate
 from overlapckpt.format.tiers import TIER_MARKER_NAME, default_local_dir
 from overlapckpt.format.verify import verify_checkpoint
-from overlapckpt.restore.tiers import NodeListings, tier_listing
+from overlapckpt.restore.node_listings import NodeListings, tier_listing
 
 from helpers import assert_state_equal, make_run, snapshot, train_step, twin_states
 

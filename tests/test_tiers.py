@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from overlapckpt import Checkpointer, RestoreTargets, list_checkpoints, load
+from overlapckpt import Checkpointer, LoadTargets, list_checkpoints, load
 from overlapckpt.errors import ConfigError, CorruptCheckpointError
 from overlapckpt.format.lease import LEASE_NAME, sweep_dead_tiers
 from overlapckpt.format.manifest import MANIFEST_NAME
@@ -28,7 +28,7 @@ from overlapckpt.format.storage import CheckpointStore
 from overlapckpt.format.tiers import TIER_MARKER_NAME, default_local_dir
 from overlapckpt.format.verify import verify_checkpoint
 from overlapckpt.protocol import FileCopy
-from overlapckpt.restore.tiers import NodeListings
+from overlapckpt.restore.node_listings import NodeListings
 
 from helpers import assert_state_equal, make_run, train_step, twin_states
 
@@ -166,7 +166,7 @@ def test_restore_into_other_objects_loads_them_leaves_its_own_and_continues_the_
     own_before = {k: v.clone() for k, v in model.state_dict().items()}
     other_model, other_opt, _, _ = make_run(seed=2)
     with Checkpointer(model, opt, root, every=6, local_every=2, local_dir=local) as ckpt:
-        info = ckpt.restore(into=RestoreTargets(other_model, other_opt))
+        info = ckpt.restore(into=LoadTargets(other_model, other_opt))
         assert (info.step, info.tier, ckpt.step_count) == (8, "local", 8)
     assert_state_equal(*TWIN[8], other_model, other_opt)
     assert all(torch.equal(v, own_before[k]) for k, v in model.state_dict().items())  # its own objects untouched

@@ -284,11 +284,11 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
 
     def _load_newest_tier(self) -> bool:
         """Resume from the newest verified of this node's local tier and the folder (``restore/tiers.py``)."""
-        from ..checkpointer import RestoreTargets
+        from ..restore.pipeline import LoadTargets
 
         stateful, optimizer = self._load_targets()
         # Across nodes a replaced node's ranks get the files through the writers (restore/tiers.py).
-        info = self.ckpt.restore(into=RestoreTargets(self._model, optimizer, stateful))
+        info = self.ckpt.restore(into=LoadTargets(self._model, optimizer, stateful))
         log.info("restored %s", info.path)
         return True
 

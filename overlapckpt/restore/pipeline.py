@@ -6,6 +6,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
 import torch
@@ -39,6 +40,29 @@ from .locate import anything_to_restore, checkpoint_at
 from .plan import files_in_load_plan
 from .read import agree_before_reading, empty_like_on_cpu, read_into, world_of
 from .tiers import Fetch, RestoreReport, Source, from_newest_tier
+
+
+@dataclass(frozen=True)
+class LoadTargets:
+    """The live objects a load writes into, in place."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None  # None: the optimizers' state is not read
+    stateful: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a load reads: which version, from where, how checked, and what it restores per rank (``load``'s keywords)."""
+
+    step: int | None = None
+    storage_options: dict[str, Any] | None = None
+    verify: bool = True
+    per_rank_state: str = "restore"
+    process_group: Any = None
+    signing_key: str | bytes | None = None
+    local_dir: str | os.PathLike[str] | None = None
+    missing_ok: bool = False
 
 
 @overload
@@ -111,71 +135,31 @@ def load(
     starts fresh. A load that fails for any other reason raises, and leaves the live
     objects as they were (the optimizer's state is not created).
     """
-    kwargs: dict[str, Any] = {"per_rank_state": per_rank_state, "process_group": process_group, "signing_key": signing_key}
-    return _from_tiers(path, model, optimizer, stateful, step, storage_options, verify, kwargs, local_dir, None, None, missing_ok)
-
-
-@overload
-def load_fetching_replicas(
-    fetch: Fetch, path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, stateful: dict[str, Any] | None,
-    step: int | None, storage_options: dict[str, Any] | None, *, process_group: Any, signing_key: str | bytes | None,
-    local_dir: str | None, report: RestoreReport, missing_ok: Literal[False] = ...,
-) -> CheckpointInfo: ...
-
-
-@overload
-def load_fetching_replicas(
-    fetch: Fetch, path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, stateful: dict[str, Any] | None,
-    step: int | None, storage_options: dict[str, Any] | None, *, process_group: Any, signing_key: str | bytes | None,
-    local_dir: str | None, report: RestoreReport, missing_ok: bool,
-) -> CheckpointInfo | None: ...
+    options = LoadOptions(step, storage_options, verify, per_rank_state, process_group, signing_key, local_dir, missing_ok)
+    return _from_tiers(path, LoadTargets(model, optimizer, stateful), options, None, None)
 
 
 def load_fetching_replicas(
-    fetch: Fetch,
-    path: str,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    stateful: dict[str, Any] | None,
-    step: int | None,
-    storage_options: dict[str, Any] | None,
-    *,
-    process_group: Any,
-    signing_key: str | bytes | None,
-    local_dir: str | None,
-    report: RestoreReport,
-    missing_ok: bool = False,
+    fetch: Fetch, path: str, targets: LoadTargets, options: LoadOptions, report: RestoreReport
 ) -> CheckpointInfo | None:
-    """``load`` (verified, per-rank state restored) for ``Checkpointer.restore()`` and TorchTitan's resume: across
-    nodes, a node that lacks local-tier files gets them through ``fetch`` (the writers); in one process it is never called.
-    ``report`` is filled with where it read from and what each part took."""
-    kwargs: dict[str, Any] = {"per_rank_state": "restore", "process_group": process_group, "signing_key": signing_key}
-    return _from_tiers(path, model, optimizer, stateful, step, storage_options, True, kwargs, local_dir, fetch, report, missing_ok)
+    """``load`` for ``Checkpointer.restore()``: across nodes, a node that lacks local-tier files gets them through
+    ``fetch`` (the writers); in one process it is never called. ``report`` is filled with where it read from and
+    what each part took. None only with ``options.missing_ok`` and nothing committed."""
+    return _from_tiers(path, targets, options, fetch, report)
 
 
 def _from_tiers(
-    path: str,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    stateful: dict[str, Any] | None,
-    step: int | None,
-    storage_options: dict[str, Any] | None,
-    verify: bool,
-    kwargs: dict[str, Any],
-    local_dir: str | os.PathLike[str] | None,
-    fetch: Fetch | None,
-    report: RestoreReport | None,
-    missing_ok: bool = False,
+    path: str, targets: LoadTargets, options: LoadOptions, fetch: Fetch | None, report: RestoreReport | None
 ) -> CheckpointInfo | None:
-    group, rank, world = world_of(kwargs["process_group"])
+    group, rank, world = world_of(options.process_group)
     # A wrapper: the optimizer inside; a container of optimizers (TorchTitan's): those it steps.
-    optimizers = None if optimizer is None else torch_optimizers(unwrap_optimizer(optimizer))
+    optimizers = None if targets.optimizer is None else torch_optimizers(unwrap_optimizer(targets.optimizer))
     for each in each_optimizer(optimizers):
-        check_optimizer_matches_model(model, each, given_to="load")
-    directory = None if local_dir is None else os.fspath(local_dir)
+        check_optimizer_matches_model(targets.model, each, given_to="load")
+    directory = None if options.local_dir is None else os.fspath(options.local_dir)
     # Before anything touches a live object: a first run has nothing to restore, on every rank alike.
-    if step is None and not anything_to_restore(path, directory, storage_options, group):
-        if missing_ok:
+    if options.step is None and not anything_to_restore(path, directory, options.storage_options, group):
+        if options.missing_ok:
             say_fresh(path, directory)
             return None
         raise CheckpointNotFoundError(
@@ -185,118 +169,131 @@ def _from_tiers(
     started = time.perf_counter()
     report = report if report is not None else RestoreReport()
     with LiveObjectsKept(optimizers):
-        info = _read_newest(path, model, optimizer, optimizers, stateful, step, storage_options, verify, kwargs, directory, fetch, report)
+        info = _read_newest(path, targets, optimizers, options, fetch, report)
     say_resumed(info.path, info.step, report.source, time.perf_counter() - started)
     return info
 
 
 def _read_newest(
     path: str,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    targets: LoadTargets,
     optimizers: Any,  # torch_optimizers' value: None, one optimizer, or a group's tuple
-    stateful: dict[str, Any] | None,
-    step: int | None,
-    storage_options: dict[str, Any] | None,
-    verify: bool,
-    kwargs: dict[str, Any],
-    directory: str | None,
+    options: LoadOptions,
     fetch: Fetch | None,
     report: RestoreReport | None,
 ) -> CheckpointInfo:
-    group, rank, world = world_of(kwargs["process_group"])
-    live = live_state_dicts(model, optimizers)  # collective for some parallelisms: every rank, first; once for every source
+    group, rank, world = world_of(options.process_group)
+    live = live_state_dicts(targets.model, optimizers)  # collective for some parallelisms: every rank, first; once for every source
+    # One local checkpoint directory is read as itself: no step to look up, no storage options.
+    from_directory = dataclasses.replace(options, step=None, storage_options=None)
 
     def read(source: Source) -> CheckpointInfo:
         if source.is_root:
-            info = _load_one(source.url, model, optimizer, optimizers, live, stateful, step, storage_options, verify, **kwargs)
-        else:  # one local checkpoint directory: of it, this rank checks the files it reads
-            info = _load_one(source.url, model, optimizer, optimizers, live, stateful, None, None, verify, files=source.files, **kwargs)
+            info = _load_one(source.url, targets, optimizers, live, options)
+        else:  # of a local checkpoint directory, this rank checks the files it reads
+            info = _load_one(source.url, targets, optimizers, live, from_directory, files=source.files)
         return dataclasses.replace(info, tier=ROOT_TIER if source.is_root else LOCAL_TIER)
 
     def files_read(where: str) -> frozenset[str]:
         store, name = checkpoint_at(where, None, None)
         manifest = read_manifest(store, name)
         # With a key, authenticity first: nothing of .metadata is decoded before its signature holds.
-        check_signed(store, name, manifest, kwargs["signing_key"])
+        check_signed(store, name, manifest, options.signing_key)
         return files_in_load_plan(store, name, manifest, named_as(manifest.key_layout, *live), rank == 0)
 
-    return from_newest_tier(path, directory, step, storage_options, group, world, read, fetch, files_read, report)
+    directory = None if options.local_dir is None else os.fspath(options.local_dir)
+    return from_newest_tier(path, directory, options.step, options.storage_options, group, world, read, fetch, files_read, report)
+
+
+@dataclass
+class _Checked:
+    """What the checks before any read established, on one rank: where, what, and what to put back on a failure."""
+
+    store: Any = None
+    name: str | None = None
+    manifest: Any = None
+    target: dict[str, Any] = field(default_factory=dict)  # the live tensors, named as the checkpoint names them
+    extra: dict[str, Any] = field(default_factory=dict)  # this rank's stateful objects and RNG states
+    undo_extra: Callable[[], None] | None = None
+    key: bytes | None = None  # the signing key, once the signature held
+    verify: bool = True
 
 
 def _load_one(
     path: str,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    targets: LoadTargets,
     optimizers: list[torch.optim.Optimizer] | None,
     live: tuple[dict[str, Any], dict[str, Any] | None],
-    stateful: dict[str, Any] | None,
-    step: int | None,
-    storage_options: dict[str, Any] | None,
-    verify: bool,
-    *,
-    per_rank_state: str,
-    process_group: Any,
-    signing_key: str | bytes | None,
+    options: LoadOptions,
     files: frozenset[str] | None = None,
 ) -> CheckpointInfo:
     """``load`` from one source: the root, or one checkpoint directory."""
-    if per_rank_state not in PER_RANK_STATE_CHOICES:
-        raise ConfigError(f"per_rank_state={per_rank_state!r} is invalid; use 'restore' or 'skip'")
-    group, rank, world = world_of(process_group)
-    msd, osd = live
-    target: dict[str, Any] = {}
+    if options.per_rank_state not in PER_RANK_STATE_CHOICES:
+        raise ConfigError(f"per_rank_state={options.per_rank_state!r} is invalid; use 'restore' or 'skip'")
+    group, rank, world = world_of(options.process_group)
+    checked = _Checked(verify=options.verify)
     failure: BaseException | None = None
-    name: str | None = None
-    extra: dict[str, Any] = {}
-    undo_extra: Callable[[], None] | None = None
-    key: bytes | None = None  # the signing key, once the signature held
     try:
-        store, name = checkpoint_at(path, step, storage_options)
-
-        def target_for(key_layout: str) -> dict[str, Any]:
-            target.update(named_as(key_layout, msd, osd))
-            return target
-
-        # With a key, authenticity first: nothing of .metadata is decoded before its signature holds.
-        key = check_signed(store, name, read_manifest(store, name), signing_key)
-        # With a key every blob read is checked against its MAC, verify or not: the key's promise
-        # is that nothing unauthenticated is loaded.
-        verify = verify or key is not None
-        manifest = checked_manifest(store, name, (rank, world), per_rank_state, verify, target_for, files)
-        if optimizer is not None:
-            check_optimizer_matches(manifest, unwrap_optimizer(optimizer), store.checkpoint_url(name))
-        check_items_stored(manifest, target, store.checkpoint_url(name))
-        if per_rank_state == "restore":  # before reading: the reads write into the live tensors
-            extra = per_rank_extra_state(manifest, rank)
-            check_stateful_names(extra, stateful or {}, store.checkpoint_url(name))
-            # The stateful objects and RNG states first, before any tensor changes (a local read places
-            # into the live tensors): one that fails leaves the tensors as they were, and the ones loaded
-            # before it are put back; a failure after this puts them all back (undo_extra).
-            undo_extra = restore_extra_state(extra, stateful or {})
+        _check_before_reading(path, targets, live, options, files, (rank, world), checked)
     except OverlapCkptError as e:  # raised on every rank below, before any rank reads
         failure = e
     except Exception as e:  # noqa: BLE001 - a stateful object's own load_state_dict: raised below, as it is
         failure = e
     try:
-        agree_before_reading(group, failure, name)
-        if name is None:  # every rank agreed above that nothing failed, so the name was resolved
+        agree_before_reading(group, failure, checked.name)
+        if checked.name is None:  # every rank agreed above that nothing failed, so the name was resolved
             raise CheckpointNotFoundError(f"no checkpoint under {path!r} to load")
+        store, name, manifest = checked.store, checked.name, checked.manifest
         where = store.checkpoint_url(name)
-        host = _read_tensors(store, name, target, group, manifest, verify, key)
-        if per_rank_state == "restore":
-            warn_of_stateful_not_given(extra, stateful or {}, where)
-        model_sd, optim_sd = unnamed(manifest.key_layout, host, osd)
-        apply_state_dicts(model, optimizers, model_sd, optim_sd)
+        host = _read_tensors(store, name, checked.target, group, manifest, checked.verify, checked.key)
+        if options.per_rank_state == "restore":
+            warn_of_stateful_not_given(checked.extra, targets.stateful or {}, where)
+        model_sd, optim_sd = unnamed(manifest.key_layout, host, live[1])
+        apply_state_dicts(targets.model, optimizers, model_sd, optim_sd)
     except BaseException:
-        if undo_extra is not None:
-            undo_extra()
+        if checked.undo_extra is not None:
+            checked.undo_extra()
         raise
     info = CheckpointInfo.from_manifest(manifest, where)
-    if optimizer is not None:
+    if targets.optimizer is not None:
         # A Checkpointer built next on these objects continues this version count (restore_marks.py).
-        mark_restored(model, unwrap_optimizer(optimizer), optimizers, info)
+        mark_restored(targets.model, unwrap_optimizer(targets.optimizer), optimizers, info)
     return info
+
+
+def _check_before_reading(
+    path: str,
+    targets: LoadTargets,
+    live: tuple[dict[str, Any], dict[str, Any] | None],
+    options: LoadOptions,
+    files: frozenset[str] | None,
+    rank_and_world: tuple[int, int],
+    checked: _Checked,
+) -> None:
+    """Every check before any rank reads, filling ``checked`` as it goes; the per-rank state restored last."""
+    msd, osd = live
+    checked.store, checked.name = store, name = checkpoint_at(path, options.step, options.storage_options)
+
+    def target_for(key_layout: str) -> dict[str, Any]:
+        checked.target.update(named_as(key_layout, msd, osd))
+        return checked.target
+
+    # With a key, authenticity first: nothing of .metadata is decoded before its signature holds.
+    checked.key = check_signed(store, name, read_manifest(store, name), options.signing_key)
+    # With a key every blob read is checked against its MAC, verify or not: the key's promise
+    # is that nothing unauthenticated is loaded.
+    checked.verify = options.verify or checked.key is not None
+    checked.manifest = manifest = checked_manifest(store, name, rank_and_world, options.per_rank_state, checked.verify, target_for, files)
+    if targets.optimizer is not None:
+        check_optimizer_matches(manifest, unwrap_optimizer(targets.optimizer), store.checkpoint_url(name))
+    check_items_stored(manifest, checked.target, store.checkpoint_url(name))
+    if options.per_rank_state == "restore":  # before reading: the reads write into the live tensors
+        checked.extra = per_rank_extra_state(manifest, rank_and_world[0])
+        check_stateful_names(checked.extra, targets.stateful or {}, store.checkpoint_url(name))
+        # The stateful objects and RNG states first, before any tensor changes (a local read places
+        # into the live tensors): one that fails leaves the tensors as they were, and the ones loaded
+        # before it are put back; a failure after this puts them all back (undo_extra).
+        checked.undo_extra = restore_extra_state(checked.extra, targets.stateful or {})
 
 
 def _read_tensors(

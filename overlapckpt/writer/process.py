@@ -34,6 +34,7 @@ from ..hostbuf import fd_path, map_shared_file
 from ..qualname import import_qualified
 from .group import WriterGroup
 from .persist import persist_snapshot
+from .persist_context import PersistContext
 from .preempt_watch import PreemptionWatch
 from .replicas import fetch_into_tier
 
@@ -67,13 +68,9 @@ class _WriterState:
 
     def persist(self, req: p.PersistRequest, conn: Connection, purge_later: list[tuple[CheckpointStore, str]]) -> p.CommittedResponse:
         plan = self.plans[req.plan_id]
+        ctx = PersistContext(self.tier_stores(), self.group, self.buffers, self.signing_key, self.threads, self.preempting)
         return persist_snapshot(
-            self.tier_stores(), self.group, plan.entries, plan.offsets, plan.global_shapes, self.buffers, req, self.signing_key,
-            write_threads=self.threads,
-            replay_tables=plan.replay_tables,
-            on_replay=lambda finished: _send(conn, p.ReplayProgressNotice(req.request_id, finished)),
-            purge_later=purge_later,
-            unpaced=self.preempting,
+            ctx, plan, req, on_replay=lambda finished: _send(conn, p.ReplayProgressNotice(req.request_id, finished)), purge_later=purge_later
         )
 
     def preempting(self) -> bool:

@@ -1,0 +1,234 @@
+"""One tier's write of a prepared snapshot: the attempt, DCP's save with the manifest before ``.metadata``, the commit, ``latest``, retention.
+
+Runs in the writer process, once per tier of a checkpoint (``persist.py`` prepares the
+snapshot once). In the local tier across nodes, each node's leader makes, publishes and
+retires its node's directory, and the shards are replicated to partner nodes before any
+node publishes (``replicas.py``); in the root (and on one node) the coordinator does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from typing import Any
+
+from .. import protocol as p
+from ..errors import CheckpointExistsError, CheckpointWriteError
+from ..format.attempts import Attempt, new_attempt_id
+from ..format.blob_macs import default_mac_algorithm
+from ..format.blobsums import ChecksummingFileSystem, StoredChecksums, StreamTimings
+from ..format.known_sums import KnownChecksums
+from ..format.manifest import CheckpointInfo, ChecksumsRecord, ExportRecord, dump_manifest
+from ..format.peers import NodeLayout
+from ..format.shards import CoveringSavePlanner
+from ..format.signing import sign
+from ..format.storage import BeforeCommit, CheckpointStore
+from ..format.tiers import LOCAL_TIER, ROOT_TIER
+from .exports import write_exports
+from .group import WriterGroup
+from .persist_context import PersistContext, PreparedSnapshot
+from .replicas import agree_on_failure, replicate_attempt
+from .retention import Retired, remember_lineage, retire_old
+
+
+def write_tier(
+    ctx: PersistContext, tier: str, snapshot: PreparedSnapshot, layout: NodeLayout | None, purge_later: Retired
+) -> p.CommittedResponse:
+    """Write ``snapshot`` to ``tier`` and commit it there; the caller asked ``held_already`` first.
+
+    ``layout``: the local tier across nodes (replicated); None in the root and on one node.
+    A checkpoint committed here already is this run's (answered by the caller) or refused.
+    """
+    store, req = ctx.stores[tier], snapshot.req
+    # Laps of the root keep their names (the figures read them); the local tier's are prefixed.
+    prefix = "" if tier == ROOT_TIER else f"{tier}."
+    attempt = begin_attempt(store, ctx.group, req)
+    streams = _write_and_publish(ctx, tier, snapshot, layout, attempt, prefix)
+    committed_at = time.time()
+    removed: list[str] = []
+    warnings_: list[str] = []
+    if leads(ctx.group, layout):  # committed: a failure from here on is a warning
+        keep = req.local_keep if tier == LOCAL_TIER else req.keep
+        warnings_ = write_latest(store, req)
+        removed, retention_warnings = retire_old(store, req, keep, purge_later, local_tier=tier == LOCAL_TIER)
+        warnings_ += retention_warnings
+    snapshot.phases.lap(prefix + "commit")
+    path = store.checkpoint_url(req.name)
+    stream_phases = {} if streams is None else {prefix + k: v for k, v in streams.as_phases().items()}
+    return p.CommittedResponse(
+        request_id=req.request_id,
+        info=CheckpointInfo.from_manifest(snapshot.manifest, path, tier),
+        committed_at=committed_at,
+        persist_s=time.perf_counter() - snapshot.started,
+        phases_s={**snapshot.phases.laps, **stream_phases},
+        removed=removed,
+        warnings=warnings_,
+        tier_paths={tier: path},
+    )
+
+
+def _write_and_publish(
+    ctx: PersistContext, tier: str, snapshot: PreparedSnapshot, layout: NodeLayout | None, attempt: Attempt, prefix: str
+) -> StreamTimings | None:
+    """DCP's save into ``attempt`` (the manifest written at its finish), the replicas, and the commit; abandoned on failure."""
+    store, group, req, phases = ctx.stores[tier], ctx.group, snapshot.req, snapshot.phases
+    exports: dict[str, ExportRecord] = {}
+    wrote_manifest: list[bool] = []
+
+    def write_manifest(checksums: StoredChecksums) -> None:
+        # Called by DCP's finish() on the coordinator with the checksums every rank computed
+        # of the blobs it stored, and of .metadata's bytes, right before .metadata appears.
+        where = store.checkpoint_url(req.name)
+        if checksums.algorithm != snapshot.algorithm:
+            raise CheckpointWriteError(
+                f"the shards of {where} were checksummed with {checksums.algorithm!r} and its tensors with {snapshot.algorithm!r}; "
+                "a store's make_writer must use format.checksum.default_algorithm()"
+            )
+        document = dataclasses.replace(
+            snapshot.manifest, checksums=ChecksumsRecord.from_json(checksums.to_json(), where), exports=exports, created_at=time.time()
+        ).to_json()
+        if ctx.signing_key is not None:
+            sign(document, checksums.metadata_bytes, ctx.signing_key)
+        phases.lap(prefix + "write")  # serialization, stored-byte checksums, page cache, writeback, fsync: split below
+        raw = dump_manifest(document)
+        store.write_manifest(attempt.directory, raw)
+        remember_lineage(raw, document["run_id"], document["step"])  # read unparsed by the next commits' retention
+        phases.lap(prefix + "manifest")
+        wrote_manifest.append(True)
+
+    is_leader = leads(group, layout)
+    try:
+        if layout is not None:
+            assert group is not None  # node_layout() gives one only with a group
+            _begin_on_every_node(attempt, group, layout)
+        if req.export_formats:  # one process only (the Checkpointer refuses it distributed): whole tensors
+            exports.update(write_exports(store, attempt.directory, req.export_formats, snapshot.state_dict, req.extra_state, ctx.signing_key))
+        streams = _save(
+            store, attempt.directory, snapshot.state_dict, write_manifest, snapshot.global_shapes, group, ctx.signing_key,
+            ctx.write_threads, snapshot.known,
+        )
+        if not wrote_manifest:  # a rank that does not write the manifest: its write ends here
+            phases.lap(prefix + "write")
+        if layout is not None:
+            # Before any node publishes: every shard on its node and its partners' (writer/replicas.py).
+            assert group is not None
+            replicate_attempt(group, layout, store, attempt.directory, group.spec.replica_bytes_per_s, ctx.unpaced)
+            phases.lap(prefix + "replicas")
+        publish_failure: BaseException | None = None
+        if is_leader:
+            try:
+                attempt.publish()  # the commit: every rank's shards are in place (DCP's finish ran after them)
+            except Exception as e:
+                if layout is None:
+                    raise
+                publish_failure = e
+        if layout is not None:
+            assert group is not None
+            agree_on_failure(group, publish_failure, f"publishing {store.checkpoint_url(req.name)} on every node")
+    except BaseException:
+        if is_leader:
+            _abandon(attempt)
+        raise
+    return streams
+
+
+def write_latest(store: CheckpointStore, req: p.PersistRequest) -> list[str]:
+    """After the commit: ``latest``; a failure here is a warning, never a failed persist."""
+    try:
+        store.write_latest(req.name)
+    except Exception as e:
+        return [f"checkpoint {req.name} committed, but updating {store.root}/latest failed: {type(e).__name__}: {e}"]
+    return []
+
+
+def leads(group: WriterGroup | None, layout: NodeLayout | None) -> bool:
+    """Whether this rank makes, publishes and retires the tier's directories: its node's leader, else the coordinator."""
+    if group is None:
+        return True
+    return layout.is_leader(group.rank) if layout is not None else group.is_coordinator
+
+
+def _begin_on_every_node(attempt: Attempt, group: WriterGroup, layout: NodeLayout) -> None:
+    """The attempt's directory on every other node too (the coordinator made its own): before any rank writes there."""
+    failure: BaseException | None = None
+    if layout.is_leader(group.rank) and not group.is_coordinator:
+        try:
+            attempt.begin()
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            failure = e
+    agree_on_failure(group, failure, f"making the attempt {attempt.directory} in every node's local tier")
+
+
+def begin_attempt(store: CheckpointStore, group: WriterGroup | None, req: p.PersistRequest) -> Attempt:
+    """This checkpoint's attempt (attempts.py): the coordinator makes its place, every rank learns where it is."""
+    attempt = Attempt(store, req.name, req.run_id, new_attempt_id(req.run_id), root_leased=req.root_leased)
+    refusal: str | None = None
+    if group is None or group.is_coordinator:
+        try:
+            attempt.begin()
+        except CheckpointExistsError as e:
+            if group is None:
+                raise
+            refusal = str(e)
+    if group is None:
+        return attempt
+    # A collective every rank reaches: a refusal on the coordinator raises on every rank.
+    attempt_id, refusal = group.share_from_coordinator((attempt.attempt_id, refusal))
+    if refusal is not None:
+        raise CheckpointExistsError(refusal)
+    return dataclasses.replace(attempt, attempt_id=attempt_id)
+
+
+def _abandon(attempt: Attempt) -> None:
+    """A failed attempt leaves nothing behind (a disk-full write's partial shard frees its space)."""
+    try:
+        attempt.abandon()
+    except Exception:  # noqa: BLE001 - the write's own error is the one to report
+        pass
+
+
+def _save(
+    store: CheckpointStore,
+    name: str,
+    state_dict: dict[str, Any],
+    write_manifest: BeforeCommit,
+    global_shapes: dict[str, tuple[int, ...]],
+    group: WriterGroup | None,
+    signing_key: bytes | None = None,
+    write_threads: int = 1,
+    known: KnownChecksums | None = None,
+) -> StreamTimings | None:
+    """DCP's save of ``state_dict`` into ``name``; where the shards' time went, when the store's writer says.
+
+    ``signing_key``: every blob gets a MAC under it (``format/blob_macs.py``), and the
+    manifest's signature needs ``.metadata``'s bytes.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    # Only a signature needs .metadata's bytes, and only more than one thread a thread count;
+    # a store subclass written for make_writer(name, before_commit) keeps working without them.
+    extra: dict[str, Any] = {"wants_metadata_bytes": True} if signing_key is not None else {}
+    if write_threads > 1:
+        extra["thread_count"] = write_threads
+    writer = store.make_writer(name, before_commit=write_manifest, **extra)
+    fs = getattr(writer, "fs", None)
+    if known is not None and isinstance(fs, ChecksummingFileSystem):
+        fs.known_checksums = known
+    if signing_key is not None:
+        if not isinstance(fs, ChecksummingFileSystem):
+            raise CheckpointWriteError(
+                f"{type(store).__name__}.make_writer returned a writer whose files are not checksummed, so its blobs "
+                "cannot be signed; build it with CheckpointStore.make_writer's writer class"
+            )
+        fs.mac_key, fs.mac_algorithm = signing_key, default_mac_algorithm()
+    planner = CoveringSavePlanner(global_shapes)
+    if group is None:
+        with warnings.catch_warnings():
+            # no_dist=True is deliberate: a single writer saves its own process's snapshot.
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+            dcp.save(state_dict, storage_writer=writer, planner=planner, no_dist=True)
+    else:
+        dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=group.group)
+    timings = getattr(getattr(writer, "fs", None), "timings", None)
+    return timings() if callable(timings) else None
