@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ...errors import CheckpointTimeoutError, OverlapCkptError
 from ...format.manifest import CheckpointInfo
-from ..consistency.snapshot import SnapshotMode, SnapshotState
+from ..consistency.snapshot import SnapshotState
+from .completion import SnapshotCompletion
 
 # A hook waiting for a host slot looks at the copies' events and the writer's pipe this often.
 SLOT_POLL_S = 0.002
@@ -26,34 +28,38 @@ if TYPE_CHECKING:
 class BlockingCalls:
     """``wait``, ``close``, leaving on an error; the hook's wait for a host slot at a scheduled step."""
 
-    def __init__(self, parts: EngineParts) -> None:
+    def __init__(self, parts: EngineParts, completion: SnapshotCompletion) -> None:
         self.p = parts
         self.s = parts.state
+        self.completion = completion
 
-    def wait(self, timeout_s: float | None) -> list[CheckpointInfo]:
-        """Finish every requested snapshot now and block until the writer committed each."""
+    def wait(self, timeout_s: float | None, start_due: Callable[[], None]) -> list[CheckpointInfo]:
+        """Finish every requested snapshot now and block until the writer committed each (``start_due`` starts what is due)."""
         if self.s.dead is not None:
             raise self.s.dead
-        self.p.completion.raise_pending()
-        self.drain(timeout_s, start_pending=True)
+        self.completion.raise_pending()
+        self.drain(timeout_s, start_due)
         return self.p.dispatcher.take_committed()
 
-    def drain(self, timeout_s: float | None, start_pending: bool) -> None:
-        """Close every open window now, land its copies and block until the writer committed each."""
+    def drain(self, timeout_s: float | None, start_due: Callable[[], None] | None = None) -> None:
+        """Close every open window now, land its copies and block until the writer committed each.
+
+        ``start_due``: start what is pending and due, at each turn (``wait()``); None starts nothing.
+        """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            if start_pending:
+            if start_due is not None:
                 # A deferred request starts as soon as a slot is free, at the current step.
-                self.p.starts.start_pending(closing=True)
+                start_due()
             for snap in list(self.s.snapshots):
                 self.p.copies.close_window(snap, self.s.step_count, self.s.hook_serial)
                 if snap.state == SnapshotState.AT_BOUNDARY:
                     self.s.close_boundary(snap, provisional=False)
                 for t in snap.tickets:
                     self.p.copier.wait(t)
-            self.p.completion.progress()
-            self.p.completion.raise_pending()
-            if not self.s.snapshots and not self.p.dispatcher.in_flight and not (start_pending and self.p.requests.due_by(self.s.step_count)):
+            self.completion.progress()
+            self.completion.raise_pending()
+            if not self.s.snapshots and not self.p.dispatcher.in_flight and not (start_due and self.p.requests.due_by(self.s.step_count)):
                 break
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -66,7 +72,7 @@ class BlockingCalls:
                     self.p.dispatcher.wait_one(remaining)
                 except TimeoutError:
                     continue  # the deadline check above raises the named error
-            self.p.completion.raise_pending()
+            self.completion.raise_pending()
 
     def wait_for_free_slot(self) -> float:
         """A scheduled checkpoint at its version's step, every slot busy: wait for one, without a host-device sync; the seconds.
@@ -82,8 +88,8 @@ class BlockingCalls:
             if snap.state == SnapshotState.AT_BOUNDARY:
                 self.s.close_boundary(snap, provisional=False)
         while not self.p.slots.may_have_free_slot():
-            self.p.completion.progress()
-            self.p.completion.raise_pending(may_start=False)
+            self.completion.progress()
+            self.completion.raise_pending(may_start=False)
             if self.p.slots.may_have_free_slot():
                 break
             if self.p.dispatcher.in_flight or self.p.link.writer.awaiting_responses:
@@ -117,7 +123,7 @@ class BlockingCalls:
                 self.s.snapshots.remove(snap)
                 self.s.snapshots_dropped += 1
         try:
-            self.p.completion.progress()
+            self.completion.progress()
             while self.p.dispatcher.in_flight and self.p.dispatcher.error is None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -132,14 +138,6 @@ class BlockingCalls:
             warnings.warn(f"overlapckpt: while leaving on an error: {self.p.dispatcher.error}", stacklevel=3)
             self.p.dispatcher.error = None
         return self.p.dispatcher.take_committed()
-
-    def covers_current_step(self) -> bool:
-        """Whether a snapshot that goes to the root holds the current step, or will once an open replay window closes now.
-
-        A preemption's checkpoint must reach the root too: one for the local tier alone does not cover it.
-        """
-        open_replay = any(s.mode == SnapshotMode.REPLAY and s.version is None and s.reaches_root for s in self.s.snapshots)
-        return open_replay or self.p.starts.holds_version(self.s.step_count, reaching_root=True)
 
     def unfinished_versions(self) -> list[int | None]:
         return [s.version for s in self.s.snapshots] + self.p.dispatcher.sent_versions()

@@ -9,6 +9,7 @@ end of a hook, once the hook's own work is done; a dead writer is replaced there
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ...errors import WriterDiedError
@@ -23,9 +24,10 @@ if TYPE_CHECKING:
 class SnapshotCompletion:
     """Handing landed snapshots to the writer and reading its answers; a dead writer's replacement."""
 
-    def __init__(self, parts: EngineParts) -> None:
+    def __init__(self, parts: EngineParts, start_pending: Callable[[], None]) -> None:
         self.p = parts
         self.s = parts.state
+        self.start_pending = start_pending  # what was pending when a writer died starts on its replacement
 
     def progress(self) -> None:
         """Hand landed snapshots to the writer and read its answers. Never blocks."""
@@ -80,7 +82,7 @@ class SnapshotCompletion:
                 # death was seen in a request's wait for a slot, as that wait returns: starting.py;
                 # or in the update point, at the post-hook that follows).
                 if may_start:
-                    self.p.starts.start_pending()
+                    self.start_pending()
                 self.progress()
                 self.raise_pending(may_start)
                 return

@@ -19,10 +19,11 @@ Each mechanism has one owner: ``StepPoint`` (where the hooks sit), ``RequestQueu
 (pending, deferred and merged requests), ``WriterLink`` (the writer process and its
 replacement), ``StagingArea``, ``GradientLogger``, ``PersistDispatcher`` (sent
 snapshots and answers), ``PlanCache``, ``SlotPool``, ``SnapshotCopies`` and the
-copier (``transfer.py``). The engine's other parts are mixins, one concern each:
-starting snapshots (``starting.py``), sending them and reading the writer's answers
-(``completion.py``), the restart rules (``snapshot_restarts.py``) and the blocking calls
-(``blocking.py``); snapshot states are described in ``snapshot.py``.
+copier (``transfer.py``). The engine orchestrates four collaborators, one concern each,
+built here with what each calls (``engine_parts.py``): starting snapshots
+(``starting.py``), sending them and reading the writer's answers (``completion.py``), the
+restart rules (``snapshot_restarts.py``) and the blocking calls (``blocking.py``); snapshot
+states are described in ``consistency/snapshot.py``.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def _counts_host_time(hook: Callable[..., None]) -> Callable[..., None]:
             with self.lock:  # the landing watch runs its completion step only between hooks
                 hook(self, *args)
                 # A snapshot now waiting only for its copies: sent as they land, even if no hook follows soon.
-                self.landing_watch.note(self.parts.completion.landing_tickets())
+                self.landing_watch.note(self.completion.landing_tickets())
         finally:
             self.state.hook_host_total_s += time.perf_counter() - started
             self.state.hook_cpu_total_s += time.thread_time() - started_cpu
@@ -150,18 +151,21 @@ class SnapshotEngine:
             gap_timer=gap_timer,
         )
         p = self.parts
-        p.starts, p.completion, p.blocking, p.restarts = (
-            SnapshotStarts(p), SnapshotCompletion(p), BlockingCalls(p), SnapshotRestarts(p),
-        )
+        # The collaborators, each given what it calls (engine_parts.py): the calls go one way, and
+        # what completion must start once a dead writer is replaced is a callable, not an import.
+        self.restarts = SnapshotRestarts(p)
+        self.completion = SnapshotCompletion(p, start_pending=lambda: self.starts.start_pending())
+        self.blocking = BlockingCalls(p, self.completion)
+        self.starts = SnapshotStarts(p, self.blocking, self.restarts)
         # Held by every hook and blocking call, and by the landing watch while it hands a snapshot over.
         self.lock = threading.RLock()
-        self.landing_watch = LandingWatch(self.lock, copier.await_landing, p.completion.send_landed, self._watch_failed)
+        self.landing_watch = LandingWatch(self.lock, copier.await_landing, self.completion.send_landed, self._watch_failed)
         self.state = p.state
         # Called at each iteration boundary (save on a preemption signal); see preemption.py.
         self.at_boundary = at_boundary
         self.install_hooks()
         if optimizer.state:  # the state exists (a warm start): allocate now, before any step
-            p.starts.prepare()
+            self.starts.prepare()
 
     # ---- the units, for the Checkpointer and the tests -------------------------------
 
@@ -230,7 +234,7 @@ class SnapshotEngine:
         # The step runs on the stream current here: copies order against it, even those a
         # request() made outside the loop's stream context starts.
         p.copier.note_training_stream()
-        p.restarts.note_grad_scaler()
+        self.restarts.note_grad_scaler()
         if not others_follow:
             return
         started = time.perf_counter()
@@ -264,7 +268,7 @@ class SnapshotEngine:
         # GradScaler's fused path was noted in our pre-hook: it sets found_inf before step() runs.
         mutated_by = p.replay_guard.mutated()
         if mutated_by:
-            p.restarts.replay_cannot_follow(mutated_by)
+            self.restarts.replay_cannot_follow(mutated_by)
         for snap in list(s.snapshots):
             p.copies.fence_earlier_copies(snap, s.hook_serial)
             if snap.state == SnapshotState.AT_BOUNDARY:
@@ -272,10 +276,10 @@ class SnapshotEngine:
             if snap.mode == SnapshotMode.REPLAY and snap.version is None:
                 p.copies.log_gradients(snap, s.step_count + 1, s.hook_serial)
         s.charge(started)  # before sending: a snapshot sent below carries this hook's time
-        p.completion.progress()
+        self.completion.progress()
         if p.gap_timer is not None:
             p.gap_timer.mark(OPT_START)
-        p.completion.raise_pending(may_start=False)
+        self.completion.raise_pending(may_start=False)
 
     @_counts_host_time
     def _on_step_end(self, update_point_ran: bool) -> None:
@@ -291,26 +295,26 @@ class SnapshotEngine:
             p.gap_timer.mark(OPT_END)
         started = time.perf_counter()
         if not update_point_ran:
-            p.restarts.update_point_skipped()
+            self.restarts.update_point_skipped()
         s.hook_serial += 1
         s.step_count += 1
-        p.restarts.note_grad_scaler()
-        p.restarts.restart_if_state_grew()
+        self.restarts.note_grad_scaler()
+        self.restarts.restart_if_state_grew()
         for snap in s.snapshots:
             p.copies.fence_earlier_copies(snap, s.hook_serial)  # the gradient copies logged before this update
             if not snap.all_enqueued:
                 p.copies.advance(snap, s.step_count, s.hook_serial)
-        for version in p.schedule.opening(s.step_count, p.starts.lead_steps()):
+        for version in p.schedule.opening(s.step_count, self.starts.lead_steps()):
             p.requests.add(s.step_count, scheduled_version=version)
         if s.prepared_fingerprint is None:
-            p.starts.prepare()  # the first step created the optimizer state: its size is known now
-        p.starts.start_pending()
+            self.starts.prepare()  # the first step created the optimizer state: its size is known now
+        self.starts.start_pending()
         s.charge(started)
-        p.completion.progress()
+        self.completion.progress()
         if p.gap_timer is not None:
             # Last, after our own copies and clones: what follows is the next iteration.
             p.gap_timer.mark(FWD_BWD_START)
-        p.completion.raise_pending()
+        self.completion.raise_pending()
         if self.at_boundary is not None and not s.user_marks_boundary:
             self.at_boundary()  # the loop marks no boundary of its own: the step's end is one
 
@@ -330,8 +334,8 @@ class SnapshotEngine:
                 snap.state = SnapshotState.LANDING
                 snap.ledger.boundary = "step()"
         s.charge(started)
-        p.completion.progress()
-        p.completion.raise_pending()
+        self.completion.progress()
+        self.completion.raise_pending()
         if self.at_boundary is not None:
             self.at_boundary()
 
@@ -341,24 +345,24 @@ class SnapshotEngine:
         p, s = self.parts, self.state
         if s.dead is not None:
             raise s.dead
-        p.completion.raise_pending()
+        self.completion.raise_pending()
         started = time.perf_counter()
         p.requests.add(s.step_count)
-        p.starts.start_pending()
+        self.starts.start_pending()
         s.charge(started)  # the copies a request starts are host time the loop waits for
-        p.completion.progress()
-        p.completion.raise_pending()
+        self.completion.progress()
+        self.completion.raise_pending()
 
     # ---- blocking calls and their answers ------------------------------------------------
 
     def wait(self, timeout_s: float | None) -> list[CheckpointInfo]:
         """Finish every requested snapshot now and block until the writer committed each."""
         with self.lock:
-            return self.parts.blocking.wait(timeout_s)
+            return self.blocking.wait(timeout_s, lambda: self.starts.start_pending(closing=True))
 
     def abandon(self, timeout_s: float) -> list[CheckpointInfo]:
         with self.lock:
-            return self.parts.blocking.abandon(timeout_s)
+            return self.blocking.abandon(timeout_s)
 
     def _watch_failed(self, error: BaseException) -> None:
         """The landing watch's unexpected error: raised in the training thread at its next hook."""
@@ -370,10 +374,16 @@ class SnapshotEngine:
             self.parts.dispatcher.error = error
 
     def covers_current_step(self) -> bool:
-        return self.parts.blocking.covers_current_step()
+        """Whether a snapshot that goes to the root holds the current step, or will once an open replay window closes now.
+
+        A preemption's checkpoint must reach the root too: one for the local tier alone does not cover it.
+        """
+        s = self.state
+        open_replay = any(snap.mode == SnapshotMode.REPLAY and snap.version is None and snap.reaches_root for snap in s.snapshots)
+        return open_replay or self.starts.holds_version(s.step_count, reaching_root=True)
 
     def unfinished_versions(self) -> list[int | None]:
-        return self.parts.blocking.unfinished_versions()
+        return self.blocking.unfinished_versions()
 
     @property
     def stats(self) -> list[SnapshotStats]:

@@ -1,7 +1,8 @@
-"""What the engine's collaborators share: one record of mutable state, and the units and collaborators they use.
+"""What the engine's collaborators share: one record of mutable state, and the units they use.
 
-``SnapshotEngine`` (``engine.py``) owns the hooks; four collaborators do its work, each
-given the same ``EngineParts``:
+``SnapshotEngine`` (``engine.py``) owns the hooks and orchestrates; four collaborators do
+its work, each given the ``EngineParts`` and, through its constructor, the one or two
+others it calls:
 
 * ``SnapshotStarts`` (``starting.py``): sizing host slots, choosing a window, starting snapshots;
 * ``SnapshotCompletion`` (``completion.py``): handing landed snapshots to the writer, its
@@ -11,9 +12,10 @@ given the same ``EngineParts``:
 * ``SnapshotRestarts`` (``snapshot_restarts.py``): dropping and restarting a snapshot that cannot
   reach its version.
 
-They call one another (a start may wait for a slot, which reads the writer's answers,
-which may replace a dead writer and start what was pending), so each reaches the others
-through ``parts``, wired once by the engine. The state they all change is
+The calls go one way: a start may wait for a slot through ``SlotWaits`` (a narrow
+protocol ``BlockingCalls`` implements), the blocking calls read the writer's answers
+through ``SnapshotCompletion``, and what completion and the blocking calls must start is
+a callable the engine gives them, never an import. The state they all change is
 ``EngineState``: nothing shared lives anywhere else.
 """
 
@@ -41,12 +43,8 @@ if TYPE_CHECKING:
     from ..copying.slots import SlotPool
     from ..copying.transfer import Copier
     from ..writer_client.link import WriterLink
-    from .blocking import BlockingCalls
-    from .completion import SnapshotCompletion
     from .dispatch import PersistDispatcher
     from .requests import CheckpointSchedule, RequestQueue
-    from .snapshot_restarts import SnapshotRestarts
-    from .starting import SnapshotStarts
     from .step_hooks import StepPoint
 
 
@@ -94,7 +92,7 @@ class EngineState:
 
 @dataclass(eq=False)
 class EngineParts:
-    """The units one engine is made of, its shared state, and its four collaborators (wired by the engine)."""
+    """The units one engine is made of, and its shared state."""
 
     state: EngineState
     optimizer: torch.optim.Optimizer
@@ -115,7 +113,3 @@ class EngineParts:
     step_point: StepPoint
     replay_guard: ReplayMutationGuard
     gap_timer: PhaseTimer | None
-    starts: SnapshotStarts = field(init=False)
-    completion: SnapshotCompletion = field(init=False)
-    blocking: BlockingCalls = field(init=False)
-    restarts: SnapshotRestarts = field(init=False)

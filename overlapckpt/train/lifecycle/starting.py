@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 from ...errors import ConfigError, WriterDiedError
 from ..consistency.snapshot import Snapshot, SnapshotMode
@@ -24,14 +25,29 @@ if TYPE_CHECKING:
     from ..copying.plan import CopyPlan
     from ..copying.slots import HostSlot
     from .engine_parts import EngineParts
+    from .snapshot_restarts import SnapshotRestarts
+
+
+class SlotWaits(Protocol):
+    """The waits a start may do inside a hook for a host slot (``BlockingCalls`` does them)."""
+
+    def wait_for_free_slot(self) -> float:
+        """Wait for a free slot without a host-device sync; the seconds waited."""
+        ...
+
+    def drain(self, timeout_s: float | None, start_due: Callable[[], None] | None = None) -> None:
+        """Close every open window now and block until the writer committed each."""
+        ...
 
 
 class SnapshotStarts:
     """Starting snapshots: host slots sized once, a window and plan per snapshot, its first copies."""
 
-    def __init__(self, parts: EngineParts) -> None:
+    def __init__(self, parts: EngineParts, waits: SlotWaits, restarts: SnapshotRestarts) -> None:
         self.p = parts
         self.s = parts.state
+        self.waits = waits
+        self.restarts = restarts
 
     def prepare(self) -> None:
         """Size and allocate the host slots for the widest window, off the critical path."""
@@ -87,7 +103,7 @@ class SnapshotStarts:
         elif scheduled is not None and self.s.step_count >= scheduled and not self.p.slots.may_have_free_slot():
             # The last step that can still hold the version asked for: wait for a slot here
             # (a stall, in the snapshot's waited_for_slot_s) rather than land off the schedule.
-            waited_s = self.p.blocking.wait_for_free_slot()
+            waited_s = self.waits.wait_for_free_slot()
             self.s.slot_wait_s += waited_s
             log.warning(
                 "the checkpoint scheduled for step %d waited %.3f s in optimizer.step() for the previous one to commit "
@@ -181,7 +197,7 @@ class SnapshotStarts:
         if not must_drain and (len(self.p.slots.slots) < self.p.slots.max_inflight or any(not s.busy for s in self.p.slots.slots)):
             return
         started = time.perf_counter()
-        self.p.blocking.drain(timeout_s=None, start_pending=False)
+        self.waits.drain(timeout_s=None)
         self.s.slot_wait_s += time.perf_counter() - started  # in the next snapshot's stats
 
     def _start_snapshot(
@@ -195,7 +211,7 @@ class SnapshotStarts:
     ) -> None:
         s, mode = self.s.step_count, self.p.windows.mode_for(plan.window_steps)
         self.s.next_request_id += 1
-        self.p.restarts.warn_about_late_hooks()
+        self.restarts.warn_about_late_hooks()
         snap = Snapshot.open(self.s.next_request_id, request, s, mode, slot, plan, plan_id, layout, choice)
         snap.waited_for_slot_s, self.s.slot_wait_s = self.s.slot_wait_s, 0.0
         views = slot.entry_views(plan, layout)
