@@ -4,12 +4,14 @@
  * must round as CUDA's fused kernel does (aten/src/ATen/native/cuda/fused_adam_utils.cuh,
  * torch 2.11): lr, betas, weight decay and eps in float32, the moments by FMAs. The Python
  * twin (overlapckpt/fused_adam_math.py) computes the same with about twenty torch passes over
- * each tensor; this is one pass: about 4 ns per element on one thread, against under 1 ns for
- * the CPU's own fused kernel and 17 to 29 for the twin (benchmarks/fused_replay_speed.py).
+ * each tensor; this is one pass, vectorized: about 0.8 ns per element on one thread, beside
+ * 0.7 for the CPU's own fused kernel and about 20 for the twin
+ * (benchmarks/results/replay-arithmetic/run3.txt).
  *
  * Every operation is written out and rounded once: fmaf is the exact fused multiply-add,
  * sqrtf and the division IEEE. Built with -ffp-contract=off, so the compiler contracts
- * nothing the kernel does not, and never with -ffast-math. target_clones picks the FMA
+ * nothing the kernel does not, and never with -ffast-math (-fno-trapping-math only lets it
+ * vectorize the selects; it changes no result). target_clones picks the FMA
  * instruction where the CPU has it, else libm's exact fmaf. The caller (cuda_adam_native.py)
  * passes contiguous float32 arrays and the per-step scalars the kernel computes per tensor.
  *
@@ -20,33 +22,37 @@
 #include <math.h>
 #include <stdint.h>
 
-__attribute__((target_clones("fma", "default")))
-void overlapckpt_cuda_fused_adam_f32(float *param, const float *grad, float *exp_avg, float *exp_avg_sq,
-                                     float *max_exp_avg_sq, int64_t count, float lr_times_weight_decay, float beta1,
-                                     float beta2, float weight_decay, float eps, float step_size,
-                                     float bias_correction2_sqrt, int decoupled_weight_decay, int l2_contracted,
-                                     int maximize) {
+/* Weight decay as the fused kernel applies it: none, AdamW's, Adam's L2 term contracted, or rounded first. */
+enum { WD_NONE = 0, WD_DECOUPLED = 1, WD_L2_CONTRACTED = 2, WD_L2_ROUNDED = 3 };
+
+/* One loop per combination of the branches (inlined with constants below): a loop without
+ * control flow vectorizes, and each vector lane rounds as the scalar code does (fmaf is the
+ * exact fused multiply-add in every lane; division and sqrt are IEEE in every lane). */
+static inline __attribute__((always_inline)) void fused_loop(
+    float *restrict param, const float *restrict grad, float *restrict exp_avg, float *restrict exp_avg_sq,
+    float *restrict max_exp_avg_sq, int64_t count, float lr_times_weight_decay, float beta1, float beta2,
+    float weight_decay, float eps, float step_size, float bias_correction2_sqrt, const int wd_mode, const int maximize,
+    const int amsgrad) {
     for (int64_t i = 0; i < count; ++i) {
         float p = param[i], g = grad[i], m = exp_avg[i], v = exp_avg_sq[i];
         if (maximize) {
             g = -g;
         }
-        if (weight_decay != 0.0f) {
-            if (decoupled_weight_decay) {
-                p = fmaf(-lr_times_weight_decay, p, p); /* param -= lr * weight_decay * param */
-            } else if (l2_contracted) {
-                g = fmaf(p, weight_decay, g); /* grad += param * weight_decay */
-            } else {
-                float l2 = p * weight_decay; /* the same, the product rounded first */
-                g = g + l2;
-            }
+        if (wd_mode == WD_DECOUPLED) {
+            p = fmaf(-lr_times_weight_decay, p, p); /* param -= lr * weight_decay * param */
+        } else if (wd_mode == WD_L2_CONTRACTED) {
+            g = fmaf(p, weight_decay, g); /* grad += param * weight_decay */
+        } else if (wd_mode == WD_L2_ROUNDED) {
+            float l2 = p * weight_decay; /* the same, the product rounded first */
+            g = g + l2;
         }
         m = fmaf(beta1, m, fmaf(-beta1, g, g));
         float gg = g * g;
         v = fmaf(beta2, v, fmaf(-beta2, gg, gg));
         float peak = v;
-        if (max_exp_avg_sq) {
-            peak = max_exp_avg_sq[i] < v ? v : max_exp_avg_sq[i]; /* std::max(max_exp_avg_sq, exp_avg_sq) */
+        if (amsgrad) {
+            float held = max_exp_avg_sq[i];
+            peak = held < v ? v : held; /* std::max(max_exp_avg_sq, exp_avg_sq) */
             max_exp_avg_sq[i] = peak;
         }
         float denom = sqrtf(peak) / bias_correction2_sqrt + eps;
@@ -54,6 +60,31 @@ void overlapckpt_cuda_fused_adam_f32(float *param, const float *grad, float *exp
         param[i] = p - update / denom;
         exp_avg[i] = m;
         exp_avg_sq[i] = v;
+    }
+}
+
+#define FUSED_CASE(WD, MAX, AMS)                                                                                   \
+    case (WD) * 4 + (MAX) * 2 + (AMS):                                                                             \
+        fused_loop(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, count, lr_times_weight_decay, beta1, beta2,    \
+                   weight_decay, eps, step_size, bias_correction2_sqrt, (WD), (MAX), (AMS));                       \
+        break;
+#define FUSED_CASES(WD) FUSED_CASE(WD, 0, 0) FUSED_CASE(WD, 0, 1) FUSED_CASE(WD, 1, 0) FUSED_CASE(WD, 1, 1)
+
+__attribute__((target_clones("fma", "default")))
+void overlapckpt_cuda_fused_adam_f32(float *param, const float *grad, float *exp_avg, float *exp_avg_sq,
+                                     float *max_exp_avg_sq, int64_t count, float lr_times_weight_decay, float beta1,
+                                     float beta2, float weight_decay, float eps, float step_size,
+                                     float bias_correction2_sqrt, int decoupled_weight_decay, int l2_contracted,
+                                     int maximize) {
+    int wd_mode = weight_decay == 0.0f ? WD_NONE
+                  : decoupled_weight_decay ? WD_DECOUPLED
+                  : l2_contracted ? WD_L2_CONTRACTED
+                  : WD_L2_ROUNDED;
+    switch (wd_mode * 4 + (maximize ? 2 : 0) + (max_exp_avg_sq ? 1 : 0)) {
+        FUSED_CASES(WD_NONE)
+        FUSED_CASES(WD_DECOUPLED)
+        FUSED_CASES(WD_L2_CONTRACTED)
+        FUSED_CASES(WD_L2_ROUNDED)
     }
 }
 
@@ -65,33 +96,29 @@ static inline float maximum_propagating_nan(float a, float b) {
     return a < b ? b : a;
 }
 
-__attribute__((target_clones("fma", "default")))
-void overlapckpt_cuda_foreach_adam_f32(float *param, const float *grad, float *exp_avg, float *exp_avg_sq,
-                                       float *max_exp_avg_sq, int64_t count, float weight_decay, float decay,
-                                       float lerp_weight, float beta2, float one_minus_beta2, float eps, float step_size,
-                                       float bias_correction2_sqrt, int decoupled_weight_decay, int maximize,
-                                       int capturable) {
-    const int lerp_from_start = fabsf(lerp_weight) < 0.5f; /* ATen's lerp: two formulas, by the weight */
+static inline __attribute__((always_inline)) void foreach_loop(
+    float *restrict param, const float *restrict grad, float *restrict exp_avg, float *restrict exp_avg_sq,
+    float *restrict max_exp_avg_sq, int64_t count, float weight_decay, float decay, float lerp_weight, float beta2,
+    float one_minus_beta2, float eps, float step_size, float bias_correction2_sqrt, const int wd_mode,
+    const int maximize, const int amsgrad, const int capturable, const int lerp_from_start) {
     const float one_minus_lerp_weight = 1.0f - lerp_weight;
     for (int64_t i = 0; i < count; ++i) {
         float p = param[i], g = grad[i], m = exp_avg[i], v = exp_avg_sq[i];
         if (maximize) {
             g = -g; /* _foreach_neg */
         }
-        if (weight_decay != 0.0f) {
-            if (decoupled_weight_decay) {
-                p = p * decay; /* _foreach_mul_(params, 1 - lr * weight_decay) */
-            } else {
-                g = fmaf(weight_decay, p, g); /* _foreach_add(grads, params, alpha=weight_decay) */
-            }
+        if (wd_mode == WD_DECOUPLED) {
+            p = p * decay; /* _foreach_mul_(params, 1 - lr * weight_decay) */
+        } else if (wd_mode == WD_L2_CONTRACTED) {
+            g = fmaf(weight_decay, p, g); /* _foreach_add(grads, params, alpha=weight_decay) */
         }
-        float difference = g - m; /* _foreach_lerp_(exp_avgs, grads, 1 - beta1) */
+        float difference = g - m; /* _foreach_lerp_(exp_avgs, grads, 1 - beta1): ATen's two formulas, by the weight */
         m = lerp_from_start ? fmaf(lerp_weight, difference, m) : fmaf(-difference, one_minus_lerp_weight, g);
         v = v * beta2; /* _foreach_mul_(exp_avg_sqs, beta2) */
         float gg = g * g;
         v = fmaf(one_minus_beta2, gg, v); /* _foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2) */
         float peak = v;
-        if (max_exp_avg_sq) {
+        if (amsgrad) {
             peak = maximum_propagating_nan(max_exp_avg_sq[i], v); /* _foreach_maximum_ */
             max_exp_avg_sq[i] = peak;
         }
@@ -100,13 +127,37 @@ void overlapckpt_cuda_foreach_adam_f32(float *param, const float *grad, float *e
         denominator = denominator + eps; /* _foreach_add_ */
         if (capturable) {
             denominator = denominator / step_size; /* _foreach_div_(denominators, step_size) */
-            float quotient = m / denominator;
-            param[i] = p + quotient; /* _foreach_addcdiv_(params, exp_avgs, denominators): fma(1, q, p) */
+            param[i] = p + m / denominator; /* _foreach_addcdiv_(params, exp_avgs, denominators): fma(1, q, p) */
         } else {
-            float quotient = m / denominator;
-            param[i] = fmaf(step_size, quotient, p); /* _foreach_addcdiv_(params, exp_avgs, denominators, step_size) */
+            param[i] = fmaf(step_size, m / denominator, p); /* _foreach_addcdiv_(params, exp_avgs, denominators, step_size) */
         }
         exp_avg[i] = m;
         exp_avg_sq[i] = v;
+    }
+}
+
+#define FOREACH_CASE(WD, MAX, AMS, CAP, LERP)                                                                      \
+    case (((((WD) * 2 + (MAX)) * 2 + (AMS)) * 2 + (CAP)) * 2 + (LERP)):                                            \
+        foreach_loop(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, count, weight_decay, decay, lerp_weight,     \
+                     beta2, one_minus_beta2, eps, step_size, bias_correction2_sqrt, (WD), (MAX), (AMS), (CAP), (LERP)); \
+        break;
+#define FOREACH_CASES_L(WD, MAX, AMS, CAP) FOREACH_CASE(WD, MAX, AMS, CAP, 0) FOREACH_CASE(WD, MAX, AMS, CAP, 1)
+#define FOREACH_CASES_C(WD, MAX, AMS) FOREACH_CASES_L(WD, MAX, AMS, 0) FOREACH_CASES_L(WD, MAX, AMS, 1)
+#define FOREACH_CASES_A(WD, MAX) FOREACH_CASES_C(WD, MAX, 0) FOREACH_CASES_C(WD, MAX, 1)
+#define FOREACH_CASES(WD) FOREACH_CASES_A(WD, 0) FOREACH_CASES_A(WD, 1)
+
+__attribute__((target_clones("fma", "default")))
+void overlapckpt_cuda_foreach_adam_f32(float *param, const float *grad, float *exp_avg, float *exp_avg_sq,
+                                       float *max_exp_avg_sq, int64_t count, float weight_decay, float decay,
+                                       float lerp_weight, float beta2, float one_minus_beta2, float eps, float step_size,
+                                       float bias_correction2_sqrt, int decoupled_weight_decay, int maximize,
+                                       int capturable) {
+    int wd_mode = weight_decay == 0.0f ? WD_NONE : decoupled_weight_decay ? WD_DECOUPLED : WD_L2_CONTRACTED;
+    int lerp_from_start = fabsf(lerp_weight) < 0.5f;
+    switch (((((wd_mode * 2 + (maximize ? 1 : 0)) * 2 + (max_exp_avg_sq ? 1 : 0)) * 2 + (capturable ? 1 : 0)) * 2) +
+            lerp_from_start) {
+        FOREACH_CASES(WD_NONE)
+        FOREACH_CASES(WD_DECOUPLED)
+        FOREACH_CASES(WD_L2_CONTRACTED)
     }
 }
