@@ -10,30 +10,24 @@ CPU's own foreach kernels compute, which is why replay cannot use them for a GPU
 from __future__ import annotations
 
 import math
-import shutil
 from fractions import Fraction
 
 import pytest
 import torch
 from exact_float import f32, fma32
 
-from overlapckpt import cuda_adam_native
 from overlapckpt.beta_powers import BetaPowerTables, table_length
 from overlapckpt.foreach_adam_math import step_like_cuda_foreach_adam
+
+from tensor_roads import ROADS, take_cuda_adam_road
 
 LR, BETA1, BETA2, EPS = 1e-3, 0.9, 0.999, 1e-8
 
 
-@pytest.fixture(autouse=True, params=["native", "python"])
+@pytest.fixture(autouse=True, params=ROADS)
 def road(request, monkeypatch):
     """Every test on both roads: the C loop (csrc/cuda_adam.c, contiguous float32) and its torch twin."""
-    if request.param == "python":
-        monkeypatch.setenv("OVERLAPCKPT_NATIVE", "0")
-    elif shutil.which("cc") or shutil.which("gcc"):
-        assert cuda_adam_native.library() is not None  # where it can be built it must be: no silent twin
-    else:
-        pytest.skip("no C compiler: the native road is not built here")
-    return request.param
+    return take_cuda_adam_road(request.param, monkeypatch)
 
 
 def _as(dtype: torch.dtype):

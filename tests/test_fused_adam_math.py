@@ -10,7 +10,6 @@ the log names (the measurement that names it: tests/test_replay_arithmetic.py).
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
 import torch
@@ -23,17 +22,13 @@ from overlapckpt.fused_adam_math import CUDA_FP32_FMA, CUDA_FP32_FMA_L2_ROUNDED,
 from overlapckpt.protocol import GradientStep, ReplayLog, ReplayTables
 from overlapckpt.writer.replay import replay_to_version
 
+from tensor_roads import ROADS, take_cuda_adam_road
 
-@pytest.fixture(autouse=True, params=["native", "python"])
+
+@pytest.fixture(autouse=True, params=ROADS)
 def road(request, monkeypatch):
     """Every test on both roads: the C loop (csrc/cuda_adam.c) and its torch twin."""
-    if request.param == "python":
-        monkeypatch.setenv("OVERLAPCKPT_NATIVE", "0")
-    elif shutil.which("cc") or shutil.which("gcc"):
-        assert cuda_adam_native.library() is not None  # where it can be built it must be: no silent twin
-    else:
-        pytest.skip("no C compiler: the native road is not built here")
-    return request.param
+    return take_cuda_adam_road(request.param, monkeypatch)
 
 
 def _reference_step(p: float, g: float, m: float, v: float, step: float, lr: float, b1: float, b2: float, wd: float,
