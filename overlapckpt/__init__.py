@@ -23,6 +23,7 @@ from .format.manifest import CheckpointInfo
 from .format.storage import CheckpointStore
 from .restore import list_checkpoints, load
 from .restore.pipeline import LoadTargets
+from .settings import CheckpointerSettings
 from .user_log import install_default_handler, set_verbosity
 
 install_default_handler()  # a resume and a close are told without any logging set-up (user_log.py)
@@ -30,6 +31,7 @@ install_default_handler()  # a resume and a close are told without any logging s
 __all__ = [
     # the API
     "Checkpointer",
+    "CheckpointerSettings",
     "CheckpointInfo",
     "LoadTargets",
     "CheckpointStore",

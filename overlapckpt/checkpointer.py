@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import os
 import warnings
@@ -187,6 +188,39 @@ class Checkpointer:
             stateful_names=tuple(sorted(stateful or {})) if isinstance(stateful, dict) else (),
         ).checked()
         self._open(settings, model, optimizer, stateful or {}, process_group, on_commit, signing_key)
+
+    @classmethod
+    def from_settings(
+        cls,
+        model: nn.Module,
+        optimizer: Any,
+        settings: CheckpointerSettings,
+        *,
+        stateful: dict[str, Any] | None = None,
+        process_group: Any = None,
+        on_commit: Callable[[dict[str, Any]], None] | None = None,
+        signing_key: str | bytes | None = None,
+    ) -> Checkpointer:
+        """A Checkpointer from one settings record (``overlapckpt.settings``), beside the keyword constructor.
+
+        The record is built by keyword, a part per concern, and checked here as the keywords are::
+
+            settings = CheckpointerSettings(
+                storage=StorageSettings(path="/ckpt"), window=WindowSettings(window=4), cadence=CadenceSettings(every=100),
+            )
+            ckpt = Checkpointer.from_settings(model, optimizer, settings)
+
+        The live objects (model, optimizer, stateful objects, process group, callback, key) are no
+        settings: they come as arguments, as to the constructor.
+        """
+        if not isinstance(settings, CheckpointerSettings):
+            raise ConfigError(f"settings={settings!r} is not a CheckpointerSettings; build one from overlapckpt.settings, by keyword")
+        names = tuple(sorted(stateful)) if isinstance(stateful, dict) else ()
+        storage = dataclasses.replace(settings.storage, path=check_path(settings.storage.path))
+        checked = dataclasses.replace(settings, storage=storage, stateful_names=names).checked()
+        ckpt = cls.__new__(cls)
+        ckpt._open(checked, model, optimizer, stateful or {}, process_group, on_commit, signing_key)
+        return ckpt
 
     def _open(
         self,

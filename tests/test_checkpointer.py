@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from overlapckpt import Checkpointer, list_checkpoints, load
+from overlapckpt import Checkpointer, ConfigError, list_checkpoints, load
 from overlapckpt.format.storage import CheckpointStore
 from overlapckpt.format.verify import verify_checkpoint
 
@@ -203,3 +203,40 @@ def test_a_model_with_an_empty_buffer_checkpoints_and_restores_bit_exact(tmp_pat
     assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in expected[0].items())
     got = fresh_opt.state_dict()["state"]
     assert all(torch.equal(v, got[i][k]) for i, s in expected[1]["state"].items() for k, v in s.items())
+
+
+def test_from_settings_builds_what_the_keywords_build_and_checks_the_record_as_they_do(tmp_path):
+    """Checkpointer.from_settings(model, optimizer, CheckpointerSettings(...)): the public record, built by keyword, beside
+    the keyword constructor; the same checkpoints, bit for bit, and the same refusals."""
+    from overlapckpt import CheckpointerSettings
+    from overlapckpt.settings import CadenceSettings, StorageSettings, WindowSettings
+
+    states = {}
+    for how in ("keywords", "settings"):
+        model, opt, sched, sampler = make_run()
+        root = tmp_path / how
+        if how == "keywords":
+            ckpt = Checkpointer(model, opt, root, window=1, every=4, keep=2, stateful={"sched": sched})
+        else:
+            settings = CheckpointerSettings(
+                storage=StorageSettings(path=str(root)), window=WindowSettings(window=1), cadence=CadenceSettings(every=4, keep=2),
+            )
+            ckpt = Checkpointer.from_settings(model, opt, settings, stateful={"sched": sched})
+        with ckpt:
+            for _ in range(12):
+                train_step(model, opt, sched, sampler)
+                ckpt.step()
+            ckpt.wait(timeout_s=120)
+        states[how] = [i.step for i in list_checkpoints(str(root))]
+        fresh, fresh_opt, _, _ = make_run(seed=3)
+        load(str(root), fresh, fresh_opt, stateful=None, per_rank_state="skip")
+        states[how].append({k: v.clone() for k, v in fresh.state_dict().items()})
+    assert states["keywords"][:-1] == states["settings"][:-1] == [8, 12]  # every=4, keep=2
+    assert all(torch.equal(v, states["settings"][-1][k]) for k, v in states["keywords"][-1].items())
+    model, opt, _, _ = make_run()
+    with pytest.raises(ConfigError, match=r"every=0 is invalid"):
+        Checkpointer.from_settings(model, opt, CheckpointerSettings(storage=StorageSettings(path=str(tmp_path / "x")), cadence=CadenceSettings(every=0)))
+    with pytest.raises(ConfigError, match=r"path=123 is invalid"):
+        Checkpointer.from_settings(model, opt, CheckpointerSettings(storage=StorageSettings(path=123)))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"is not a CheckpointerSettings; build one from overlapckpt.settings"):
+        Checkpointer.from_settings(model, opt, {"path": str(tmp_path)})  # type: ignore[arg-type]

@@ -158,7 +158,7 @@ def test_every_error_derives_from_the_base_and_the_public_ones_are_the_same_type
     # The top level exports the errors a training script catches (the rest stay in overlapckpt.errors), as the same types.
     exported = {n for n in overlapckpt.__all__ if n.endswith("Error")}
     assert exported <= defined and all(getattr(overlapckpt, n) is getattr(errors, n) for n in exported)
-    assert len(overlapckpt.__all__) - len(exported) == 7  # Checkpointer, CheckpointInfo, LoadTargets, CheckpointStore, list_checkpoints, load, set_verbosity
+    assert len(overlapckpt.__all__) - len(exported) == 8  # Checkpointer, CheckpointerSettings, CheckpointInfo, LoadTargets, CheckpointStore, list_checkpoints, load, set_verbosity
     # Errors are defined only in errors.py: no other module of the package defines an exception class.
     import pkgutil
 
