@@ -4,6 +4,8 @@
 twenty passes over each tensor (about 20 ns per element on one thread, against 0.7 ns for
 the CPU's own fused kernel). This C loop does it in one vectorized pass (about 0.8 ns), for contiguous float32
 tensors (``benchmarks/results/replay-arithmetic/run3.txt``); ``foreach_adam_math.py``'s kernels likewise.
+A large tensor is split across the writer's threads (``torch.get_num_threads()``, which the
+writer sets to ``writer_threads``): elementwise, so the same bits as one call.
 The tests hold both roads to the same exact reference. Compiled once per source version into the user's cache (``cbuild.py``) by
 ``cc -O3 -fno-math-errno -fno-trapping-math -ffp-contract=off``: where no compiler exists, or
 ``OVERLAPCKPT_NATIVE=0``, the torch road runs. Used by the writer; imports neither side.
@@ -11,8 +13,12 @@ The tests hold both roads to the same exact reference. Compiled once per source 
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
+import functools
+import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,6 +61,51 @@ def library() -> ctypes.CDLL | None:
     return _cuda_adam.get()
 
 
+# Below this many elements a tensor is one call: splitting it costs more than it saves.
+PARALLEL_MIN_ELEMENTS = 1 << 18
+_CHUNK_ALIGN = 64  # elements: each thread's chunk starts on a cache line of every array
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _threads() -> int:
+    """The threads a pass may use: torch's intra-op count, which the writer sets to its own (``writer_threads``)."""
+    return max(1, torch.get_num_threads())
+
+
+def _executor(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers != threads:  # noqa: SLF001 - resized when the writer's count changes
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="overlapckpt-replay")
+        return _pool
+
+
+def _in_parallel(function: Any, tensors: list[torch.Tensor], has_max: bool, scalars: tuple[Any, ...]) -> None:
+    """``function(pointers..., count, *scalars)`` over the tensors, split across the writer's threads where large.
+
+    The update is elementwise, so the chunks are independent and the result is the same bits
+    as one call; each call releases the GIL (ctypes.CDLL), so the chunks run at once.
+    """
+    count = tensors[0].numel()
+    bases = [t.data_ptr() for t in tensors[:4]] + [tensors[4].data_ptr() if has_max else None]
+    threads = _threads()
+    if threads == 1 or count < PARALLEL_MIN_ELEMENTS:
+        function(*bases, count, *scalars)
+        return
+    per_thread = -(-count // threads)
+    per_thread = -(-per_thread // _CHUNK_ALIGN) * _CHUNK_ALIGN
+    futures = []
+    for begin in range(0, count, per_thread):
+        n = min(per_thread, count - begin)
+        pointers = [None if b is None else b + 4 * begin for b in bases]  # float32: 4 bytes an element
+        futures.append(_executor(threads).submit(functools.partial(function, *pointers, n, *scalars)))
+    for future in futures:
+        future.result()  # every chunk done (and any error raised) before the tensors are read
+
+
 def _takes(tensors: list[torch.Tensor]) -> ctypes.CDLL | None:
     """The library, where every tensor is contiguous float32 on the CPU; else None (the torch road runs)."""
     lib = library()
@@ -76,12 +127,10 @@ def fused_step_float32(
     lib = _takes(tensors)
     if lib is None:
         return False
-    param, grad, exp_avg, exp_avg_sq = tensors[:4]
-    lib.overlapckpt_cuda_fused_adam_f32(
-        param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), tensors[4].data_ptr() if has_max else None,
-        param.numel(), lr_times_weight_decay, beta1, beta2, weight_decay, eps, step_size, bias_correction2_sqrt,
+    _in_parallel(lib.overlapckpt_cuda_fused_adam_f32, tensors, has_max, (
+        lr_times_weight_decay, beta1, beta2, weight_decay, eps, step_size, bias_correction2_sqrt,
         int(decoupled_weight_decay), int(l2_contracted), int(maximize),
-    )
+    ))
     return True
 
 
@@ -99,10 +148,8 @@ def foreach_step_float32(
     lib = _takes(tensors)
     if lib is None:
         return False
-    param, grad, exp_avg, exp_avg_sq = tensors[:4]
-    lib.overlapckpt_cuda_foreach_adam_f32(
-        param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), tensors[4].data_ptr() if has_max else None,
-        param.numel(), weight_decay, decay, lerp_weight, beta2, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
+    _in_parallel(lib.overlapckpt_cuda_foreach_adam_f32, tensors, has_max, (
+        weight_decay, decay, lerp_weight, beta2, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
         int(decoupled_weight_decay), int(maximize), int(capturable),
-    )
+    ))
     return True

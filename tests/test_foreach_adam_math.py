@@ -16,6 +16,7 @@ import pytest
 import torch
 from exact_float import f32, fma32
 
+from overlapckpt import cuda_adam_native
 from overlapckpt.beta_powers import BetaPowerTables, table_length
 from overlapckpt.foreach_adam_math import step_like_cuda_foreach_adam
 
@@ -235,3 +236,28 @@ def test_a_power_table_holds_the_devices_values_and_the_cpus_past_its_end():
     assert torch.equal(powers.power(beta, torch.tensor(174.0)), beta.pow(torch.tensor(174.0)))  # past the table
     assert torch.equal(powers.power(torch.tensor(0.8), torch.tensor(5.0)), torch.tensor(0.8).pow(torch.tensor(5.0)))  # no table
     assert BetaPowerTables(powers.tables).power(beta, torch.tensor(173.0)) == 173.0  # as the replay log carries it
+
+
+@pytest.mark.parametrize("path", ["fused", "foreach"])
+def test_a_large_tensor_split_across_the_writers_threads_gives_the_same_bits(monkeypatch, road, path):
+    """The C pass splits a large tensor into chunks on the writer's threads; elementwise, so the bits are one call's."""
+    if road == "python":
+        pytest.skip("the split is the C pass's")
+    from overlapckpt.fused_adam_math import step_like_cuda_fused_adam
+
+    step_like = step_like_cuda_fused_adam if path == "fused" else step_like_cuda_foreach_adam
+    monkeypatch.setattr(cuda_adam_native, "PARALLEL_MIN_ELEMENTS", 1000)
+    generator = torch.Generator().manual_seed(11)
+    n = 10_007  # three threads: chunks of 3,392 aligned to 64 elements, the last one short
+    start = torch.randn(n, generator=generator)
+    grads = [torch.randn(n, generator=generator) * torch.logspace(-8, 0, n) for _ in range(3)]
+    states = []
+    for threads in (1, 3):
+        monkeypatch.setattr(cuda_adam_native, "_threads", lambda threads=threads: threads)
+        state = [start.clone(), torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(())]
+        for g in grads:
+            step_like([state[0]], [g], [state[1]], [state[2]], [state[3]], [state[4]], lr=LR, beta1=BETA1, beta2=BETA2,
+                      weight_decay=0.01, eps=EPS, maximize=False, decoupled_weight_decay=True)
+        states.append(state)
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(*states))
+    assert not torch.equal(states[0][0], start)  # the C pass ran: the parameters moved
