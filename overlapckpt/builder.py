@@ -125,6 +125,7 @@ def build(
                 signing_key=signing_key,
                 writer_threads=s.writer.writer_threads,
                 local_root=None if local_store is None else local_store.root,
+                replay_expected=s.window.consistency == "replay" and s.window.window != 1,
             )
 
         writer = start_writer()

@@ -120,6 +120,7 @@ class InitRequest:
     signing_key: bytes | None = None  # sign each manifest (format/signing.py); over the local socket pair only
     writer_threads: int | None = None  # the writer's threads (None: writer.process.writer_thread_count())
     local_root: str | None = None  # the node-local tier's directory (format/tiers.py), if the run has one
+    replay_expected: bool = False  # replay with a window that may exceed 1: the writer warms replay up before Ready
 
 
 @dataclass

@@ -249,3 +249,30 @@ def test_full_collections_come_back_after_a_persist_that_failed():
             assert gc.get_threshold() == (before[0], before[1], NO_FULL_COLLECTION_THRESHOLD)
             raise OSError(28, "No space left on device")
     assert gc.get_threshold() == before
+
+
+def test_the_writer_pays_replays_one_time_imports_at_its_start_not_in_a_persist():
+    """Before: torch.optim's first optimizer in a writer imported torch._dynamo inside the first replay checkpoint's
+    persist (its agree-and-replay phase took 354 ms, the later ones 1 ms). A writer of a run that may replay now runs
+    warm_up() before Ready: after it, constructing and stepping an optimizer imports nothing more."""
+    import inspect
+
+    script = (
+        "import sys\n"
+        "from overlapckpt.writer.replay import warm_up\n"
+        "assert 'torch._dynamo' not in sys.modules, 'imported before the warm-up: nothing to show'\n"
+        "warm_up()\n"
+        "before = set(sys.modules)\n"
+        "import torch\n"
+        "p = torch.nn.Parameter(torch.zeros(3)); o = torch.optim.Adam([p]); p.grad = torch.ones(3); o.step()\n"
+        "new = sorted(set(sys.modules) - before)\n"
+        "assert not new, new\n"
+        "assert 'torch._dynamo' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from overlapckpt.writer import process
+
+    # The writer calls it when the run may replay, before it answers Ready (the constructor waits for that).
+    source = inspect.getsource(process.serve)
+    assert "if init.replay_expected:" in source and source.index("warm_up()") < source.index("p.ReadyResponse(")

@@ -36,6 +36,7 @@ from .group import WriterGroup
 from .persist import persist_snapshot
 from .persist_context import PersistContext
 from .preempt_watch import PreemptionWatch
+from .replay import warm_up
 from .replicas import fetch_into_tier
 
 # How often an idle writer of a distributed run looks for checkpoints other ranks claimed.
@@ -221,6 +222,14 @@ def serve(conn: Connection, fd_sock: socket.socket) -> None:
     except BaseException as e:
         _send(conn, _error_response(None, e))
         return
+    if init.replay_expected:
+        # Before Ready, so before the Checkpointer's constructor returns: after it, a first replay
+        # checkpoint soon after the start waited for the rest (198 ms median against 49 here,
+        # benchmarks/results/small-checkpoint/). Runs that never replay (window 1, stage) skip it.
+        try:
+            warm_up()
+        except Exception:  # noqa: BLE001 - a failure here is the first replay's to report, with its checkpoint
+            logger.exception("warming replay up failed; the first replay checkpoint pays its imports")
     _send(conn, p.ReadyResponse(pid=os.getpid()))
     try:
         _serve_requests(conn, fd_sock, state)

@@ -32,6 +32,23 @@ def _import(spec: tuple[str, str]) -> Any:
     return import_qualified(*spec)
 
 
+def warm_up() -> None:
+    """Pay replay's one-time costs at the writer's start (before Ready, in a run that may replay), not in a persist.
+
+    torch.optim's first optimizer imports ``torch._dynamo`` (0.5 to 1 s on a 2-core VM): a first
+    replay checkpoint of 1.5 MiB took 425 ms where the later ones took 22
+    (benchmarks/results/small-checkpoint/before-warm-up.txt). One AdamW step of one element
+    here, and the C pass loaded (built on first use), leave the first replay nothing to import.
+    """
+    from .. import cuda_adam_native
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([param])
+    param.grad = torch.zeros(1)
+    optimizer.step()
+    cuda_adam_native.library()
+
+
 def replay_to_version(
     entries: list[TensorEntry], tensors: list[torch.Tensor], log: ReplayLog, tables: ReplayTables, grad_buffer: torch.Tensor
 ) -> None:

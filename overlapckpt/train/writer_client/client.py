@@ -65,6 +65,7 @@ class WriterClient:
         signing_key: bytes | None = None,
         writer_threads: int | None = None,
         local_root: str | None = None,
+        replay_expected: bool = False,
     ) -> None:
         self.startup_timeout_s = startup_timeout_s
         parent_sock, child_sock = socket.socketpair()
@@ -88,7 +89,7 @@ class WriterClient:
                 # Where the store class's module may live; "" (the cwd) is never searched.
                 sys_path=[entry for entry in sys.path if entry],
                 root=root, storage_options=storage_options, store_class=store_class, group=group, signing_key=signing_key,
-                writer_threads=writer_threads, local_root=local_root,
+                writer_threads=writer_threads, local_root=local_root, replay_expected=replay_expected,
             )
         )
 
