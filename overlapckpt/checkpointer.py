@@ -176,7 +176,7 @@ class Checkpointer:
         replica_mib_per_s: float = DEFAULT_REPLICA_MIB_PER_S,
     ) -> None:
         settings = CheckpointerSettings(
-            storage=StorageSettings(check_path(path), dict(storage_options or {}), store_class, key_layout, lease),
+            storage=StorageSettings(path, dict(storage_options or {}), store_class, key_layout, lease),  # type: ignore[arg-type]
             window=WindowSettings(window, consistency, max_window, stage_budget_bytes),
             cadence=CadenceSettings(every, keep, max_inflight),
             tier=TierSettings(
@@ -185,9 +185,8 @@ class Checkpointer:
             writer=WriterSettings(max_writer_restarts, writer_threads, float(exit_timeout_s), tuple(export_formats)),
             distributed=DistributedSettings(collective_timeout_s, agreement_timeout_s),
             preemption=PreemptionSettings(tuple(save_on_signal), signal_grace_s),
-            stateful_names=tuple(sorted(stateful or {})) if isinstance(stateful, dict) else (),
-        ).checked()
-        self._open(settings, model, optimizer, stateful or {}, process_group, on_commit, signing_key)
+        )
+        self._open(_checked(settings, stateful), model, optimizer, stateful or {}, process_group, on_commit, signing_key)
 
     @classmethod
     def from_settings(
@@ -215,11 +214,8 @@ class Checkpointer:
         """
         if not isinstance(settings, CheckpointerSettings):
             raise ConfigError(f"settings={settings!r} is not a CheckpointerSettings; build one from overlapckpt.settings, by keyword")
-        names = tuple(sorted(stateful)) if isinstance(stateful, dict) else ()
-        storage = dataclasses.replace(settings.storage, path=check_path(settings.storage.path))
-        checked = dataclasses.replace(settings, storage=storage, stateful_names=names).checked()
         ckpt = cls.__new__(cls)
-        ckpt._open(checked, model, optimizer, stateful or {}, process_group, on_commit, signing_key)
+        ckpt._open(_checked(settings, stateful), model, optimizer, stateful or {}, process_group, on_commit, signing_key)
         return ckpt
 
     def _open(
@@ -548,6 +544,13 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError("this Checkpointer is closed; create a new one to keep checkpointing")
+
+
+def _checked(settings: CheckpointerSettings, stateful: Any) -> CheckpointerSettings:
+    """The record both constructors open with: the path as a string, the stateful objects' names, every value checked."""
+    names = tuple(sorted(stateful)) if isinstance(stateful, dict) else ()
+    storage = dataclasses.replace(settings.storage, path=check_path(settings.storage.path))
+    return dataclasses.replace(settings, storage=storage, stateful_names=names).checked()
 
 
 class _ExitCommit:

@@ -64,8 +64,8 @@ def library() -> ctypes.CDLL | None:
 # Below this many elements a tensor is one call: splitting it costs more than it saves.
 PARALLEL_MIN_ELEMENTS = 1 << 18
 _CHUNK_ALIGN = 64  # elements: each thread's chunk starts on a cache line of every array
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
+_pools: dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # by thread count: the writer sets one and keeps it
+_pools_lock = threading.Lock()
 
 
 def _threads() -> int:
@@ -74,13 +74,10 @@ def _threads() -> int:
 
 
 def _executor(threads: int) -> concurrent.futures.ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool._max_workers != threads:  # noqa: SLF001 - resized when the writer's count changes
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="overlapckpt-replay")
-        return _pool
+    with _pools_lock:
+        if threads not in _pools:
+            _pools[threads] = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="overlapckpt-replay")
+        return _pools[threads]
 
 
 def _in_parallel(function: Any, tensors: list[torch.Tensor], has_max: bool, scalars: tuple[Any, ...]) -> None:
@@ -97,11 +94,12 @@ def _in_parallel(function: Any, tensors: list[torch.Tensor], has_max: bool, scal
         return
     per_thread = -(-count // threads)
     per_thread = -(-per_thread // _CHUNK_ALIGN) * _CHUNK_ALIGN
+    pool = _executor(threads)
     futures = []
     for begin in range(0, count, per_thread):
         n = min(per_thread, count - begin)
         pointers = [None if b is None else b + 4 * begin for b in bases]  # float32: 4 bytes an element
-        futures.append(_executor(threads).submit(functools.partial(function, *pointers, n, *scalars)))
+        futures.append(pool.submit(functools.partial(function, *pointers, n, *scalars)))
     for future in futures:
         future.result()  # every chunk done (and any error raised) before the tensors are read
 

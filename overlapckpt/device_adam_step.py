@@ -24,9 +24,10 @@ from typing import Any
 import torch
 
 from .beta_powers import BetaPowerTables
+from .float32_math import EMULATED_DTYPES
 from .foreach_adam_math import CUDA_FOREACH_CAPTURABLE_FP32_FMA, CUDA_FOREACH_FP32_FMA, step_like_cuda_foreach_adam
 from .fused_adam_math import ARITHMETICS as FUSED_ARITHMETICS
-from .fused_adam_math import EMULATED_DTYPES, decouples_weight_decay, step_like_cuda_fused_adam, torch_fused_adam_class
+from .fused_adam_math import decouples_weight_decay, step_like_cuda_fused_adam, torch_fused_adam_class
 
 FUSED = "fused"
 FOREACH = "foreach"

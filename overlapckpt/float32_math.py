@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import torch
 
+# The dtypes CUDA's optimizer kernels compute in float32 (``opmath``), which the emulations model;
+# float64 is computed in double there, as the CPU's own kernels compute it: not emulated.
+EMULATED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """fma(a, b, c) of float32 values: the product exact in float64, the sum rounded to float32."""

@@ -54,13 +54,11 @@ import torch
 
 from . import cuda_adam_native
 from .beta_powers import BetaPowerTables
-from .float32_math import div_f32, fma_f32, sqrt_f32
+from .float32_math import EMULATED_DTYPES, div_f32, fma_f32, sqrt_f32
 
 CUDA_FOREACH_FP32_FMA = "cuda-foreach-fp32-fma"
 # The capturable path's (bias corrections on the device, from the step tensors).
 CUDA_FOREACH_CAPTURABLE_FP32_FMA = "cuda-foreach-capturable-fp32-fma"
-# The dtypes CUDA's foreach kernels compute in float32 (``opmath``); float64 is computed in double there.
-EMULATED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CHUNK_ELEMENTS = 1 << 20
 
 

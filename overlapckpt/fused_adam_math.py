@@ -43,7 +43,7 @@ import torch
 
 from . import cuda_adam_native
 from .beta_powers import BetaPowerTables
-from .float32_math import div_f32, fma_f32, sqrt_f32
+from .float32_math import EMULATED_DTYPES, div_f32, fma_f32, sqrt_f32
 
 # The replay log's names for these arithmetics; None in the log means the CPU's own fused kernel.
 CUDA_FP32_FMA = "cuda-fp32-fma"
@@ -80,9 +80,6 @@ def _f32(value: float | torch.Tensor) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32)
 
 
-# The dtypes CUDA's fused kernel computes in float32 (``opmath``), which this emulates; float64
-# parameters are computed in double there, as the CPU's own kernel computes them: not emulated.
-EMULATED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Elements per pass: the float64 temporaries of one chunk stay a few tens of MB, whatever the tensor.
 _CHUNK_ELEMENTS = 1 << 20
 

@@ -64,12 +64,12 @@ def _version(window: int, consistency: str) -> int:
     return REQUEST_AT + window - 1 if consistency == "replay" and window > 1 else REQUEST_AT
 
 
-def _tolerance(rig, window: int, consistency: str, optimizer_kind: str = "fused") -> float:
-    # Each param group is replayed by the arithmetic measured on its device (replay_arithmetic.py):
-    # CUDA's fused one (bit for bit on an H200 with torch 2.11) and CUDA's foreach one
-    # (foreach_adam_math.py; before it, the CPU's foreach kernels left 7.7% of parameters an ulp
-    # or more off on the H200). Both must be bit for bit; the error report records what was.
-    return 0.0
+# Each param group is replayed by the arithmetic measured on its device (replay_arithmetic.py):
+# CUDA's fused one (bit for bit on an H200 with torch 2.11) and CUDA's foreach one
+# (foreach_adam_math.py; before it, the CPU's foreach kernels left 7.7% of parameters an ulp
+# or more off on the H200). Window 1, stage and replay of both must be bit for bit; the error
+# report records what was.
+BIT_FOR_BIT = 0.0
 
 
 def _made(copiers: list, cls, rig):
@@ -86,7 +86,7 @@ def _made(copiers: list, cls, rig):
 @pytest.mark.parametrize("window,consistency", MODES)
 def test_delayed_copies_hold_the_twins_state(tmp_path, rig, window, consistency, optimizer_kind, request):
     spec = DELAY_MODEL.on(rig)
-    version, tol = _version(window, consistency), _tolerance(rig, window, consistency, optimizer_kind)
+    version, tol = _version(window, consistency), BIT_FOR_BIT
     twin = twin_states(rig, spec, optimizer_kind, versions=(version, version + 1))
     assert mismatches(twin[version + 1], twin[version], tol)  # a copy of the next version would show
 
@@ -115,7 +115,7 @@ def test_removing_fence_2_tears_the_checkpoint(tmp_path, rig, window, consistenc
     # overwrites state that the held-back copy has not read yet. This is what the delay
     # tests would see if the engine lost the fence, so they can fail.
     spec = SMALL_MODEL.on(rig)
-    version, tol = _version(window, consistency), _tolerance(rig, window, consistency)
+    version, tol = _version(window, consistency), BIT_FOR_BIT
     twin = twin_states(rig, spec, "fused", versions=(version, version + 1))
     assert mismatches(twin[version + 1], twin[version], tol)
 
@@ -228,7 +228,7 @@ def test_replay_window_8_error_against_the_twin(tmp_path, rig, request):
     # replayed by CUDA's fused arithmetic, bit for bit (before it, through the CPU's fused kernel,
     # exp_avg_sq was 1.28e-5 off on an H200: 1 - float32(0.999) is not float32(1 - 0.999)).
     spec, window = ModelSpec(width=rig.scaled(2048), depth=8), 8
-    version, tol = _version(window, "replay"), _tolerance(rig, window, "replay", "fused")
+    version, tol = _version(window, "replay"), BIT_FOR_BIT
     stats = checkpointed_run(
         tmp_path, rig, spec, "fused", steps=version + 2, request_at=[REQUEST_AT], window=window, consistency="replay",
     )

@@ -157,6 +157,7 @@ def _from_tiers(
     for each in each_optimizer(optimizers):
         check_optimizer_matches_model(targets.model, each, given_to="load")
     directory = None if options.local_dir is None else os.fspath(options.local_dir)
+    options = dataclasses.replace(options, local_dir=directory)  # one form from here on: a str or None
     # Before anything touches a live object: a first run has nothing to restore, on every rank alike.
     if options.step is None and not anything_to_restore(path, directory, options.storage_options, group):
         if options.missing_ok:
@@ -201,7 +202,7 @@ def _read_newest(
         check_signed(store, name, manifest, options.signing_key)
         return files_in_load_plan(store, name, manifest, named_as(manifest.key_layout, *live), rank == 0)
 
-    directory = None if options.local_dir is None else os.fspath(options.local_dir)
+    directory = None if options.local_dir is None else str(options.local_dir)  # a str already (_from_tiers)
     return from_newest_tier(path, directory, options.step, options.storage_options, group, world, read, fetch, files_read, report)
 
 

@@ -42,8 +42,9 @@ from ...device_adam_step import (
     replay_hyperparameters,
     step_like_the_device,
 )
+from ...float32_math import EMULATED_DTYPES
 from ...format.manifest import GroupArithmetic
-from ...fused_adam_math import EMULATED_DTYPES, torch_fused_adam_class
+from ...fused_adam_math import torch_fused_adam_class
 
 log = logging.getLogger("overlapckpt")
 
@@ -105,6 +106,8 @@ def group_arithmetics(optimizer_cls: type, param_groups: list[dict[str, Any]]) -
 def device_power_tables(device: torch.device, betas: list[float], into: BetaPowerTables) -> None:
     """The device's ``pow(beta, k)`` tables for ``betas`` (computed there once per process), added to ``into``."""
     for beta in betas:
+        if into.covers(beta):  # another group of the same betas added it already
+            continue
         key = (str(device), float(beta))
         if key not in _device_powers:
             _device_powers[key] = powers_on(device, beta)  # .to("cpu") synchronizes: once, outside any step
@@ -113,7 +116,7 @@ def device_power_tables(device: torch.device, betas: list[float], into: BetaPowe
 
 def _group_arithmetic(optimizer_cls: type, torch_cls: type | None, index: int, group: dict[str, Any], powers: BetaPowerTables) -> GroupArithmetic:
     name = f"{optimizer_cls.__name__} param group {index}"
-    params = [p for p in group["params"]]
+    params = list(group["params"])
     devices = sorted({str(p.device) for p in params}) or ["cpu"]
     accelerators = [d for d in devices if not d.startswith("cpu")]
     if not accelerators:
@@ -149,8 +152,9 @@ def _group_arithmetic(optimizer_cls: type, torch_cls: type | None, index: int, g
             log.warning("replay of %s (%s on %s): could not measure the device's arithmetic (%s: %s); replay uses the CPU's "
                         "kernel, whose roundings may differ from the device's (docs/gpu.md)", name, path, device, type(e).__name__, e)
             _measured[key] = (None, -1, 0)
-    if path in DEVICE_POWER_PATHS and _measured[key][1] >= 0:
-        device_power_tables(configuration.device, list(hyperparameters["betas"]), powers)  # computed once: a lookup
+    elif path in DEVICE_POWER_PATHS and _measured[key][1] >= 0:
+        # Measured for another optimizer of this process: its tables were computed then, a lookup now.
+        device_power_tables(configuration.device, list(hyperparameters["betas"]), powers)
     best, differing, total = _measured[key]
     if differing < 0:
         return GroupArithmetic(index, device, path, None, False, "the device's arithmetic could not be measured")
@@ -216,10 +220,13 @@ def _state_by_emulation(
     return _stepped(optimizer, param, grads, torch.device("cpu"), lambda: step_like_the_device(optimizer, [arithmetic], powers))
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
 def _differing_elements(got: list[torch.Tensor], ref: list[torch.Tensor]) -> int:
     # bitwise: a NaN equals itself, and -0.0 differs from 0.0
-    return sum(int((g.view(torch.int16 if g.element_size() == 2 else torch.int32) != r.view(torch.int16 if r.element_size() == 2 else torch.int32)).sum())
-               for g, r in zip(got, ref))
+    return sum(int((_bits(g) != _bits(r)).sum()) for g, r in zip(got, ref))
 
 
 def candidates_of(path: str) -> list[str | None]:
