@@ -145,7 +145,7 @@ def check_stage_region(target: Target, root: str) -> dict[str, Any]:
         for _ in range(12):
             _step(model, opt, x)
             ckpt.step()
-            region = ckpt._engine.staging.region
+            region = ckpt._engine.parts.staging.region
             if region is not None:
                 regions.add(region.data_ptr())
         infos = ckpt.wait(timeout_s=120)

@@ -410,10 +410,10 @@ class Overlapckpt(Method):
 
     def finish(self, timeout_s: float) -> None:
         engine = self.ckpt._engine
-        host_bytes = engine.slots.host_nbytes()
+        host_bytes = engine.parts.slots.host_nbytes()
         self.notes["host_buffer_bytes"] = host_bytes
         # The emulated device registers host memory as CUDA would, but locks no page.
-        self.notes["host_pinned_bytes"] = host_bytes if getattr(engine.copier.device, "locks_pages", False) else 0
+        self.notes["host_pinned_bytes"] = host_bytes if getattr(engine.parts.copier.device, "locks_pages", False) else 0
         self.ckpt.close(timeout_s=timeout_s)
         # A request is answered by the first snapshot started at or after it (a request
         # that had to wait for a free slot starts later, and may answer a later one too).

@@ -35,6 +35,7 @@ from .train.consistency.autowindow import PhaseTimer, make_gap_timer
 from .train.copying.layout import CheckpointScope
 from .train.copying.transfer import Copier, make_copier
 from .train.lifecycle.engine import SnapshotEngine
+from .train.lifecycle.engine_parts import BuiltUnits, RunCallbacks
 from .train.run.distributed import DistributedRun, is_distributed, node_keys_of, set_up_distributed
 from .train.run.lineage import Lineage
 from .train.run.preemption import PreemptionGuard, default_grace_s
@@ -70,19 +71,20 @@ class BuiltCheckpointer:
     writer_timeout_s: float = 30.0
 
 
-def build(
-    settings: CheckpointerSettings,
-    model: nn.Module,
-    optimizer: Any,
-    stateful: dict[str, Any],
-    *,
-    process_group: Any,
-    on_commit: Callable[[dict[str, Any]], None] | None,
-    signing_key: bytes | None,
-    seams: Seams,
-    save_now: Callable[[float], Any],
-) -> BuiltCheckpointer:
-    """Every part of a Checkpointer over ``model`` and ``optimizer`` (already unwrapped and checked)."""
+@dataclass(frozen=True)
+class LiveObjects:
+    """What a Checkpointer is built over and no settings record holds: the live objects of the run."""
+
+    model: nn.Module
+    optimizer: Any  # the torch optimizer, already unwrapped and checked
+    stateful: dict[str, Any]  # the other stateful objects, by key
+    process_group: Any  # None, or the group a distributed run checkpoints over
+    on_commit: Callable[[dict[str, Any]], None] | None
+    signing_key: bytes | None
+
+
+def build(settings: CheckpointerSettings, live: LiveObjects, *, seams: Seams, save_now: Callable[[float], Any]) -> BuiltCheckpointer:
+    """Every part of a Checkpointer over ``live``'s model and optimizer (already unwrapped and checked)."""
     s = settings
     with contextlib.ExitStack() as stack:
         # The lease is taken last, and released last: its release goes on the stack first.
@@ -94,10 +96,10 @@ def build(
 
         stack.callback(release_lease)
         distributed = None
-        if is_distributed(process_group):
+        if is_distributed(live.process_group):
             distributed = set_up_distributed(
-                model, process_group, s.agreed(), s.distributed.collective_timeout_s, s.distributed.agreement_timeout_s,
-                replaced_when_dead=s.writer.max_writer_restarts > 0,
+                live.model, live.process_group, s.agreed(), s.distributed.collective_timeout_s,
+                s.distributed.agreement_timeout_s, replaced_when_dead=s.writer.max_writer_restarts > 0,
             )
         store = s.storage.store_class(s.storage.path, dict(s.storage.storage_options))
         store.prepare_root()
@@ -110,24 +112,7 @@ def build(
         lineage.note_existing(store.committed_names() + ([] if local_store is None else local_store.committed_names()), own=set())
         # Filled in once the engine exists: a replacement writer is told which checkpoints its rank lost.
         engine_box: list[SnapshotEngine] = []
-
-        def start_writer(restarted: bool = False) -> WriterClient:
-            spec = None if distributed is None else distributed.writer_spec
-            if spec is not None and restarted:
-                # It opens the writers' next generation, and tells them which checkpoints this rank
-                # had sent to the dead writer: they are lost on every rank.
-                spec = dataclasses.replace(spec, restarted=True, lost_names=tuple(engine_box[0].dispatcher.sent_names()))
-            return WriterClient(
-                s.storage.path,
-                dict(s.storage.storage_options),
-                (s.storage.store_class.__module__, s.storage.store_class.__qualname__),
-                group=spec,
-                signing_key=signing_key,
-                writer_threads=s.writer.writer_threads,
-                local_root=None if local_store is None else local_store.root,
-                replay_expected=s.window.consistency == "replay" and s.window.window != 1,
-            )
-
+        start_writer = _WriterStarter(s, distributed, local_store, live.signing_key, engine_box)
         writer = start_writer()
         # Until the link owns it: a writer that cannot get ready is closed on the way out.
         stack.callback(lambda: None if engine_box else writer.close())
@@ -137,25 +122,11 @@ def build(
         writer.wait_ready()
         # A dead writer is replaced; in a distributed run its replacement re-forms the writers' group.
         link = WriterLink(writer, lambda: start_writer(restarted=True), s.writer.max_writer_restarts, distributed=distributed is not None)
-        preemption, control_page = _preemption_guard(s, writer, link, distributed, save_now, lambda: engine_box[0].step_count, stack)
-        first = next(iter(model.parameters()), None)
-        device = first.device if first is not None else torch.device("cpu")
-        auto = s.window.window == AUTO_WINDOW
-        phase_timer = seams.phase_timer if seams.phase_timer is not None or not auto else make_gap_timer(device)
+        preemption, control_page = _preemption_guard(s, writer, link, distributed, save_now, lambda: engine_box[0].state.step_count, stack)
+        units = _engine_units(s, live.model, link, seams, lineage, distributed)
         try:
-            engine = SnapshotEngine(
-                model,
-                optimizer,
-                s,
-                stateful=stateful,
-                link=link,
-                copier=seams.copier if seams.copier is not None else make_copier(device),
-                gap_timer=phase_timer if auto else None,
-                scope=CheckpointScope() if distributed is None else distributed.scope,
-                lineage=lineage,
-                at_boundary=None if preemption is None else preemption.at_boundary,
-                on_commit=on_commit,
-            )
+            callbacks = RunCallbacks(at_boundary=None if preemption is None else preemption.at_boundary, on_commit=live.on_commit)
+            engine = SnapshotEngine(live.model, live.optimizer, s, stateful=live.stateful, units=units, callbacks=callbacks)
         except BaseException:
             link.close(timeout_s=30.0)  # nothing may outlive a constructor that raised
             raise
@@ -168,23 +139,85 @@ def build(
         # the writer, the page's other user, stops first, then the page is released.
         stack.callback(lambda: engine.shut_down(built.writer_timeout_s))
         # Last: a refusal then tears down what was built, and nothing touched the root's checkpoints.
-        lease = take_root_lease(store, lineage.run_id, distributed) if s.storage.lease else None
-        if lease is not None:
-            lease_box.append(lease)
-        local_lease = None
-        if local_store is not None and s.storage.lease:
-            # The local tier is leased as a root is: one job per directory, and a dead job's
-            # attempts there are removed by the next one's. Siblings a dead job left go too.
-            local_lease = take_root_lease(local_store, lineage.run_id, distributed)
-            if local_lease is not None:
-                lease_box.append(local_lease)
-            if distributed is None or distributed.scope.rank == 0:
-                sweep_dead_tiers(local_store.root)
-        lineage.root_leased = lease is not None and (local_store is None or local_lease is not None)
-        built.lease = lease
+        built.lease = _take_leases(s, store, local_store, lineage, distributed, lease_box)
         built.teardown = stack.pop_all()
         return built
     raise InternalError("the builder's ExitStack swallowed an exception")  # it never does: nothing returns True
+
+
+class _WriterStarter:
+    """Starts this rank's writer process; called again with ``restarted=True`` when a dead one is replaced."""
+
+    def __init__(
+        self,
+        s: CheckpointerSettings,
+        distributed: DistributedRun | None,
+        local_store: CheckpointStore | None,
+        signing_key: bytes | None,
+        engine_box: list[SnapshotEngine],
+    ) -> None:
+        self.s, self.distributed, self.local_store, self.signing_key = s, distributed, local_store, signing_key
+        self.engine_box = engine_box  # the engine, once it exists
+
+    def __call__(self, restarted: bool = False) -> WriterClient:
+        s = self.s
+        spec = None if self.distributed is None else self.distributed.writer_spec
+        if spec is not None and restarted:
+            # It opens the writers' next generation, and tells them which checkpoints this rank
+            # had sent to the dead writer: they are lost on every rank.
+            spec = dataclasses.replace(spec, restarted=True, lost_names=tuple(self.engine_box[0].parts.dispatcher.sent_names()))
+        return WriterClient(
+            s.storage.path,
+            dict(s.storage.storage_options),
+            (s.storage.store_class.__module__, s.storage.store_class.__qualname__),
+            group=spec,
+            signing_key=self.signing_key,
+            writer_threads=s.writer.writer_threads,
+            local_root=None if self.local_store is None else self.local_store.root,
+            replay_expected=s.overlap.consistency == "replay" and s.overlap.window != 1,
+        )
+
+
+def _engine_units(
+    s: CheckpointerSettings, model: nn.Module, link: WriterLink, seams: Seams, lineage: Lineage, distributed: DistributedRun | None
+) -> BuiltUnits:
+    """The copier and phase timer for the model's device (or the seams' own), with the link, scope and lineage."""
+    first = next(iter(model.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    auto = s.overlap.window == AUTO_WINDOW
+    phase_timer = seams.phase_timer if seams.phase_timer is not None or not auto else make_gap_timer(device)
+    return BuiltUnits(
+        link=link,
+        copier=seams.copier if seams.copier is not None else make_copier(device),
+        gap_timer=phase_timer if auto else None,
+        scope=CheckpointScope() if distributed is None else distributed.scope,
+        lineage=lineage,
+    )
+
+
+def _take_leases(
+    s: CheckpointerSettings,
+    store: CheckpointStore,
+    local_store: CheckpointStore | None,
+    lineage: Lineage,
+    distributed: DistributedRun | None,
+    lease_box: list[RootLease],
+) -> RootLease | None:
+    """The root's lease (and the local tier's), each added to ``lease_box`` for release; the root's, or None."""
+    lease = take_root_lease(store, lineage.run_id, distributed) if s.storage.lease else None
+    if lease is not None:
+        lease_box.append(lease)
+    local_lease = None
+    if local_store is not None and s.storage.lease:
+        # The local tier is leased as a root is: one job per directory, and a dead job's
+        # attempts there are removed by the next one's. Siblings a dead job left go too.
+        local_lease = take_root_lease(local_store, lineage.run_id, distributed)
+        if local_lease is not None:
+            lease_box.append(local_lease)
+        if distributed is None or distributed.scope.rank == 0:
+            sweep_dead_tiers(local_store.root)
+    lineage.root_leased = lease is not None and (local_store is None or local_lease is not None)
+    return lease
 
 
 def _local_tier(s: CheckpointerSettings, distributed: DistributedRun | None) -> CheckpointStore | None:

@@ -53,8 +53,8 @@ class StorageSettings:
 
 
 @dataclass(frozen=True)
-class WindowSettings:
-    """How the device-to-host copy is spread over steps, and kept consistent."""
+class OverlapSettings:
+    """How the device-to-host copy is spread over steps (``window``, in optimizer steps), and kept consistent."""
 
     window: int | str = 1
     consistency: str = "replay"
@@ -124,7 +124,7 @@ class CheckpointerSettings:
     """Every setting of one Checkpointer."""
 
     storage: StorageSettings
-    window: WindowSettings = field(default_factory=WindowSettings)
+    overlap: OverlapSettings = field(default_factory=OverlapSettings)
     cadence: CadenceSettings = field(default_factory=CadenceSettings)
     tier: TierSettings = field(default_factory=TierSettings)
     writer: WriterSettings = field(default_factory=WriterSettings)
@@ -134,7 +134,7 @@ class CheckpointerSettings:
 
     def checked(self) -> CheckpointerSettings:
         """This record, or ConfigError naming the first invalid value and the fix."""
-        w, c, wr, d, st = self.window, self.cadence, self.writer, self.distributed, self.storage
+        w, c, wr, d, st = self.overlap, self.cadence, self.writer, self.distributed, self.storage
         if w.window != AUTO_WINDOW:
             check_positive_int("window", w.window, "the number of optimizer steps the copy is spread over, or 'auto'", allow_none=False)
         check_positive_int("max_window", w.max_window, "the widest window window='auto' may choose", allow_none=False)

@@ -137,7 +137,7 @@ def test_a_tight_loop_with_every_2_gets_every_checkpoint_it_asked_for(tmp_path):
     step rather than merge into a later one. Before: every=2 for 2 s under load wrote only step-2 and step-40."""
     model, opt, sched, sampler = make_run()
     with Checkpointer(model, opt, tmp_path, every=2) as ckpt:
-        assert ckpt._engine.link.writer.awaiting_responses == 0  # its ReadyResponse was read in the constructor
+        assert ckpt._engine.parts.link.writer.awaiting_responses == 0  # its ReadyResponse was read in the constructor
         for _ in range(20):
             train_step(model, opt, sched, sampler)
             ckpt.step()
@@ -209,7 +209,7 @@ def test_from_settings_builds_what_the_keywords_build_and_checks_the_record_as_t
     """Checkpointer.from_settings(model, optimizer, CheckpointerSettings(...)): the public record, built by keyword, beside
     the keyword constructor; the same checkpoints, bit for bit, and the same refusals."""
     from overlapckpt import CheckpointerSettings
-    from overlapckpt.settings import CadenceSettings, StorageSettings, WindowSettings
+    from overlapckpt.settings import CadenceSettings, OverlapSettings, StorageSettings
 
     states = {}
     for how in ("keywords", "settings"):
@@ -219,7 +219,7 @@ def test_from_settings_builds_what_the_keywords_build_and_checks_the_record_as_t
             ckpt = Checkpointer(model, opt, root, window=1, every=4, keep=2, stateful={"sched": sched})
         else:
             settings = CheckpointerSettings(
-                storage=StorageSettings(path=str(root)), window=WindowSettings(window=1), cadence=CadenceSettings(every=4, keep=2),
+                storage=StorageSettings(path=str(root)), overlap=OverlapSettings(window=1), cadence=CadenceSettings(every=4, keep=2),
             )
             ckpt = Checkpointer.from_settings(model, opt, settings, stateful={"sched": sched})
         with ckpt:

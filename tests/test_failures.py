@@ -122,7 +122,7 @@ def test_writer_killed_between_checkpoints_is_raised_at_a_hook(tmp_path):
         train_step(model, opt, sched, sampler)
         ckpt.request()
         ckpt.wait(timeout_s=120)
-        assert ckpt._engine.link.writer.awaiting_responses == 0  # precondition: idle, nothing due
+        assert ckpt._engine.parts.link.writer.awaiting_responses == 0  # precondition: idle, nothing due
         os.kill(ckpt.writer_pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
         with pytest.raises(WriterDiedError, match=r"SIGKILL.*while no checkpoint was in flight"):

@@ -763,7 +763,7 @@ def writer_restarted(out: str) -> dict[str, Any]:
                 # So that the next hook, before step 7 is requested, sees the death.
                 assert exited_within(pid, 60), f"writer {pid} outlived SIGKILL by 60 s"
         result["committed_at_end"] = late + [i.step for i in ckpt.wait(timeout_s=120)]
-        result["lost"] = ckpt._engine.dispatcher.lost_to_regroup
+        result["lost"] = ckpt._engine.parts.dispatcher.lost_to_regroup
         result["writer_restarts"] = ckpt.writer_restarts
     except Exception as e:
         result["error"] = f"{type(e).__name__}: {e}"

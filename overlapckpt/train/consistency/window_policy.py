@@ -50,14 +50,18 @@ class WindowPolicy:
     def replay_blocked(self) -> bool:
         return self.consistency == SnapshotMode.REPLAY and (self.grad_scaler_seen or self.replay_unfollowable)
 
-    def choose(self, layout: StateLayout, plans: PlanCache, staging: StagingArea) -> tuple[int, WindowChoice | None]:
-        """The window of a snapshot starting now, and the tuner's choice record (None for a fixed window)."""
+    def choose(self, plans: PlanCache, staging: StagingArea, layout: StateLayout | None = None) -> tuple[int, WindowChoice | None]:
+        """The window of a snapshot starting now, and the tuner's choice record (None for a fixed window).
+
+        ``layout``: the state's, if the caller has it; else taken from ``plans`` only when the
+        tuner needs it (a fixed window does not: the layout's fingerprint walks every tensor).
+        """
         if self.tuner is None:
             return (1 if self.replay_blocked else int(self.window_setting)), None
         self._collect_phases()
         if self.distributed:
             return self._agreed_choice(self.tuner)
-        choice = self._tuned(self.tuner, layout, plans, staging)
+        choice = self._tuned(self.tuner, plans.layout() if layout is None else layout, plans, staging)
         return choice.window_steps, choice
 
     def propose(self, layout: StateLayout, plans: PlanCache, staging: StagingArea) -> int | None:

@@ -37,7 +37,7 @@ class BlockingCalls:
         """Finish every requested snapshot now and block until the writer committed each (``start_due`` starts what is due)."""
         if self.s.dead is not None:
             raise self.s.dead
-        self.completion.raise_pending()
+        self.completion.settle(start_due)
         self.drain(timeout_s, start_due)
         return self.p.dispatcher.take_committed()
 
@@ -58,7 +58,7 @@ class BlockingCalls:
                 for t in snap.tickets:
                     self.p.copier.wait(t)
             self.completion.progress()
-            self.completion.raise_pending()
+            self.completion.settle(start_due)
             if not self.s.snapshots and not self.p.dispatcher.in_flight and not (start_due and self.p.requests.due_by(self.s.step_count)):
                 break
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -72,7 +72,7 @@ class BlockingCalls:
                     self.p.dispatcher.wait_one(remaining)
                 except TimeoutError:
                     continue  # the deadline check above raises the named error
-            self.completion.raise_pending()
+            self.completion.settle(start_due)
 
     def wait_for_free_slot(self) -> float:
         """A scheduled checkpoint at its version's step, every slot busy: wait for one, without a host-device sync; the seconds.
@@ -89,7 +89,7 @@ class BlockingCalls:
                 self.s.close_boundary(snap, provisional=False)
         while not self.p.slots.may_have_free_slot():
             self.completion.progress()
-            self.completion.raise_pending(may_start=False)
+            self.completion.settle(start_due=None)  # the start that waits goes on once this returns
             if self.p.slots.may_have_free_slot():
                 break
             if self.p.dispatcher.in_flight or self.p.link.writer.awaiting_responses:

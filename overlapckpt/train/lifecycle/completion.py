@@ -24,17 +24,17 @@ if TYPE_CHECKING:
 class SnapshotCompletion:
     """Handing landed snapshots to the writer and reading its answers; a dead writer's replacement."""
 
-    def __init__(self, parts: EngineParts, start_pending: Callable[[], None]) -> None:
+    def __init__(self, parts: EngineParts) -> None:
         self.p = parts
         self.s = parts.state
-        self.start_pending = start_pending  # what was pending when a writer died starts on its replacement
 
     def progress(self) -> None:
         """Hand landed snapshots to the writer and read its answers. Never blocks."""
         self.send_landed()
         self.p.dispatcher.poll()
-        if self.p.dispatcher.agreed_window is not None:
-            self.p.windows.agreed_window = self.p.dispatcher.agreed_window
+        agreed = self.p.dispatcher.take_agreed_window()
+        if agreed is not None:  # held by the window policy alone from here on
+            self.p.windows.agreed_window = agreed
 
     def send_landed(self) -> None:
         """Hand landed snapshots to the writer (the landing watch's step too: it reads no answers, so
@@ -65,32 +65,41 @@ class SnapshotCompletion:
                     self.p.staging.forget_landed_drains()
                 self.p.windows.observe_copies(stats.copied_nbytes, stats.copy_s)
 
-    def raise_pending(self, may_start: bool = True) -> None:
-        """Raise the writer's error, or replace a dead writer; ``may_start=False`` in the update point.
+    def raise_pending(self) -> bool:
+        """Raise the writer's error; True when it was a dead writer, now replaced (nothing raised).
 
-        Right before the update, nothing may start: this hook has logged the step's gradients
-        and fenced its copies already, so a replay snapshot started here would miss this
-        step's gradients (a wrong checkpoint listed, found by fault seed 50), and any
-        snapshot's first copies would race the update. The post-hook starts it instead.
+        The engine decides what follows a replacement: a request the death interrupted
+        starts at this same step (``engine.py``), unless the hook may start nothing (the
+        update point, a hook's wait for a slot); then the answers are read again and this
+        is called again, until no error is left.
         """
         error, self.p.dispatcher.error = self.p.dispatcher.error, None
         if error is None:
-            return
+            return False
         if isinstance(error, WriterDiedError):
             if self.replace_dead_writer(error):
-                # A request the death interrupted starts now, at this same step (or, when the
-                # death was seen in a request's wait for a slot, as that wait returns: starting.py;
-                # or in the update point, at the post-hook that follows).
-                if may_start:
-                    self.start_pending()
-                self.progress()
-                self.raise_pending(may_start)
-                return
+                return True
             # In-flight snapshots are gone with the writer; their slots are unusable.
             self.s.dead = error
             self.s.snapshots.clear()
             self.p.dispatcher.drop_all()
         raise error
+
+    def settle(self, start_due: Callable[[], None] | None) -> None:
+        """Raise the writer's error, or replace a dead writer and go on (``start_due``: what starts on its replacement).
+
+        ``start_due`` is None where nothing may start. Right before the update: this hook
+        has logged the step's gradients and fenced its copies already, so a replay snapshot
+        started there would miss this step's gradients (a wrong checkpoint listed, found by
+        fault seed 50), and any snapshot's first copies would race the update; the post-hook
+        starts it instead. In a hook's wait for a slot: the start that waits goes on once
+        the wait returns, at this same step (issue 17: starting it inside the wait would hold
+        the hook until a checkpoint commits that needs the other ranks' collectives).
+        """
+        while self.raise_pending():
+            if start_due is not None:
+                start_due()
+            self.progress()
 
     def replace_dead_writer(self, error: WriterDiedError) -> bool:
         """Start a new writer and hand it the host buffers, plans and complete snapshots; False if none may start."""

@@ -53,6 +53,17 @@ class _Sent:
     replay: ReplayProgress = ReplayProgress.NOT_STARTED
 
 
+@dataclass(frozen=True)
+class PersistOptions:
+    """What every persist request of a run asks of the writer, besides the snapshot itself."""
+
+    keep: int | None = None  # the root's retention: checkpoints kept (None: all)
+    local_keep: int | None = None  # the local tier's retention
+    export_formats: tuple[str, ...] = ()
+    key_layout: str = GET_STATE_DICT
+    optimizer: str | None = None  # the optimizer class(es) by full name, for the manifest
+
+
 class PersistDispatcher:
     """Sent snapshots, committed stats, and the first writer error."""
 
@@ -60,20 +71,13 @@ class PersistDispatcher:
         self,
         link: WriterLink,
         slots: SlotPool,
-        keep: int | None,
         lineage: Lineage,
+        options: PersistOptions,
         on_commit: Callable[[dict[str, Any]], None] | None = None,
         unsolicited_errors: bool = False,
-        export_formats: tuple[str, ...] = (),
-        key_layout: str = GET_STATE_DICT,
-        optimizer: str | None = None,
-        local_keep: int | None = None,
     ) -> None:
-        self.local_keep = local_keep  # the local tier's retention
-        self.optimizer = optimizer  # the optimizer class(es) by full name, for the manifest
+        self.options = options
         self.lineage = lineage
-        self.export_formats = export_formats
-        self.key_layout = key_layout
         self.on_commit = on_commit
         # Figures of something other than a commit (a restore's), handed to on_commit with the next commit's.
         self.figures_for_next_commit: dict[str, Any] = {}
@@ -83,7 +87,6 @@ class PersistDispatcher:
         # this rank did not; the pipe is then read at every hook (~13 us), not only when due.
         self.unsolicited_errors = unsolicited_errors
         self.slots = slots
-        self.keep = keep
         self.stats: list[SnapshotStats] = []  # committed checkpoints, in commit order
         # Versions this run's current lineage committed: a new snapshot of one would duplicate it.
         # A restore starts a new lineage and clears them (its versions are to be taken again).
@@ -93,8 +96,14 @@ class PersistDispatcher:
         self.error: OverlapCkptError | None = None
         self.lost_to_regroup = 0  # checkpoints a distributed run lost to a writer's replacement
         self.lost_mid_replay = 0  # checkpoints whose writer died while it replayed them in place
-        self.agreed_window: int | None = None  # window="auto" in a distributed run: what the writers agreed
+        # window="auto" in a distributed run: what the writers agreed, until the engine takes it (take_agreed_window).
+        self._agreed_window: int | None = None
         self._fetch_ids = itertools.count(-1, -1)  # a restore's fetches: negative, so never a snapshot's request id
+
+    def take_agreed_window(self) -> int | None:
+        """The window the writers agreed for the next checkpoint since the last call (distributed ``window="auto"``), or None."""
+        agreed, self._agreed_window = self._agreed_window, None
+        return agreed
 
     @property
     def in_flight(self) -> int:
@@ -130,18 +139,18 @@ class PersistDispatcher:
             extra_state=extra_state,
             ledger=snap.ledger.to_json(),
             stats=_stats_json(stats),
-            keep=self.keep,
+            keep=self.options.keep,
             run_id=self.lineage.run_id,
             restored_from=self.lineage.restored_from,
             ancestors=tuple(self.lineage.ancestors),
             replay=replay,
             proposed_next_window=proposed_next_window,
             root_leased=self.lineage.root_leased,
-            export_formats=self.export_formats,
-            key_layout=self.key_layout,
-            optimizer=self.optimizer,
+            export_formats=self.options.export_formats,
+            key_layout=self.options.key_layout,
+            optimizer=self.options.optimizer,
             tiers=snap.tiers,
-            local_keep=self.local_keep,
+            local_keep=self.options.local_keep,
         )
         self._sent[snap.request_id] = _Sent(snap, stats, request)
         self.link.writer.send(request)
@@ -276,7 +285,7 @@ class PersistDispatcher:
             stats.path = response.info.path
             stats.tier_paths = dict(response.tier_paths)
             if response.agreed_next_window is not None:
-                self.agreed_window = response.agreed_next_window
+                self._agreed_window = response.agreed_next_window
             self.stats.append(stats)
             # A version the local tier alone holds is not held: a request() for it still reaches the root.
             if stats.step is not None and (ROOT_TIER in response.tier_paths or not response.tier_paths):
@@ -318,7 +327,7 @@ class PersistDispatcher:
         local_parent = os.path.dirname(response.tier_paths.get(LOCAL_TIER, "").rstrip("/"))
         for name in response.removed:
             in_local = bool(local_parent) and os.path.dirname(name.rstrip("/")) == local_parent
-            log.info("retention (%s=%s) removed %s", *(("local_keep", self.local_keep) if in_local else ("keep", self.keep)), name)
+            log.info("retention (%s=%s) removed %s", *(("local_keep", self.options.local_keep) if in_local else ("keep", self.options.keep)), name)
         for text in response.warnings:
             log.warning("%s", text)
         figures = {**commit_figures(stats), **self.figures_for_next_commit}

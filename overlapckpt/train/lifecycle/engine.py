@@ -37,30 +37,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...errors import InternalError, OverlapCkptError, WriterDiedError
+from ...errors import InternalError, OverlapCkptError
 from ...format.manifest import CheckpointInfo
-from ...optimizers import update_rule_name
 from ...settings import CheckpointerSettings
-from ..consistency.autowindow import FWD_BWD_END, FWD_BWD_START, OPT_END, OPT_START, PhaseTimer
-from ..consistency.gradlog import GradientLogger
-from ..consistency.replay_guard import ReplayMutationGuard
-from ..consistency.snapshot import SnapshotMode, SnapshotState, SnapshotStats
-from ..consistency.snapshot_copies import SnapshotCopies
-from ..consistency.stage_area import StagingArea
-from ..consistency.window_policy import WindowPolicy
-from ..copying import tensor_passes
-from ..copying.layout import CheckpointScope
-from ..copying.plan_cache import PlanCache
-from ..copying.slots import SlotPool
-from ..copying.transfer import Copier
-from ..run.lineage import Lineage
-from ..writer_client.link import WriterLink
+from ..consistency.autowindow import FWD_BWD_END, FWD_BWD_START, OPT_END, OPT_START
+from ..consistency.snapshot import SnapshotMode, SnapshotState
 from .blocking import BlockingCalls
 from .completion import SnapshotCompletion
-from .dispatch import PersistDispatcher
-from .engine_parts import EngineParts, EngineState
+from .engine_parts import BuiltUnits, RunCallbacks, assemble_parts
 from .landing_watch import LandingWatch
-from .requests import CheckpointSchedule, RequestQueue
 from .snapshot_restarts import SnapshotRestarts
 from .starting import SnapshotStarts
 from .step_hooks import StepPoint
@@ -98,130 +83,29 @@ class SnapshotEngine:
         settings: CheckpointerSettings,
         *,
         stateful: dict[str, Any],
-        link: WriterLink,
-        copier: Copier,
-        gap_timer: PhaseTimer | None,
-        scope: CheckpointScope,
-        lineage: Lineage,
-        at_boundary: Callable[[], None] | None = None,
-        on_commit: Callable[[dict[str, Any]], None] | None = None,
+        units: BuiltUnits,
+        callbacks: RunCallbacks,
     ) -> None:
-        # The options come as the one checked record (settings.py); the keywords are the units the
+        # The options come as the one checked record (settings.py); ``units`` are what the
         # builder made, which the engine uses but does not own.
-        win, cadence, key_layout = settings.window, settings.cadence, settings.storage.key_layout
-        mode = SnapshotMode(win.consistency)
-        # Distributed: every rank must start each snapshot at the same step, so a request
-        # that finds no free slot waits for one instead of starting later on some ranks.
-        distributed = scope.world_size > 1
-        windows = WindowPolicy(win.window, mode, win.max_window, gap_timer, gradients_fenced=not copier.clone_is_cheap, distributed=distributed)
-        slots = SlotPool(link, copier, max_inflight=cadence.max_inflight)
-        staging = StagingArea(copier, win.stage_budget_bytes)
-        gradients = GradientLogger(optimizer, copier)
-        if mode is SnapshotMode.REPLAY:
-            # A fused optimizer on a GPU: which CPU arithmetic replays its steps, measured now (a
-            # small step on the device and a sync), not inside the first snapshot's hook.
-            gradients.prepare()
-        # The hooks' native passes loaded here, if built: not inside the first snapshot's hook (about 2 ms).
-        tensor_passes.passes()
         step_point = StepPoint(optimizer, self._on_step_start, self._before_update, self._on_step_end)
-        self.parts = EngineParts(
-            state=EngineState(has_stateful=bool(stateful)),
-            optimizer=optimizer,
-            consistency=mode,
-            stateful=stateful,
-            distributed=distributed,
-            copier=copier,
-            copies=SnapshotCopies(optimizer, stateful, copier, staging, gradients),
-            dispatcher=PersistDispatcher(
-                link, slots, cadence.keep, lineage, on_commit, unsolicited_errors=distributed,
-                export_formats=tuple(settings.writer.export_formats),
-                key_layout=key_layout, optimizer=update_rule_name(optimizer),
-                local_keep=settings.tier.local_keep,
-            ),
-            link=link,
-            plans=PlanCache(model, optimizer, link, scope, key_layout),
-            slots=slots,
-            staging=staging,
-            windows=windows,
-            gradients=gradients,
-            requests=RequestQueue(lambda version, on_request: settings.tier.tiers_for(cadence.every, version, on_request)),
-            schedule=CheckpointSchedule(cadence.every, settings.tier.local_every),
-            step_point=step_point,
-            replay_guard=ReplayMutationGuard(step_point.other_pre_hook_names),
-            gap_timer=gap_timer,
-        )
+        self.parts = assemble_parts(model, optimizer, stateful, settings, units, step_point, callbacks.on_commit)
         p = self.parts
-        # The collaborators, each given what it calls (engine_parts.py): the calls go one way, and
-        # what completion must start once a dead writer is replaced is a callable, not an import.
+        # The collaborators, each given what it calls (engine_parts.py): the calls go one way.
+        # Completion only answers whether a dead writer was replaced; the engine starts what is pending.
         self.restarts = SnapshotRestarts(p)
-        self.completion = SnapshotCompletion(p, start_pending=lambda: self.starts.start_pending())
+        self.completion = SnapshotCompletion(p)
         self.blocking = BlockingCalls(p, self.completion)
         self.starts = SnapshotStarts(p, self.blocking, self.restarts)
         # Held by every hook and blocking call, and by the landing watch while it hands a snapshot over.
         self.lock = threading.RLock()
-        self.landing_watch = LandingWatch(self.lock, copier.await_landing, self.completion.send_landed, self._watch_failed)
+        self.landing_watch = LandingWatch(self.lock, p.copier.await_landing, self.completion.send_landed, self._watch_failed)
         self.state = p.state
         # Called at each iteration boundary (save on a preemption signal); see preemption.py.
-        self.at_boundary = at_boundary
-        self.install_hooks()
+        self.at_boundary = callbacks.at_boundary
+        step_point.install()
         if optimizer.state:  # the state exists (a warm start): allocate now, before any step
             self.starts.prepare()
-
-    # ---- the units, for the Checkpointer and the tests -------------------------------
-
-    @property
-    def step_count(self) -> int:
-        return self.state.step_count
-
-    @property
-    def dead(self) -> WriterDiedError | None:
-        return self.state.dead
-
-    @property
-    def snapshots_dropped(self) -> int:
-        return self.state.snapshots_dropped
-
-    @property
-    def copier(self) -> Copier:
-        return self.parts.copier
-
-    @property
-    def dispatcher(self) -> PersistDispatcher:
-        return self.parts.dispatcher
-
-    @property
-    def link(self) -> WriterLink:
-        return self.parts.link
-
-    @property
-    def requests(self) -> RequestQueue:
-        return self.parts.requests
-
-    @property
-    def schedule(self) -> CheckpointSchedule:
-        return self.parts.schedule
-
-    @property
-    def slots(self) -> SlotPool:
-        return self.parts.slots
-
-    @property
-    def staging(self) -> StagingArea:
-        return self.parts.staging
-
-    @property
-    def windows(self) -> WindowPolicy:
-        return self.parts.windows
-
-    @property
-    def gap_timer(self) -> PhaseTimer | None:
-        return self.parts.gap_timer
-
-    def install_hooks(self) -> None:
-        self.parts.step_point.install()
-
-    def remove_hooks(self) -> None:
-        self.parts.step_point.remove()
 
     # ---- hooks (the order inside optimizer.step(): step_hooks.py) ----------------
 
@@ -279,7 +163,7 @@ class SnapshotEngine:
         self.completion.progress()
         if p.gap_timer is not None:
             p.gap_timer.mark(OPT_START)
-        self.completion.raise_pending(may_start=False)
+        self.completion.settle(start_due=None)  # nothing starts in the update point: the post-hook starts it
 
     @_counts_host_time
     def _on_step_end(self, update_point_ran: bool) -> None:
@@ -314,7 +198,7 @@ class SnapshotEngine:
         if p.gap_timer is not None:
             # Last, after our own copies and clones: what follows is the next iteration.
             p.gap_timer.mark(FWD_BWD_START)
-        self.completion.raise_pending()
+        self.completion.settle(self.starts.start_pending)
         if self.at_boundary is not None and not s.user_marks_boundary:
             self.at_boundary()  # the loop marks no boundary of its own: the step's end is one
 
@@ -335,7 +219,7 @@ class SnapshotEngine:
                 snap.ledger.boundary = "step()"
         s.charge(started)
         self.completion.progress()
-        self.completion.raise_pending()
+        self.completion.settle(self.starts.start_pending)
         if self.at_boundary is not None:
             self.at_boundary()
 
@@ -345,13 +229,13 @@ class SnapshotEngine:
         p, s = self.parts, self.state
         if s.dead is not None:
             raise s.dead
-        self.completion.raise_pending()
+        self.completion.settle(self.starts.start_pending)
         started = time.perf_counter()
         p.requests.add(s.step_count)
         self.starts.start_pending()
         s.charge(started)  # the copies a request starts are host time the loop waits for
         self.completion.progress()
-        self.completion.raise_pending()
+        self.completion.settle(self.starts.start_pending)
 
     # ---- blocking calls and their answers ------------------------------------------------
 
@@ -382,25 +266,6 @@ class SnapshotEngine:
         open_replay = any(snap.mode == SnapshotMode.REPLAY and snap.version is None and snap.reaches_root for snap in s.snapshots)
         return open_replay or self.starts.holds_version(s.step_count, reaching_root=True)
 
-    def unfinished_versions(self) -> list[int | None]:
-        return self.blocking.unfinished_versions()
-
-    @property
-    def stats(self) -> list[SnapshotStats]:
-        """Committed checkpoints' figures, in commit order."""
-        return self.parts.dispatcher.stats
-
-    @property
-    def deferrals(self) -> int:
-        return self.parts.requests.deferrals
-
-    @property
-    def writer_pid(self) -> int:
-        return self.parts.link.writer.pid
-
-    @property
-    def writer_restarts(self) -> int:
-        return self.parts.link.restarts.count
 
     def continue_from(self, step: int) -> None:
         """After a restore: the next update makes version ``step + 1``; of the versions, only ``step`` is held (restored)."""
@@ -412,7 +277,7 @@ class SnapshotEngine:
 
     def shut_down(self, writer_timeout_s: float) -> None:
         """Remove the hooks, stop the landing watch and the writer, release host buffers (after the copies into them)."""
-        self.remove_hooks()
+        self.parts.step_point.remove()
         self.landing_watch.close()
         self.parts.link.close(timeout_s=writer_timeout_s)
         self.release()

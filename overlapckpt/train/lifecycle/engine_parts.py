@@ -13,39 +13,44 @@ others it calls:
   reach its version.
 
 The calls go one way: a start may wait for a slot through ``SlotWaits`` (a narrow
-protocol ``BlockingCalls`` implements), the blocking calls read the writer's answers
-through ``SnapshotCompletion``, and what completion and the blocking calls must start is
-a callable the engine gives them, never an import. The state they all change is
-``EngineState``: nothing shared lives anywhere else.
+protocol ``BlockingCalls`` implements), and the blocking calls read the writer's answers
+through ``SnapshotCompletion``. Completion never starts anything: it answers whether a dead
+writer was replaced, and the engine, the one orchestrator, starts what is pending. The
+state they all change is ``EngineState``: nothing shared lives anywhere else.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
+from torch import nn
 
 from ...errors import WriterDiedError
+from ...optimizers import update_rule_name
+from ...settings import CheckpointerSettings
+from ..consistency.autowindow import PhaseTimer
+from ..consistency.gradlog import GradientLogger
+from ..consistency.replay_guard import ReplayMutationGuard
 from ..consistency.snapshot import Snapshot, SnapshotMode, SnapshotState
+from ..consistency.snapshot_copies import SnapshotCopies
+from ..consistency.stage_area import StagingArea
+from ..consistency.window_policy import WindowPolicy
+from ..copying import tensor_passes
+from ..copying.layout import CheckpointScope
+from ..copying.plan_cache import PlanCache
+from ..copying.slots import SlotPool
+from ..copying.transfer import Copier
+from ..run.lineage import Lineage
 from ..warnings_text import BOUNDARY_WARNING
-
-if TYPE_CHECKING:
-    import torch
-
-    from ..consistency.autowindow import PhaseTimer
-    from ..consistency.gradlog import GradientLogger
-    from ..consistency.replay_guard import ReplayMutationGuard
-    from ..consistency.snapshot_copies import SnapshotCopies
-    from ..consistency.stage_area import StagingArea
-    from ..consistency.window_policy import WindowPolicy
-    from ..copying.plan_cache import PlanCache
-    from ..copying.slots import SlotPool
-    from ..copying.transfer import Copier
-    from ..writer_client.link import WriterLink
-    from .dispatch import PersistDispatcher
-    from .requests import CheckpointSchedule, RequestQueue
-    from .step_hooks import StepPoint
+from ..writer_client.link import WriterLink
+from .dispatch import PersistDispatcher, PersistOptions
+from .requests import CheckpointSchedule, RequestQueue
+from .step_hooks import StepPoint
 
 
 @dataclass
@@ -62,7 +67,6 @@ class EngineState:
     hook_host_total_s: float = 0.0  # host time in the step hooks, ckpt.step() and request(), since construction
     hook_cpu_total_s: float = 0.0  # of which the training thread ran (time.thread_time: no waits, no preemption)
     slot_wait_s: float = 0.0  # hook time the next snapshot waited for a free slot (in its stats)
-    starting_pending: bool = False  # inside start_pending: a replaced writer does not start it again
     prepared_fingerprint: int | None = None  # the layout the host slots were sized for
     user_marks_boundary: bool = False  # the loop calls ckpt.step()
     warned: set[str] = field(default_factory=set)
@@ -113,3 +117,75 @@ class EngineParts:
     step_point: StepPoint
     replay_guard: ReplayMutationGuard
     gap_timer: PhaseTimer | None
+
+
+@dataclass(frozen=True)
+class BuiltUnits:
+    """What the builder made for the engine (``builder.py``), which the engine uses but does not own."""
+
+    link: WriterLink  # the writer process, replaced when it dies
+    copier: Copier  # how bytes reach host memory
+    gap_timer: PhaseTimer | None  # window="auto": what times the step's phases; else None
+    scope: CheckpointScope  # this rank's part of the state
+    lineage: Lineage  # the run's checkpoint names
+
+
+@dataclass(frozen=True)
+class RunCallbacks:
+    """The engine's calls into the run around it."""
+
+    at_boundary: Callable[[], None] | None = None  # each iteration boundary (save on a preemption signal: preemption.py)
+    on_commit: Callable[[dict[str, Any]], None] | None = None  # the user's, with each commit's figures
+
+
+def assemble_parts(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    stateful: dict[str, Any],
+    settings: CheckpointerSettings,
+    units: BuiltUnits,
+    step_point: StepPoint,
+    on_commit: Callable[[dict[str, Any]], None] | None,
+) -> EngineParts:
+    """Every unit of one engine, from the checked settings and what the builder made."""
+    win, cadence, key_layout = settings.overlap, settings.cadence, settings.storage.key_layout
+    mode = SnapshotMode(win.consistency)
+    copier, link = units.copier, units.link
+    # Distributed: every rank must start each snapshot at the same step, so a request
+    # that finds no free slot waits for one instead of starting later on some ranks.
+    distributed = units.scope.world_size > 1
+    windows = WindowPolicy(win.window, mode, win.max_window, units.gap_timer, gradients_fenced=not copier.clone_is_cheap, distributed=distributed)
+    slots = SlotPool(link, copier, max_inflight=cadence.max_inflight)
+    staging = StagingArea(copier, win.stage_budget_bytes)
+    gradients = GradientLogger(optimizer, copier)
+    if mode is SnapshotMode.REPLAY:
+        # A fused optimizer on a GPU: which CPU arithmetic replays its steps, measured now (a
+        # small step on the device and a sync), not inside the first snapshot's hook.
+        gradients.prepare()
+    # The hooks' native passes loaded here, if built: not inside the first snapshot's hook (about 2 ms).
+    tensor_passes.passes()
+    persist_options = PersistOptions(
+        keep=cadence.keep, local_keep=settings.tier.local_keep, export_formats=tuple(settings.writer.export_formats),
+        key_layout=key_layout, optimizer=update_rule_name(optimizer),
+    )
+    return EngineParts(
+        state=EngineState(has_stateful=bool(stateful)),
+        optimizer=optimizer,
+        consistency=mode,
+        stateful=stateful,
+        distributed=distributed,
+        copier=copier,
+        copies=SnapshotCopies(optimizer, stateful, copier, staging, gradients),
+        dispatcher=PersistDispatcher(link, slots, units.lineage, persist_options, on_commit, unsolicited_errors=distributed),
+        link=link,
+        plans=PlanCache(model, optimizer, link, units.scope, key_layout),
+        slots=slots,
+        staging=staging,
+        windows=windows,
+        gradients=gradients,
+        requests=RequestQueue(lambda version, on_request: settings.tier.tiers_for(cadence.every, version, on_request)),
+        schedule=CheckpointSchedule(cadence.every, settings.tier.local_every),
+        step_point=step_point,
+        replay_guard=ReplayMutationGuard(step_point.other_pre_hook_names),
+        gap_timer=units.gap_timer,
+    )

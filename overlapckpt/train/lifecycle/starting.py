@@ -67,22 +67,12 @@ class SnapshotStarts:
 
     def start_pending(self, closing: bool = False) -> None:
         """Start what is pending if a slot is free (``closing``: wait() or close(), which start nothing not yet due)."""
-        if self.s.starting_pending:
-            # Reentered from the distributed wait for a slot below: a dead writer was replaced
-            # while it drained. The outer call starts the request once that wait returns, at
-            # this same step. Starting it here instead would make the wait hold this hook
-            # until the new checkpoint commits, which needs the other ranks to send theirs,
-            # and they may do that only after a collective this hook blocks (issue 17).
-            return
-        self.s.starting_pending = True
         try:
             self._start_pending_now(closing)
         except WriterDiedError as e:
             # The writer died while being told of a buffer or plan: replaced (or raised) by
-            # _raise_pending; the request stays pending and starts at the next chance.
+            # SnapshotCompletion.settle; the request stays pending and starts at the next chance.
             self.p.dispatcher.fail(e)
-        finally:
-            self.s.starting_pending = False
 
     def _start_pending_now(self, closing: bool) -> None:
         if not self.p.requests.pending:
@@ -114,7 +104,7 @@ class SnapshotStarts:
         slot = None
         if self.p.slots.may_have_free_slot():  # before any layout work: a fingerprint walks every tensor
             layout = self.p.plans.layout()
-            window, choice = self.p.windows.choose(layout, self.p.plans, self.p.staging)
+            window, choice = self.p.windows.choose(self.p.plans, self.p.staging, layout)
             if scheduled is not None:
                 window = self._window_landing_on(scheduled, window)
             plan, plan_id = self.p.plans.registered(layout, window)
@@ -146,17 +136,11 @@ class SnapshotStarts:
         # every= and local_every=: their versions come as close as the cadences' gcd (4 and 6: 4, 6, 8).
         return min(self.p.windows.widest_window - 1, self.p.schedule.shortest_gap - 1)
 
-    def _window_now(self) -> int:
-        """The window a snapshot starting now would use."""
-        if self.p.windows.tuner is None:
-            return 1 if self.p.windows.replay_blocked else int(self.p.windows.window_setting)
-        return self.p.windows.choose(self.p.plans.layout(), self.p.plans, self.p.staging)[0]
-
     def _schedule_reached(self, version: int) -> bool:
         """Whether a snapshot starting now can hold ``version`` (a replay window ends on it), or ``version`` is due."""
         if self.s.step_count >= version:
             return True
-        window = self._window_now()
+        window, _ = self.p.windows.choose(self.p.plans, self.p.staging)  # the window a snapshot starting now would use
         return self.p.windows.mode_for(window) == SnapshotMode.REPLAY and self.s.step_count + window - 1 >= version
 
     def _window_landing_on(self, version: int, window: int) -> int:
