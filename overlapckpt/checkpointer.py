@@ -8,15 +8,15 @@ import dataclasses
 import logging
 import os
 import warnings
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any, Literal, overload
 
 from torch import nn
 
-from .builder import BuiltCheckpointer, LiveObjects, Seams, build
+from .builder import LiveObjects, Seams, build
 from .errors import ConfigError
+from .exit_commit import ExitCommit
 from .format.key_layout import GET_STATE_DICT
 from .format.manifest import CheckpointInfo
 from .format.signing import resolve_key
@@ -51,17 +51,6 @@ from .train.run.preemption import PreemptionGuard
 from .user_log import say_closed
 
 log = logging.getLogger("overlapckpt")
-
-
-class _ExitOrderAnchor:
-    pass
-
-
-# atexit runs last-registered first. weakref registers its own exit hook (which runs the host
-# buffers' finalizers: unmap, unregister) at its first finalizer; made here, at import, it is
-# registered before any Checkpointer's exit commit, so it runs after it, never under it.
-_EXIT_ORDER_ANCHOR = _ExitOrderAnchor()
-weakref.finalize(_EXIT_ORDER_ANCHOR, lambda: None)
 
 
 class Checkpointer:
@@ -255,7 +244,7 @@ class Checkpointer:
         self._restore_figures: dict[str, Any] | None = None  # the last restore()'s (restore_figures)
         # Never closed: at interpreter exit, commit what is complete, say what was lost, release the lease.
         # It holds the parts, not the Checkpointer: a script may drop that (a local of its main()).
-        self._exit_commit = _ExitCommit(built, self.path, self.exit_timeout_s)
+        self._exit_commit = ExitCommit(built, self.path, self.exit_timeout_s)
         atexit.register(self._exit_commit)
         # Resumed with load(): continue that checkpoint's version count and lineage, as restore() does.
         resumed = take_restore_mark(model, optimizer, torch_optimizers(optimizer))
@@ -553,34 +542,3 @@ def _checked(settings: CheckpointerSettings, stateful: Any) -> CheckpointerSetti
     names = tuple(sorted(stateful)) if isinstance(stateful, dict) else ()
     storage = dataclasses.replace(settings.storage, path=check_path(settings.storage.path))
     return dataclasses.replace(settings, storage=storage, stateful_names=names).checked()
-
-
-class _ExitCommit:
-    """At interpreter exit, for a Checkpointer never closed: commit what is complete, warn, release everything."""
-
-    def __init__(self, built: BuiltCheckpointer, path: str, exit_timeout_s: float) -> None:
-        self.built, self.path, self.exit_timeout_s = built, path, exit_timeout_s
-
-    def __call__(self) -> None:
-        built, engine = self.built, self.built.engine
-        open_windows = engine.blocking.unfinished_versions()
-        dropped_before = engine.state.snapshots_dropped
-        if built.preemption is not None:
-            built.preemption.uninstall()
-        committed: list[CheckpointInfo] = []
-        try:
-            if engine.state.dead is None:
-                committed = engine.abandon(self.exit_timeout_s)
-        finally:
-            built.writer_timeout_s = min(30.0, self.exit_timeout_s)
-            built.teardown.close()
-        lost = engine.state.snapshots_dropped - dropped_before
-        if committed or lost:
-            warnings.warn(
-                f"overlapckpt: the Checkpointer of {self.path} was never closed. At interpreter exit "
-                + (f"the checkpoint(s) of step(s) {[i.step for i in committed]} committed" if committed else "nothing committed")
-                + (f"; {lost} still being copied (of {[v for v in open_windows if v is not None] or 'open windows'}) "
-                   "were lost" if lost else "")
-                + ". Call ckpt.close() at the end of training, or use `with Checkpointer(...) as ckpt:`",
-                stacklevel=2,
-            )
