@@ -31,7 +31,7 @@ sys.path[:0] = [os.path.dirname(_HERE), os.path.join(os.path.dirname(_HERE), "te
 
 from overlapckpt import load  # noqa: E402
 from overlapckpt.hostbuf import SharedHostBuffer  # noqa: E402
-from overlapckpt.seams import Checkpointer  # noqa: E402
+from overlapckpt.seams import Checkpointer, engine_of  # noqa: E402
 from overlapckpt.train.copying.emulated_device import EmulatedDevice, torch_cuda_placement  # noqa: E402
 from overlapckpt.train.copying.transfer import StreamCopier  # noqa: E402
 
@@ -145,7 +145,7 @@ def check_stage_region(target: Target, root: str) -> dict[str, Any]:
         for _ in range(12):
             _step(model, opt, x)
             ckpt.step()
-            region = ckpt._engine.parts.staging.region
+            region = engine_of(ckpt).parts.staging.region
             if region is not None:
                 regions.add(region.data_ptr())
         infos = ckpt.wait(timeout_s=120)

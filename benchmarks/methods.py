@@ -24,6 +24,7 @@ import torch
 from workload import Workload
 
 from overlapckpt import Checkpointer
+from overlapckpt.seams import engine_of
 
 
 @dataclass
@@ -409,7 +410,7 @@ class Overlapckpt(Method):
         self.ckpt.wait(timeout_s=timeout_s)
 
     def finish(self, timeout_s: float) -> None:
-        engine = self.ckpt._engine
+        engine = engine_of(self.ckpt)
         host_bytes = engine.parts.slots.host_nbytes()
         self.notes["host_buffer_bytes"] = host_bytes
         # The emulated device registers host memory as CUDA would, but locks no page.

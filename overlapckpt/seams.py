@@ -5,6 +5,9 @@ What copies bytes to host memory (a ``Copier``: the device's ``StreamCopier`` by
 times the step's phases for ``window="auto"`` (a ``PhaseTimer``) are chosen from the
 device. Tests replace them to drive every fence on the CPU; they import this module's
 ``Checkpointer`` in place of ``overlapckpt.Checkpointer``, whose constructor takes neither.
+
+``engine_of`` is the one way in to a Checkpointer's units (its slots, writer link, dispatcher)
+for the tests and benchmarks that look at them.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from . import checkpointer
 from .builder import Seams
 from .train.consistency.autowindow import PhaseTimer
 from .train.copying.transfer import Copier
+from .train.lifecycle.engine import SnapshotEngine
 
 
 class Checkpointer(checkpointer.Checkpointer):
@@ -28,3 +32,8 @@ class Checkpointer(checkpointer.Checkpointer):
 
     def _device_seams(self) -> Seams:
         return self._seams
+
+
+def engine_of(ckpt: checkpointer.Checkpointer) -> SnapshotEngine:
+    """The snapshot engine behind ``ckpt``: its ``parts`` (units) and ``state``, for tests and benchmarks."""
+    return ckpt._engine

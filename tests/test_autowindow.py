@@ -12,7 +12,7 @@ from torch import nn
 
 from overlapckpt import load
 from overlapckpt.errors import UnsupportedOptimizerError
-from overlapckpt.seams import Checkpointer
+from overlapckpt.seams import Checkpointer, engine_of
 from overlapckpt.train.consistency.autowindow import AUTO_FILL_FRACTION, HostGapTimer, WindowTuner
 from overlapckpt.train.copying.layout import build_layout
 from overlapckpt.train.copying.plan import make_plan
@@ -242,7 +242,7 @@ def test_a_wider_window_reuses_the_preallocated_gradient_buffer_and_both_checkpo
         model, opt, tmp_path, window="auto", consistency="replay", max_window=8,
         copier=SimulatedBandwidthCopier(clock, COPY_BYTES_PER_S), phase_timer=HostGapTimer(clock),
     )
-    ckpt._engine.parts.windows.tuner.observe_copies(nbytes=6_000_000, seconds=1.0)  # as if measured on an earlier checkpoint
+    engine_of(ckpt).parts.windows.tuner.observe_copies(nbytes=6_000_000, seconds=1.0)  # as if measured on an earlier checkpoint
     try:
         for it in range(1, 37):
             if it == 13:
@@ -256,9 +256,9 @@ def test_a_wider_window_reuses_the_preallocated_gradient_buffer_and_both_checkpo
             if it in (3, 27):
                 ckpt.request()
             if it == 3:
-                w4_buffer = ckpt._engine.parts.slots.slots[0].grad_buffer
+                w4_buffer = engine_of(ckpt).parts.slots.slots[0].grad_buffer
             if it == 27:
-                w6_buffer = ckpt._engine.parts.slots.slots[0].grad_buffer
+                w6_buffer = engine_of(ckpt).parts.slots.slots[0].grad_buffer
             ckpt.step()
             if it == 12:
                 ckpt.wait(timeout_s=60)
@@ -268,7 +268,7 @@ def test_a_wider_window_reuses_the_preallocated_gradient_buffer_and_both_checkpo
     assert [s["window"] for s in ckpt.stats] == [4, 6]
     assert ckpt.stats[1]["ledger"]["window_choice"]["reason"].startswith("smallest window whose copies fit")
     assert [s["step"] for s in ckpt.stats] == [3 + 4 - 1, 27 + 6 - 1]
-    assert ckpt._engine.parts.slots.slots == []  # released at close
+    assert engine_of(ckpt).parts.slots.slots == []  # released at close
     layout = build_layout(model, opt)
     w8_nbytes = gradient_layout(make_plan(layout.entries, 8), layout)[1]
     assert w6_buffer is w4_buffer and w4_buffer.nbytes == w8_nbytes

@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from overlapckpt import Checkpointer, ConfigError, list_checkpoints, load
 from overlapckpt.format.storage import CheckpointStore
 from overlapckpt.format.verify import verify_checkpoint
+from overlapckpt.seams import engine_of
 
 from helpers import assert_state_equal, make_run, snapshot, states_differ, train_step
 
@@ -137,7 +138,7 @@ def test_a_tight_loop_with_every_2_gets_every_checkpoint_it_asked_for(tmp_path):
     step rather than merge into a later one. Before: every=2 for 2 s under load wrote only step-2 and step-40."""
     model, opt, sched, sampler = make_run()
     with Checkpointer(model, opt, tmp_path, every=2) as ckpt:
-        assert ckpt._engine.parts.link.writer.awaiting_responses == 0  # its ReadyResponse was read in the constructor
+        assert engine_of(ckpt).parts.link.writer.awaiting_responses == 0  # its ReadyResponse was read in the constructor
         for _ in range(20):
             train_step(model, opt, sched, sampler)
             ckpt.step()

@@ -10,7 +10,7 @@ import torch
 
 from overlapckpt import load
 from overlapckpt.hostbuf import SharedHostBuffer
-from overlapckpt.seams import Checkpointer
+from overlapckpt.seams import Checkpointer, engine_of
 from overlapckpt.train.consistency.boundary import capture_boundary, resolve_values
 from overlapckpt.train.copying import slots as slots_module
 from overlapckpt.train.copying.emulated_device import EmulatedDevice
@@ -39,7 +39,7 @@ def test_host_buffers_are_allocated_off_the_hooks(tmp_path, monkeypatch, warm_st
         train_step(model, opt, sched, sampler)  # the optimizer has state before the Checkpointer exists
     with Checkpointer(model, opt, tmp_path, window=4, consistency="replay", max_inflight=2) as ckpt:
         if warm_start:
-            assert ckpt._engine.parts.slots.prepared_sizes is not None  # started at construction
+            assert engine_of(ckpt).parts.slots.prepared_sizes is not None  # started at construction
         for it in range(1, 12):
             train_step(model, opt, sched, sampler)
             if it in (3, 4):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from overlapckpt import CheckpointWriteError, WriterDiedError, list_checkpoints, load
-from overlapckpt.seams import Checkpointer
+from overlapckpt.seams import Checkpointer, engine_of
 from overlapckpt.train.copying.transfer import CpuCopier
 
 from fakes import BLOCK_FIFO_ENV, FAIL_AT_ENV, ONLY_NAME_ENV, BlockingStore, FailingStore
@@ -122,7 +122,7 @@ def test_writer_killed_between_checkpoints_is_raised_at_a_hook(tmp_path):
         train_step(model, opt, sched, sampler)
         ckpt.request()
         ckpt.wait(timeout_s=120)
-        assert ckpt._engine.parts.link.writer.awaiting_responses == 0  # precondition: idle, nothing due
+        assert engine_of(ckpt).parts.link.writer.awaiting_responses == 0  # precondition: idle, nothing due
         os.kill(ckpt.writer_pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
         with pytest.raises(WriterDiedError, match=r"SIGKILL.*while no checkpoint was in flight"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from overlapckpt import WriterDiedError, list_checkpoints, load
-from overlapckpt.seams import Checkpointer
+from overlapckpt.seams import Checkpointer, engine_of
 from overlapckpt.train.copying.transfer import CpuCopier
 
 from fakes import BLOCK_FIFO_ENV, BLOCK_ONCE_MARKER_ENV, ONLY_NAME_ENV, BlockingOnceStore
@@ -24,7 +24,7 @@ STEPS = 9
 def _kill_writer(ckpt: Checkpointer) -> int:
     pid = ckpt.writer_pid
     os.kill(pid, signal.SIGKILL)
-    ckpt._engine.parts.link.writer._proc.wait(timeout=30)  # dead and reaped before training goes on
+    engine_of(ckpt).parts.link.writer._proc.wait(timeout=30)  # dead and reaped before training goes on
     return pid
 
 
@@ -177,7 +177,7 @@ def test_a_writer_killed_inside_its_replay_loses_that_checkpoint_and_lists_no_wr
         load(str(tmp_path / "ckpts"), fresh, fresh_opt, step=info.step)
         assert_state_equal(*twin[info.step], fresh, fresh_opt)
     assert [i.step for i in listed] == [i.step for i in infos] == [8]
-    assert ckpt.writer_restarts == 1 and ckpt._engine.parts.dispatcher.lost_mid_replay == 1
+    assert ckpt.writer_restarts == 1 and engine_of(ckpt).parts.dispatcher.lost_mid_replay == 1
 
 
 def test_a_writer_killed_between_the_commit_and_latest_does_not_stop_training(tmp_path, monkeypatch):
@@ -245,12 +245,12 @@ def test_a_writer_death_seen_right_before_an_update_starts_no_snapshot_there(tmp
                 if it == 5:
                     read_fifo_line(str(fifo), timeout_s=120)
                 if it == 6:
-                    assert ckpt._engine.parts.requests.pending
+                    assert engine_of(ckpt).parts.requests.pending
                     _kill_writer(ckpt)  # nothing reads the pipe until step 7's update point
             infos = ckpt.wait(timeout_s=120)
         finally:
             ckpt.close(timeout_s=60)
-    assert ckpt.writer_restarts == 1 and ckpt._engine.parts.dispatcher.lost_mid_replay == 1
+    assert ckpt.writer_restarts == 1 and engine_of(ckpt).parts.dispatcher.lost_mid_replay == 1
     # Started after step 7 (before the fix: after step 6, inside step 7's update point, so version 8, wrong).
     assert [i.step for i in infos] == [9]
     fresh, fresh_opt, _, _ = make_run(seed=5)

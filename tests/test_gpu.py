@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from overlapckpt import load
-from overlapckpt.seams import Checkpointer
+from overlapckpt.seams import Checkpointer, engine_of
 from overlapckpt.train.copying.transfer import StreamCopier
 
 from gpu_support import (
@@ -345,7 +345,7 @@ def test_auto_window_times_forward_backward_with_events_and_stays_exact(tmp_path
         opt.zero_grad(set_to_none=True)
 
     with Checkpointer(model, opt, tmp_path, window="auto", consistency="stage", max_window=4, copier=DelayedCopier(rig, opt)) as ckpt:
-        assert type(ckpt._engine.parts.gap_timer).__name__ == "CudaGapTimer"
+        assert type(engine_of(ckpt).parts.gap_timer).__name__ == "CudaGapTimer"
         for s in range(1, 15):
             step(model, opt, batch())
             if s in (3, 10):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from overlapckpt.hostbuf import SharedHostBuffer
-from overlapckpt.seams import Checkpointer
+from overlapckpt.seams import Checkpointer, engine_of
 from overlapckpt.train.copying.transfer import StreamCopier
 
 from gpu_support import (
@@ -52,7 +52,7 @@ def test_copy_runs_on_a_side_stream_without_host_sync(tmp_path, rig):
         for _ in range(3):
             with sync_errors(rig, copier):
                 train_step(model, opt, batch())
-        side = ckpt._engine.parts.copier.side_stream
+        side = engine_of(ckpt).parts.copier.side_stream
         assert side is not copier.device.current_stream()
         if rig.is_cuda:
             assert side.cuda_stream != torch.cuda.default_stream().cuda_stream
@@ -74,7 +74,7 @@ def test_every_host_buffer_is_pinned(tmp_path, rig):
                 ckpt.request()
             ckpt.step()
         ckpt.wait(timeout_s=120)
-        buffers = ckpt._engine.parts.slots.host_tensors()
+        buffers = engine_of(ckpt).parts.slots.host_tensors()
         assert len(buffers) >= 2  # the state's slot and replay's gradient buffer
         assert sum(t.numel() * t.element_size() for t in buffers) >= spec.state_nbytes()
         # Pageable memory would make every "asynchronous" copy a staged, host-blocking one.
@@ -176,7 +176,7 @@ def _loop_under_sync_errors(path, rig, window, consistency, optimizer_kind, *, g
             guard.close_around(copier)
             # The loop's deadline counts from a started writer: on a loaded CPU, the writer's
             # own start-up (importing torch beside a training loop that takes every core) is slow.
-            ckpt._engine.parts.link.writer.wait_ready()
+            engine_of(ckpt).parts.link.writer.wait_ready()
             deadline = time.monotonic() + MAX_LOOP_S
             while steps < MIN_STEPS or len(ckpt.stats) < MIN_COMMITS:
                 assert time.monotonic() < deadline, f"{len(ckpt.stats)} checkpoints committed in {steps} steps"

@@ -8,7 +8,7 @@ import signal
 import torch
 from torch import nn
 
-from overlapckpt.seams import Checkpointer
+from overlapckpt.seams import Checkpointer, engine_of
 from overlapckpt.train.copying.emulated_device import EmulatedDevice
 from overlapckpt.train.copying.transfer import StreamCopier
 
@@ -67,7 +67,7 @@ def test_a_dropped_snapshots_slot_is_unmapped_only_after_its_queued_copies_lande
         os.kill(pid, signal.SIGKILL)
         assert exited_within(pid, 30)
         ckpt.request()  # its copy is queued; the death is seen in this call: the writer replaced, the snapshot dropped
-        assert ckpt.writer_restarts == 1 and ckpt._engine.state.snapshots_dropped == 1
+        assert ckpt.writer_restarts == 1 and engine_of(ckpt).state.snapshots_dropped == 1
         opt.add_param_group({"params": list(model[1].parameters())})
         step()  # model[1]'s optimizer state is created: the slot must grow
         ckpt.request()

@@ -12,6 +12,7 @@ import pytest
 
 from overlapckpt import Checkpointer
 from overlapckpt.format.storage import CheckpointStore
+from overlapckpt.seams import engine_of
 
 from helpers import exited_within, make_run, train_step
 
@@ -51,7 +52,7 @@ def test_a_checkpointer_built_in_a_thread_that_exits_keeps_its_writer(tmp_path):
 
     def build() -> None:
         ckpt = Checkpointer(model, opt, tmp_path)
-        ckpt._engine.parts.link.writer.wait_ready()  # the writer is up and settled before this thread exits
+        engine_of(ckpt).parts.link.writer.wait_ready()  # the writer is up and settled before this thread exits
         built.append(ckpt)
 
     thread = threading.Thread(target=build)
@@ -179,7 +180,7 @@ def test_the_writer_is_ready_when_the_constructor_returns(tmp_path):
     # holding the only slot, and the requests made meanwhile were merged into one.
     model, opt, sched, sampler = make_run()
     with Checkpointer(model, opt, tmp_path, every=1) as ckpt:
-        assert ckpt._engine.parts.link.writer._ready  # answered before the first step
+        assert engine_of(ckpt).parts.link.writer._ready  # answered before the first step
         for _ in range(3):
             train_step(model, opt, sched, sampler)
             ckpt.step()

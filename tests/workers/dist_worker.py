@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
 from overlapckpt import Checkpointer, ConfigError, list_checkpoints, load  # noqa: E402
+from overlapckpt.seams import engine_of
 
 from helpers import StatefulSampler, TinyNet, exited_within, read_fifo_line, write_rank_result_and_leave  # noqa: E402
 
@@ -763,7 +764,7 @@ def writer_restarted(out: str) -> dict[str, Any]:
                 # So that the next hook, before step 7 is requested, sees the death.
                 assert exited_within(pid, 60), f"writer {pid} outlived SIGKILL by 60 s"
         result["committed_at_end"] = late + [i.step for i in ckpt.wait(timeout_s=120)]
-        result["lost"] = ckpt._engine.parts.dispatcher.lost_to_regroup
+        result["lost"] = engine_of(ckpt).parts.dispatcher.lost_to_regroup
         result["writer_restarts"] = ckpt.writer_restarts
     except Exception as e:
         result["error"] = f"{type(e).__name__}: {e}"
