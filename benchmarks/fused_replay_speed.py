@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from overlapckpt import cuda_adam_native  # noqa: E402
+from overlapckpt.adam_step_arguments import AdamGroupTensors, AdamHyperparameters  # noqa: E402
 from overlapckpt.foreach_adam_math import step_like_cuda_foreach_adam  # noqa: E402
 from overlapckpt.fused_adam_math import step_like_cuda_fused_adam  # noqa: E402
 
@@ -51,8 +52,12 @@ def main() -> None:
         def run() -> float:
             param, exp_avg, exp_avg_sq, step = torch.randn(n), torch.zeros(n), torch.zeros(n), torch.zeros(())
             started = time.perf_counter()
-            step_like([param], [grad], [exp_avg], [exp_avg_sq], None, [step], lr=1e-3, beta1=0.9, beta2=0.999,
-                      weight_decay=0.01, eps=1e-8, maximize=False, decoupled_weight_decay=True)
+            step_like(
+                AdamGroupTensors([param], [grad], [exp_avg], [exp_avg_sq], None, [step]),
+                AdamHyperparameters(
+                    lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, maximize=False, decoupled_weight_decay=True,
+                ),
+            )
             return time.perf_counter() - started
 
         return run

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .adam_step_arguments import ForeachAdamScalars, FusedAdamScalars
 from .cbuild import NativeLibrary, build_c_library, c_library_path
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cuda_adam.c"
@@ -112,11 +113,7 @@ def _takes(tensors: list[torch.Tensor]) -> ctypes.CDLL | None:
     return lib
 
 
-def fused_step_float32(
-    tensors: list[torch.Tensor], has_max: bool, *, lr_times_weight_decay: float, beta1: float, beta2: float,
-    weight_decay: float, eps: float, step_size: float, bias_correction2_sqrt: float, decoupled_weight_decay: bool,
-    l2_contracted: bool, maximize: bool,
-) -> bool:
+def fused_step_float32(tensors: list[torch.Tensor], has_max: bool, scalars: FusedAdamScalars) -> bool:
     """One tensor's update in place through the library: param, grad, exp_avg, exp_avg_sq (, max_exp_avg_sq).
 
     Every scalar is a float32 value already (the kernel's). False, with nothing written, where the
@@ -126,17 +123,13 @@ def fused_step_float32(
     if lib is None:
         return False
     _in_parallel(lib.overlapckpt_cuda_fused_adam_f32, tensors, has_max, (
-        lr_times_weight_decay, beta1, beta2, weight_decay, eps, step_size, bias_correction2_sqrt,
-        int(decoupled_weight_decay), int(l2_contracted), int(maximize),
+        scalars.lr_times_weight_decay, scalars.beta1, scalars.beta2, scalars.weight_decay, scalars.eps, scalars.step_size,
+        scalars.bias_correction2_sqrt, int(scalars.decoupled_weight_decay), int(scalars.l2_contracted), int(scalars.maximize),
     ))
     return True
 
 
-def foreach_step_float32(
-    tensors: list[torch.Tensor], has_max: bool, *, weight_decay: float, decay: float, lerp_weight: float, beta2: float,
-    one_minus_beta2: float, eps: float, step_size: float, bias_correction2_sqrt: float, decoupled_weight_decay: bool,
-    maximize: bool, capturable: bool,
-) -> bool:
+def foreach_step_float32(tensors: list[torch.Tensor], has_max: bool, scalars: ForeachAdamScalars) -> bool:
     """One tensor's foreach update in place through the library, as :func:`fused_step_float32` (False: the torch road runs).
 
     The scalars are the kernels' float32 values: ``decay`` is ``1 - lr * weight_decay``, ``lerp_weight``
@@ -147,7 +140,8 @@ def foreach_step_float32(
     if lib is None:
         return False
     _in_parallel(lib.overlapckpt_cuda_foreach_adam_f32, tensors, has_max, (
-        weight_decay, decay, lerp_weight, beta2, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
-        int(decoupled_weight_decay), int(maximize), int(capturable),
+        scalars.weight_decay, scalars.decay, scalars.lerp_weight, scalars.beta2, scalars.one_minus_beta2, scalars.eps,
+        scalars.step_size, scalars.bias_correction2_sqrt, int(scalars.decoupled_weight_decay), int(scalars.maximize),
+        int(scalars.capturable),
     ))
     return True

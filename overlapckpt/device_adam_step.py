@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .adam_step_arguments import AdamGroupTensors, AdamHyperparameters
 from .beta_powers import BetaPowerTables
 from .float32_math import EMULATED_DTYPES
 from .foreach_adam_math import CUDA_FOREACH_CAPTURABLE_FP32_FMA, CUDA_FOREACH_FP32_FMA, step_like_cuda_foreach_adam
@@ -117,21 +118,24 @@ def _step_group(
 ) -> None:
     states = [optimizer.state[p] for p in stepped]
     beta1, beta2 = pg["betas"]
-    tensors = (
-        stepped, [p.grad for p in stepped], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-        [s["max_exp_avg_sq"] for s in states] if pg["amsgrad"] else None, [s["step"] for s in states],
+    tensors = AdamGroupTensors(
+        params=stepped,
+        grads=[p.grad for p in stepped],  # type: ignore[misc]  # every stepped parameter has a gradient
+        exp_avgs=[s["exp_avg"] for s in states], exp_avg_sqs=[s["exp_avg_sq"] for s in states],
+        max_exp_avg_sqs=[s["max_exp_avg_sq"] for s in states] if pg["amsgrad"] else None, state_steps=[s["step"] for s in states],
     )
     decoupled = decouples_weight_decay(pg, type(optimizer))
     if EMULATIONS[arithmetic] == FUSED:
-        step_like_cuda_fused_adam(
-            *tensors, lr=pg["lr"], beta1=beta1, beta2=beta2, weight_decay=pg["weight_decay"], eps=pg["eps"],  # type: ignore[arg-type]
-            maximize=pg["maximize"], decoupled_weight_decay=decoupled, arithmetic=arithmetic, powers=powers,
+        hyperparameters = AdamHyperparameters(
+            lr=pg["lr"], beta1=beta1, beta2=beta2, weight_decay=pg["weight_decay"], eps=pg["eps"], maximize=pg["maximize"],
+            decoupled_weight_decay=decoupled,
         )
+        step_like_cuda_fused_adam(tensors, hyperparameters, arithmetic=arithmetic, powers=powers)
     else:
         # Python numbers: torch refuses a tensor lr on the foreach path without capturable (and the
         # probe measures a capturable group only with Python numbers).
-        step_like_cuda_foreach_adam(
-            *tensors, lr=float(pg["lr"]), beta1=float(beta1), beta2=float(beta2), weight_decay=float(pg["weight_decay"]),  # type: ignore[arg-type]
-            eps=float(pg["eps"]), maximize=pg["maximize"], decoupled_weight_decay=decoupled,
-            capturable=EMULATIONS[arithmetic] == FOREACH_CAPTURABLE, powers=powers,
+        hyperparameters = AdamHyperparameters(
+            lr=float(pg["lr"]), beta1=float(beta1), beta2=float(beta2), weight_decay=float(pg["weight_decay"]), eps=float(pg["eps"]),
+            maximize=pg["maximize"], decoupled_weight_decay=decoupled,
         )
+        step_like_cuda_foreach_adam(tensors, hyperparameters, capturable=EMULATIONS[arithmetic] == FOREACH_CAPTURABLE, powers=powers)

@@ -48,11 +48,10 @@ Shared by the training side and the writer: imports neither.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from . import cuda_adam_native
+from .adam_step_arguments import AdamGroupTensors, AdamHyperparameters, ForeachAdamScalars
 from .beta_powers import BetaPowerTables
 from .float32_math import EMULATED_DTYPES, div_f32, fma_f32, sqrt_f32
 
@@ -92,21 +91,18 @@ def _capturable_bias_corrections(
     return step_size, sqrt_f32(bias_correction2)
 
 
+def _host_bias_corrections(step: torch.Tensor, lr: float, beta1: float, beta2: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The non-capturable path's ``step_size`` (``-lr / (1 - beta1^t)``) and ``sqrt(1 - beta2^t)``: the host's float64, cast once."""
+    count = float(step)
+    step_size = _scalar((lr / (1 - beta1**count)) * -1)  # host float64, then the scalar's cast
+    bias_correction2_sqrt = _scalar((1 - beta2**count) ** 0.5)
+    return step_size, bias_correction2_sqrt
+
+
 def step_like_cuda_foreach_adam(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    max_exp_avg_sqs: Sequence[torch.Tensor] | None,
-    state_steps: Sequence[torch.Tensor],
+    tensors: AdamGroupTensors,
+    hyperparameters: AdamHyperparameters,
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-    eps: float,
-    maximize: bool,
-    decoupled_weight_decay: bool,
     capturable: bool = False,
     powers: BetaPowerTables | None = None,
 ) -> None:
@@ -118,14 +114,15 @@ def step_like_cuda_foreach_adam(
     device's where ``powers`` holds them (``beta_powers.py``), else the CPU's float32 ``pow``.
     Every tensor's dtype is one of ``EMULATED_DTYPES``; each is computed in chunks (elementwise).
     """
-    wd = _scalar(weight_decay)
-    decay = _scalar(1 - lr * weight_decay)
+    h = hyperparameters
+    lr, beta1, beta2 = float(h.lr), float(h.beta1), float(h.beta2)  # Python numbers, as the path takes them
+    wd = _scalar(h.weight_decay)
+    decay = _scalar(1 - lr * h.weight_decay)
     weight = _scalar(1 - beta1)
     b2 = _scalar(beta2)
     one_minus_b2 = _scalar(1 - beta2)
-    eps_f = _scalar(eps)
-    for i, (param, grad, exp_avg, exp_avg_sq, step) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, state_steps)):
-        held = [param, grad, exp_avg, exp_avg_sq] + ([max_exp_avg_sqs[i]] if max_exp_avg_sqs is not None else [])
+    eps_f = _scalar(h.eps)
+    for held, step in tensors.per_parameter():
         if any(t.dtype not in EMULATED_DTYPES for t in held):
             raise ValueError(f"CUDA's foreach Adam computes {[t.dtype for t in held]} in double, not as emulated here; "
                              "step such tensors with the optimizer itself")
@@ -133,55 +130,67 @@ def step_like_cuda_foreach_adam(
         if capturable:
             step_size, bias_correction2_sqrt = _capturable_bias_corrections(step, lr, beta1, beta2, powers)
         else:
-            count = float(step)
-            step_size = _scalar((lr / (1 - beta1**count)) * -1)  # host float64, then the scalar's cast
-            bias_correction2_sqrt = _scalar((1 - beta2**count) ** 0.5)
-        if cuda_adam_native.foreach_step_float32(
-            held, max_exp_avg_sqs is not None, weight_decay=float(wd), decay=float(decay), lerp_weight=float(weight), beta2=float(b2),
+            step_size, bias_correction2_sqrt = _host_bias_corrections(step, lr, beta1, beta2)
+        scalars = ForeachAdamScalars(
+            weight_decay=float(wd), decay=float(decay), lerp_weight=float(weight), beta2=float(b2),
             one_minus_beta2=float(one_minus_b2), eps=float(eps_f), step_size=float(step_size),
-            bias_correction2_sqrt=float(bias_correction2_sqrt), decoupled_weight_decay=decoupled_weight_decay, maximize=maximize,
-            capturable=capturable,
-        ):
-            continue  # one pass in C (csrc/cuda_adam.c); below, its twin in torch operations
-        dtype = param.dtype
-        views = [t.detach().reshape(-1) for t in held]
-        for begin in range(0, param.numel(), _CHUNK_ELEMENTS):
-            end = min(begin + _CHUNK_ELEMENTS, param.numel())
+            bias_correction2_sqrt=float(bias_correction2_sqrt), decoupled_weight_decay=h.decoupled_weight_decay,
+            maximize=h.maximize, capturable=capturable, weight_decay_applies=h.weight_decay != 0,
+        )
+        if not cuda_adam_native.foreach_step_float32(held, tensors.amsgrad, scalars):  # one pass in C (csrc/cuda_adam.c)
+            foreach_step_in_torch(held, tensors.amsgrad, scalars)
 
-            def stored(x: torch.Tensor, like: torch.Tensor = param) -> torch.Tensor:
-                # Each kernel writes its result in the tensor's own dtype.
-                return x.to(like.dtype).float()
 
-            p, g, m, v = (views[k][begin:end].float() for k in range(4))
-            if maximize:
-                g = stored(-g, grad)
-            if weight_decay != 0:
-                if decoupled_weight_decay:
-                    p = stored(p * decay)
-                else:
-                    g = stored(fma_f32(wd.expand_as(p), p, g), grad)
-            m = stored(_lerp(m, g, weight), exp_avg)
-            v = stored(v * b2, exp_avg_sq)
-            v = stored(fma_f32(one_minus_b2.expand_as(g), g * g, v), exp_avg_sq)  # g * g: the functor's float32, not stored
-            if max_exp_avg_sqs is not None:
-                peak = torch.maximum(views[4][begin:end].float(), v)
-                denominator = stored(sqrt_f32(peak), exp_avg_sq)
+def foreach_step_in_torch(tensors: list[torch.Tensor], has_max: bool, scalars: ForeachAdamScalars) -> None:
+    """One tensor's foreach update in place, as ``cuda_adam_native.foreach_step_float32`` makes it in C: its twin in torch operations.
+
+    ``tensors`` are param, grad, exp_avg, exp_avg_sq (, max_exp_avg_sq with ``has_max``), of any
+    ``EMULATED_DTYPES`` and any strides; each kernel of the table above in turn, its result stored in the tensor's dtype.
+    """
+    wd, decay, weight, b2, one_minus_b2, eps_f, step_size, bias_correction2_sqrt = (_scalar(value) for value in (
+        scalars.weight_decay, scalars.decay, scalars.lerp_weight, scalars.beta2, scalars.one_minus_beta2, scalars.eps,
+        scalars.step_size, scalars.bias_correction2_sqrt,
+    ))
+    param, grad, exp_avg, exp_avg_sq = tensors[:4]
+    dtype = param.dtype
+    views = [t.detach().reshape(-1) for t in tensors]
+    for begin in range(0, param.numel(), _CHUNK_ELEMENTS):
+        end = min(begin + _CHUNK_ELEMENTS, param.numel())
+
+        def stored(x: torch.Tensor, like: torch.Tensor = param) -> torch.Tensor:
+            # Each kernel writes its result in the tensor's own dtype.
+            return x.to(like.dtype).float()
+
+        p, g, m, v = (views[k][begin:end].float() for k in range(4))
+        if scalars.maximize:
+            g = stored(-g, grad)
+        if scalars.weight_decay_applies:
+            if scalars.decoupled_weight_decay:
+                p = stored(p * decay)
             else:
-                denominator = stored(sqrt_f32(v), exp_avg_sq)
-            denominator = stored(div_f32(denominator, bias_correction2_sqrt), exp_avg_sq)
-            denominator = stored(denominator + eps_f, exp_avg_sq)
-            if capturable:
-                denominator = stored(div_f32(denominator, step_size), exp_avg_sq)  # _foreach_div_(denominators, step_size)
-                p = p + div_f32(m, denominator)  # addcdiv with value 1: fma(1, m / d, p) is one rounding of the sum
-            else:
-                p = fma_f32(step_size.expand_as(p), div_f32(m, denominator), p)  # m / d: the functor's float32, not stored
-            with torch.no_grad():
-                views[0][begin:end].copy_(p.to(dtype))
-                views[2][begin:end].copy_(m)
-                views[3][begin:end].copy_(v)
-                if max_exp_avg_sqs is not None:
-                    views[4][begin:end].copy_(peak)
+                g = stored(fma_f32(wd.expand_as(p), p, g), grad)
+        m = stored(_lerp(m, g, weight), exp_avg)
+        v = stored(v * b2, exp_avg_sq)
+        v = stored(fma_f32(one_minus_b2.expand_as(g), g * g, v), exp_avg_sq)  # g * g: the functor's float32, not stored
+        if has_max:
+            peak = torch.maximum(views[4][begin:end].float(), v)
+            denominator = stored(sqrt_f32(peak), exp_avg_sq)
+        else:
+            denominator = stored(sqrt_f32(v), exp_avg_sq)
+        denominator = stored(div_f32(denominator, bias_correction2_sqrt), exp_avg_sq)
+        denominator = stored(denominator + eps_f, exp_avg_sq)
+        if scalars.capturable:
+            denominator = stored(div_f32(denominator, step_size), exp_avg_sq)  # _foreach_div_(denominators, step_size)
+            p = p + div_f32(m, denominator)  # addcdiv with value 1: fma(1, m / d, p) is one rounding of the sum
+        else:
+            p = fma_f32(step_size.expand_as(p), div_f32(m, denominator), p)  # m / d: the functor's float32, not stored
         with torch.no_grad():
-            for t, flat in zip(held, views):
-                if t is not grad and flat.data_ptr() != t.data_ptr():  # reshape copied a strided view: write it back
-                    t.copy_(flat.view(t.shape))
+            views[0][begin:end].copy_(p.to(dtype))
+            views[2][begin:end].copy_(m)
+            views[3][begin:end].copy_(v)
+            if has_max:
+                views[4][begin:end].copy_(peak)
+    with torch.no_grad():
+        for t, flat in zip(tensors, views):
+            if t is not grad and flat.data_ptr() != t.data_ptr():  # reshape copied a strided view: write it back
+                t.copy_(flat.view(t.shape))

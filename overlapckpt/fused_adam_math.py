@@ -37,11 +37,10 @@ Shared by the training side (the measurement) and the writer (the replay): impor
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from . import cuda_adam_native
+from .adam_step_arguments import AdamGroupTensors, AdamHyperparameters, FusedAdamScalars
 from .beta_powers import BetaPowerTables
 from .float32_math import EMULATED_DTYPES, div_f32, fma_f32, sqrt_f32
 
@@ -97,20 +96,9 @@ def _flat(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def step_like_cuda_fused_adam(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    max_exp_avg_sqs: Sequence[torch.Tensor] | None,
-    state_steps: Sequence[torch.Tensor],
+    tensors: AdamGroupTensors,
+    hyperparameters: AdamHyperparameters,
     *,
-    lr: float | torch.Tensor,
-    beta1: float | torch.Tensor,
-    beta2: float | torch.Tensor,
-    weight_decay: float,
-    eps: float,
-    maximize: bool,
-    decoupled_weight_decay: bool,
     arithmetic: str = CUDA_FP32_FMA,
     powers: BetaPowerTables | None = None,
 ) -> None:
@@ -124,65 +112,86 @@ def step_like_cuda_fused_adam(
     """
     if arithmetic not in ARITHMETICS:
         raise ValueError(f"fused arithmetic {arithmetic!r} is not one of {ARITHMETICS}")
-    l2_contracted = arithmetic == CUDA_FP32_FMA
-    lr_f, b1, b2, wd, eps_f = _f32(lr), _f32(beta1), _f32(beta2), _f32(weight_decay), _f32(eps)
-    one = torch.ones((), dtype=torch.float32)
+    h = hyperparameters
+    lr_f, b1, b2, wd, eps_f = _f32(h.lr), _f32(h.beta1), _f32(h.beta2), _f32(h.weight_decay), _f32(h.eps)
     lr_wd = lr_f * wd  # `lr * weight_decay * param`: the first product in float32
-    for i, (param, grad, exp_avg, exp_avg_sq, step) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, state_steps)):
-        tensors = [param, grad, exp_avg, exp_avg_sq] + ([max_exp_avg_sqs[i]] if max_exp_avg_sqs is not None else [])
-        if any(t.dtype not in EMULATED_DTYPES for t in tensors):
-            raise ValueError(f"CUDA's fused Adam computes {[t.dtype for t in tensors]} in double, not as emulated here; "
+    for held, step in tensors.per_parameter():
+        if any(t.dtype not in EMULATED_DTYPES for t in held):
+            raise ValueError(f"CUDA's fused Adam computes {[t.dtype for t in held]} in double, not as emulated here; "
                              "step such tensors with the optimizer itself")
         step.add_(1)
-        step_count = _f32(step)
-        # pow of float32 values, as the kernel's pow_: the device's own where the table holds it
-        # (CUDA's powf may round a step count's power an ulp apart from the CPU's).
-        power = powers.power if powers is not None else torch.pow
-        bias_correction1 = one - power(b1, step_count)
-        bias_correction2_sqrt = sqrt_f32(one - power(b2, step_count))
-        step_size = div_f32(lr_f, bias_correction1)
-        if cuda_adam_native.fused_step_float32(
-            tensors, max_exp_avg_sqs is not None, lr_times_weight_decay=float(lr_wd), beta1=float(b1), beta2=float(b2),
-            weight_decay=float(wd), eps=float(eps_f), step_size=float(step_size), bias_correction2_sqrt=float(bias_correction2_sqrt),
-            decoupled_weight_decay=decoupled_weight_decay, l2_contracted=l2_contracted, maximize=maximize,
-        ):
-            continue  # one pass in C (csrc/cuda_adam.c); below, its twin in torch operations
-        flats = [_flat(t) for t in tensors]
-        if any(f is None for f in flats):  # a strided view: one pass over the whole tensor, copied back
-            views: list[torch.Tensor] = [t.detach().reshape(-1) for t in tensors]
-            chunks = [(0, param.numel())]
-        else:
-            views = [f for f in flats if f is not None]
-            chunks = [(s, min(s + _CHUNK_ELEMENTS, param.numel())) for s in range(0, param.numel(), _CHUNK_ELEMENTS)]
-        for begin, end in chunks:
-            p, g, m, v = (views[k][begin:end].float() for k in range(4))
-            if maximize:
-                g = -g
-            if weight_decay != 0:
-                if decoupled_weight_decay:
-                    p = fma_f32(-lr_wd, p, p)  # param -= (lr * wd) * param, contracted
-                elif l2_contracted:
-                    g = fma_f32(p, wd, g)  # grad += param * wd, contracted
-                else:
-                    g = g + p * wd  # grad += param * wd, the product rounded first
-            m = fma_f32(b1, m, _times_one_minus(b1, g))
-            gg = g * g
-            v = fma_f32(b2, v, _times_one_minus(b2, gg))
-            if max_exp_avg_sqs is not None:
-                held = views[4][begin:end].float()
-                peak = torch.where(held < v, v, held)  # std::max(max_exp_avg_sq, exp_avg_sq)
-                denom = div_f32(sqrt_f32(peak), bias_correction2_sqrt) + eps_f
+        step_size, bias_correction2_sqrt = _bias_corrections(lr_f, b1, b2, step, powers)
+        scalars = FusedAdamScalars(
+            lr_times_weight_decay=float(lr_wd), beta1=float(b1), beta2=float(b2), weight_decay=float(wd), eps=float(eps_f),
+            step_size=float(step_size), bias_correction2_sqrt=float(bias_correction2_sqrt),
+            decoupled_weight_decay=h.decoupled_weight_decay, l2_contracted=arithmetic == CUDA_FP32_FMA, maximize=h.maximize,
+            weight_decay_applies=h.weight_decay != 0,
+        )
+        if not cuda_adam_native.fused_step_float32(held, tensors.amsgrad, scalars):  # one pass in C (csrc/cuda_adam.c)
+            fused_step_in_torch(held, tensors.amsgrad, scalars)
+
+
+def _bias_corrections(
+    lr: torch.Tensor, beta1: torch.Tensor, beta2: torch.Tensor, step: torch.Tensor, powers: BetaPowerTables | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's ``step_size`` (``lr / (1 - beta1^t)``) and ``sqrt(1 - beta2^t)`` at the (incremented) step count, float32."""
+    one = torch.ones((), dtype=torch.float32)
+    step_count = _f32(step)
+    # pow of float32 values, as the kernel's pow_: the device's own where the table holds it
+    # (CUDA's powf may round a step count's power an ulp apart from the CPU's).
+    power = powers.power if powers is not None else torch.pow
+    bias_correction1 = one - power(beta1, step_count)
+    bias_correction2_sqrt = sqrt_f32(one - power(beta2, step_count))
+    return div_f32(lr, bias_correction1), bias_correction2_sqrt
+
+
+def fused_step_in_torch(tensors: list[torch.Tensor], has_max: bool, scalars: FusedAdamScalars) -> None:
+    """One tensor's update in place, as ``cuda_adam_native.fused_step_float32`` makes it in C: its twin in torch operations.
+
+    ``tensors`` are param, grad, exp_avg, exp_avg_sq (, max_exp_avg_sq with ``has_max``), of any
+    ``EMULATED_DTYPES`` and any strides; each computed in float32 as the kernel does.
+    """
+    lr_wd, b1, b2, wd, eps_f, step_size, bias_correction2_sqrt = (_f32(value) for value in (
+        scalars.lr_times_weight_decay, scalars.beta1, scalars.beta2, scalars.weight_decay, scalars.eps, scalars.step_size,
+        scalars.bias_correction2_sqrt,
+    ))
+    param, grad = tensors[0], tensors[1]
+    flats = [_flat(t) for t in tensors]
+    if any(f is None for f in flats):  # a strided view: one pass over the whole tensor, copied back
+        views: list[torch.Tensor] = [t.detach().reshape(-1) for t in tensors]
+        chunks = [(0, param.numel())]
+    else:
+        views = [f for f in flats if f is not None]
+        chunks = [(s, min(s + _CHUNK_ELEMENTS, param.numel())) for s in range(0, param.numel(), _CHUNK_ELEMENTS)]
+    for begin, end in chunks:
+        p, g, m, v = (views[k][begin:end].float() for k in range(4))
+        if scalars.maximize:
+            g = -g
+        if scalars.weight_decay_applies:
+            if scalars.decoupled_weight_decay:
+                p = fma_f32(-lr_wd, p, p)  # param -= (lr * wd) * param, contracted
+            elif scalars.l2_contracted:
+                g = fma_f32(p, wd, g)  # grad += param * wd, contracted
             else:
-                denom = div_f32(sqrt_f32(v), bias_correction2_sqrt) + eps_f
-            p = p - div_f32(step_size * m, denom)
-            with torch.no_grad():
-                views[0][begin:end].copy_(p)
-                views[2][begin:end].copy_(m)
-                views[3][begin:end].copy_(v)
-                if max_exp_avg_sqs is not None:
-                    views[4][begin:end].copy_(peak)
-        if any(f is None for f in flats):
-            with torch.no_grad():
-                for t, flat in zip(tensors, views):
-                    if t is not grad:
-                        t.copy_(flat.view(t.shape))
+                g = g + p * wd  # grad += param * wd, the product rounded first
+        m = fma_f32(b1, m, _times_one_minus(b1, g))
+        gg = g * g
+        v = fma_f32(b2, v, _times_one_minus(b2, gg))
+        if has_max:
+            held = views[4][begin:end].float()
+            peak = torch.where(held < v, v, held)  # std::max(max_exp_avg_sq, exp_avg_sq)
+            denom = div_f32(sqrt_f32(peak), bias_correction2_sqrt) + eps_f
+        else:
+            denom = div_f32(sqrt_f32(v), bias_correction2_sqrt) + eps_f
+        p = p - div_f32(step_size * m, denom)
+        with torch.no_grad():
+            views[0][begin:end].copy_(p)
+            views[2][begin:end].copy_(m)
+            views[3][begin:end].copy_(v)
+            if has_max:
+                views[4][begin:end].copy_(peak)
+    if any(f is None for f in flats):
+        with torch.no_grad():
+            for t, flat in zip(tensors, views):
+                if t is not grad:
+                    t.copy_(flat.view(t.shape))

@@ -17,6 +17,7 @@ import torch
 from exact_float import f32, fma32
 
 from overlapckpt import cuda_adam_native
+from overlapckpt.adam_step_arguments import AdamGroupTensors, AdamHyperparameters
 from overlapckpt.beta_powers import BetaPowerTables, table_length
 from overlapckpt.foreach_adam_math import step_like_cuda_foreach_adam
 
@@ -113,8 +114,11 @@ def test_the_emulation_is_cudas_foreach_kernels_with_one_rounding_per_operation(
     reference = [(float(p), 0.0, 0.0, 0.0 if amsgrad else None) for p in start.float()]
     for count, g in enumerate(grads, start=1):
         step_like_cuda_foreach_adam(
-            [param], [g], [exp_avg], [exp_avg_sq], None if max_sq is None else [max_sq], [step], lr=LR, beta1=BETA1, beta2=BETA2,
-            weight_decay=weight_decay, eps=EPS, maximize=maximize, decoupled_weight_decay=decoupled, capturable=capturable,
+            AdamGroupTensors([param], [g], [exp_avg], [exp_avg_sq], None if max_sq is None else [max_sq], [step]),
+            AdamHyperparameters(
+                lr=LR, beta1=BETA1, beta2=BETA2, weight_decay=weight_decay, eps=EPS, maximize=maximize, decoupled_weight_decay=decoupled,
+            ),
+            capturable=capturable,
         )
         reference = [
             _reference(p, float(gi), m, v, vmax, count, weight_decay, decoupled, maximize, dtype, capturable)
@@ -135,8 +139,10 @@ def test_the_cpus_own_foreach_kernels_round_otherwise():
     cpu_param = torch.nn.Parameter(start.clone())
     optimizer = torch.optim.AdamW([cpu_param], lr=LR, betas=(BETA1, BETA2), eps=EPS, weight_decay=0.01, foreach=True)
     for g in grads:
-        step_like_cuda_foreach_adam([param], [g], [exp_avg], [exp_avg_sq], None, [step], lr=LR, beta1=BETA1, beta2=BETA2,
-                                    weight_decay=0.01, eps=EPS, maximize=False, decoupled_weight_decay=True)
+        step_like_cuda_foreach_adam(
+            AdamGroupTensors([param], [g], [exp_avg], [exp_avg_sq], None, [step]),
+            AdamHyperparameters(lr=LR, beta1=BETA1, beta2=BETA2, weight_decay=0.01, eps=EPS, maximize=False, decoupled_weight_decay=True),
+        )
         cpu_param.grad = g.clone()
         optimizer.step()
     differing = int((optimizer.state[cpu_param]["exp_avg_sq"] != exp_avg_sq).sum())
@@ -151,8 +157,12 @@ def test_a_strided_tensor_steps_as_its_contiguous_copy():
         assert param.is_contiguous() != strided
         exp_avg, exp_avg_sq, step = torch.zeros_like(param), torch.zeros_like(param), torch.zeros(())
         for g in grads:
-            step_like_cuda_foreach_adam([param], [g.view(8, 8)], [exp_avg], [exp_avg_sq], None, [step], lr=LR, beta1=BETA1,
-                                        beta2=BETA2, weight_decay=0.01, eps=EPS, maximize=False, decoupled_weight_decay=True)
+            step_like_cuda_foreach_adam(
+                AdamGroupTensors([param], [g.view(8, 8)], [exp_avg], [exp_avg_sq], None, [step]),
+                AdamHyperparameters(
+                    lr=LR, beta1=BETA1, beta2=BETA2, weight_decay=0.01, eps=EPS, maximize=False, decoupled_weight_decay=True,
+                ),
+            )
         results.append((param.clone(), exp_avg.clone(), exp_avg_sq.clone()))
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
@@ -160,8 +170,10 @@ def test_a_strided_tensor_steps_as_its_contiguous_copy():
 def test_a_double_state_is_refused_by_name():
     double = torch.zeros(3, dtype=torch.float64)
     with pytest.raises(ValueError, match="in double, not as emulated here"):
-        step_like_cuda_foreach_adam([double], [double], [double], [double], None, [torch.zeros(())], lr=LR, beta1=BETA1,
-                                    beta2=BETA2, weight_decay=0.0, eps=EPS, maximize=False, decoupled_weight_decay=True)
+        step_like_cuda_foreach_adam(
+            AdamGroupTensors([double], [double], [double], [double], None, [torch.zeros(())]),
+            AdamHyperparameters(lr=LR, beta1=BETA1, beta2=BETA2, weight_decay=0.0, eps=EPS, maximize=False, decoupled_weight_decay=True),
+        )
 
 
 @pytest.mark.parametrize("decoupled, maximize, amsgrad, weight_decay, betas", [
@@ -183,9 +195,13 @@ def test_the_c_loop_and_its_torch_twin_agree_bit_for_bit(monkeypatch, road, deco
         monkeypatch.setenv("OVERLAPCKPT_NATIVE", native)
         state = [start.clone(), torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(())]
         for g in grads:
-            step_like_cuda_foreach_adam([state[0]], [g], [state[1]], [state[2]], [state[3]] if amsgrad else None, [state[4]],
-                                        lr=LR, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, eps=EPS,
-                                        maximize=maximize, decoupled_weight_decay=decoupled)
+            step_like_cuda_foreach_adam(
+                AdamGroupTensors([state[0]], [g], [state[1]], [state[2]], [state[3]] if amsgrad else None, [state[4]]),
+                AdamHyperparameters(
+                    lr=LR, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, eps=EPS, maximize=maximize,
+                    decoupled_weight_decay=decoupled,
+                ),
+            )
         states.append(state)
     for c_pass, twin in zip(*states):
         # Bit for bit, -0.0 apart from 0.0; a NaN's sign and payload are the hardware's (CUDA writes its own canonical
@@ -210,9 +226,13 @@ def test_capturable_bias_corrections_take_the_devices_powers_from_its_table():
     for table in (powers, None):
         param, exp_avg, exp_avg_sq, step = start.clone(), torch.zeros(67), torch.zeros(67), torch.zeros(())
         for g in grads:
-            step_like_cuda_foreach_adam([param], [g], [exp_avg], [exp_avg_sq], None, [step], lr=LR, beta1=BETA1, beta2=BETA2,
-                                        weight_decay=0.01, eps=EPS, maximize=False, decoupled_weight_decay=True, capturable=True,
-                                        powers=table)
+            step_like_cuda_foreach_adam(
+                AdamGroupTensors([param], [g], [exp_avg], [exp_avg_sq], None, [step]),
+                AdamHyperparameters(
+                    lr=LR, beta1=BETA1, beta2=BETA2, weight_decay=0.01, eps=EPS, maximize=False, decoupled_weight_decay=True,
+                ),
+                capturable=True, powers=table,
+            )
         results[table is None] = param
     reference = [(float(p), 0.0, 0.0, None) for p in start]
     for count, g in enumerate(grads, start=1):
@@ -256,8 +276,12 @@ def test_a_large_tensor_split_across_the_writers_threads_gives_the_same_bits(mon
         monkeypatch.setattr(cuda_adam_native, "_threads", lambda threads=threads: threads)
         state = [start.clone(), torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(())]
         for g in grads:
-            step_like([state[0]], [g], [state[1]], [state[2]], [state[3]], [state[4]], lr=LR, beta1=BETA1, beta2=BETA2,
-                      weight_decay=0.01, eps=EPS, maximize=False, decoupled_weight_decay=True)
+            step_like(
+                AdamGroupTensors([state[0]], [g], [state[1]], [state[2]], [state[3]], [state[4]]),
+                AdamHyperparameters(
+                    lr=LR, beta1=BETA1, beta2=BETA2, weight_decay=0.01, eps=EPS, maximize=False, decoupled_weight_decay=True,
+                ),
+            )
         states.append(state)
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(*states))
     assert not torch.equal(states[0][0], start)  # the C pass ran: the parameters moved

@@ -16,6 +16,7 @@ import torch
 from exact_float import f32, fma32
 
 from overlapckpt import cuda_adam_native, fused_adam_math
+from overlapckpt.adam_step_arguments import AdamGroupTensors, AdamHyperparameters, FusedAdamScalars
 from overlapckpt.format.entries import ROLE_OPTIM, ROLE_PARAM, TensorEntry
 from overlapckpt.format.manifest import GroupArithmetic
 from overlapckpt.fused_adam_math import CUDA_FP32_FMA, CUDA_FP32_FMA_L2_ROUNDED, step_like_cuda_fused_adam
@@ -70,9 +71,13 @@ def test_the_emulation_is_cudas_fused_formula_with_one_rounding_per_operation(de
     param, exp_avg, exp_avg_sq, step = start.clone(), torch.zeros(96), torch.zeros(96), torch.zeros(())
     reference = [(float(p), 0.0, 0.0) for p in start]
     for count, g in enumerate(grads, start=1):
-        step_like_cuda_fused_adam([param], [g], [exp_avg], [exp_avg_sq], None, [step], lr=1e-3, beta1=0.9, beta2=0.999,
-                                  weight_decay=0.01, eps=1e-8, maximize=False, decoupled_weight_decay=decoupled,
-                                  arithmetic=arithmetic)
+        step_like_cuda_fused_adam(
+            AdamGroupTensors([param], [g], [exp_avg], [exp_avg_sq], None, [step]),
+            AdamHyperparameters(
+                lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, maximize=False, decoupled_weight_decay=decoupled,
+            ),
+            arithmetic=arithmetic,
+        )
         reference = [
             _reference_step(p, float(gi), m, v, float(count), 1e-3, 0.9, 0.999, 0.01, 1e-8, decoupled, arithmetic == CUDA_FP32_FMA)
             for (p, m, v), gi in zip(reference, g)
@@ -130,9 +135,14 @@ def test_the_writers_replay_steps_fused_groups_with_the_arithmetic_the_log_names
     optimizer.step()
     state = optimizer.state[live]
     step_like_cuda_fused_adam(
-        [live], [grads[1]], [state["exp_avg"]], [state["exp_avg_sq"]], [state["max_exp_avg_sq"]] if amsgrad else None,
-        [state["step"]], lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, maximize=False,
-        decoupled_weight_decay=optimizer_cls is torch.optim.AdamW, arithmetic=arithmetic_named,
+        AdamGroupTensors(
+            [live], [grads[1]], [state["exp_avg"]], [state["exp_avg_sq"]], [state["max_exp_avg_sq"]] if amsgrad else None, [state["step"]],
+        ),
+        AdamHyperparameters(
+            lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, maximize=False,
+            decoupled_weight_decay=optimizer_cls is torch.optim.AdamW,
+        ),
+        arithmetic=arithmetic_named,
     )
     expected[arithmetic_named] = {"param": live.detach(), **state}
     for arithmetic in (None, arithmetic_named):
@@ -155,8 +165,12 @@ def test_the_emulation_holds_in_chunks_on_strided_tensors_and_for_small_betas(mo
         reference = [(float(p), 0.0, 0.0) for p in param.reshape(-1)]
         for count, g in enumerate(grads, start=1):
             grad = g.view_as(param)
-            step_like_cuda_fused_adam([param], [grad], [exp_avg], [exp_avg_sq], None, [step], lr=1e-3, beta1=betas[0],
-                                      beta2=betas[1], weight_decay=0.01, eps=1e-8, maximize=True, decoupled_weight_decay=True)
+            step_like_cuda_fused_adam(
+                AdamGroupTensors([param], [grad], [exp_avg], [exp_avg_sq], None, [step]),
+                AdamHyperparameters(
+                    lr=1e-3, beta1=betas[0], beta2=betas[1], weight_decay=0.01, eps=1e-8, maximize=True, decoupled_weight_decay=True,
+                ),
+            )
             reference = [
                 _reference_step(p, -float(gi), m, v, float(count), 1e-3, betas[0], betas[1], 0.01, 1e-8, True)
                 for (p, m, v), gi in zip(reference, grad.reshape(-1))
@@ -169,8 +183,10 @@ def test_float64_tensors_are_refused_by_the_emulation_and_left_to_the_cpu_kernel
     # CUDA's fused kernel computes float64 in double, as the CPU's does: emulating it in float32 would lose precision.
     p64 = torch.zeros(4, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"computes \[torch.float64.*step such tensors with the optimizer itself"):
-        step_like_cuda_fused_adam([p64], [p64], [p64.clone()], [p64.clone()], None, [torch.zeros(())], lr=1e-3, beta1=0.9,
-                                  beta2=0.999, weight_decay=0.0, eps=1e-8, maximize=False, decoupled_weight_decay=True)
+        step_like_cuda_fused_adam(
+            AdamGroupTensors([p64], [p64], [p64.clone()], [p64.clone()], None, [torch.zeros(())]),
+            AdamHyperparameters(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, maximize=False, decoupled_weight_decay=True),
+        )
 
 
 @pytest.mark.parametrize("decoupled, arithmetic", [(True, CUDA_FP32_FMA), (False, CUDA_FP32_FMA), (False, CUDA_FP32_FMA_L2_ROUNDED)])
@@ -184,9 +200,13 @@ def test_the_c_loop_and_its_torch_twin_agree_bit_for_bit(monkeypatch, road, deco
         monkeypatch.setenv("OVERLAPCKPT_NATIVE", "1" if name == "native" else "0")
         state = [start.clone(), torch.zeros(10_000), torch.zeros(10_000), torch.zeros(10_000), torch.zeros(())]
         for g in grads:
-            step_like_cuda_fused_adam([state[0]], [g], [state[1]], [state[2]], [state[3]] if amsgrad else None, [state[4]],
-                                      lr=3e-4, beta1=0.8, beta2=0.99, weight_decay=0.1, eps=1e-6, maximize=maximize,
-                                      decoupled_weight_decay=decoupled, arithmetic=arithmetic)
+            step_like_cuda_fused_adam(
+                AdamGroupTensors([state[0]], [g], [state[1]], [state[2]], [state[3]] if amsgrad else None, [state[4]]),
+                AdamHyperparameters(
+                    lr=3e-4, beta1=0.8, beta2=0.99, weight_decay=0.1, eps=1e-6, maximize=maximize, decoupled_weight_decay=decoupled,
+                ),
+                arithmetic=arithmetic,
+            )
         results[name] = state
     for native, twin in zip(results["native"], results["python"]):
         assert torch.equal(native, twin)
@@ -202,10 +222,13 @@ def test_a_failed_build_of_the_c_pass_leaves_no_file_and_the_torch_twin_runs(mon
     assert list((tmp_path / "overlapckpt").iterdir()) == []
     param, grad = torch.ones(8), torch.full((8,), 0.5)
     state = [torch.zeros(8), torch.zeros(8)]
-    assert not cuda_adam_native.fused_step_float32([param, grad, *state], False, lr_times_weight_decay=0.0, beta1=0.9, beta2=0.999,
-                                              weight_decay=0.0, eps=1e-8, step_size=1e-3, bias_correction2_sqrt=1.0,
-                                              decoupled_weight_decay=True, l2_contracted=True, maximize=False)
-    step_like_cuda_fused_adam([param], [grad], state[:1], state[1:], None, [torch.zeros(())], lr=1e-3, beta1=0.9, beta2=0.999,
-                              weight_decay=0.0, eps=1e-8, maximize=False, decoupled_weight_decay=True)  # the twin
+    scalars = FusedAdamScalars(lr_times_weight_decay=0.0, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, step_size=1e-3,
+                               bias_correction2_sqrt=1.0, decoupled_weight_decay=True, l2_contracted=True, maximize=False,
+                               weight_decay_applies=False)
+    assert not cuda_adam_native.fused_step_float32([param, grad, *state], False, scalars)
+    step_like_cuda_fused_adam(
+        AdamGroupTensors([param], [grad], state[:1], state[1:], None, [torch.zeros(())]),
+        AdamHyperparameters(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, maximize=False, decoupled_weight_decay=True),
+    )  # the twin
     expected = _reference_step(1.0, 0.5, 0.0, 0.0, 1.0, 1e-3, 0.9, 0.999, 0.0, 1e-8, True)[0]
     assert torch.equal(param, torch.full((8,), expected, dtype=torch.float32))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from overlapckpt.adam_step_arguments import AdamGroupTensors, AdamHyperparameters
 from overlapckpt.beta_powers import BetaPowerTables, powers_on, table_length
 from overlapckpt.device_adam_step import FOR_LOOP, FOREACH, FOREACH_CAPTURABLE, FUSED, step_like_the_device
 from overlapckpt.foreach_adam_math import CUDA_FOREACH_CAPTURABLE_FP32_FMA, CUDA_FOREACH_FP32_FMA, step_like_cuda_foreach_adam
@@ -266,13 +267,21 @@ def test_the_writer_steps_each_group_by_its_arithmetic_and_everything_else_with_
     # The float32 fused parameter: the fused emulation, with its amsgrad state made as torch makes it.
     expected = {name: torch.nn.Parameter(p.detach().clone()) for name, p in _mixed_optimizer(torch.optim.AdamW)[1].items()}
     fused_state = {"step": torch.zeros(()), "exp_avg": torch.zeros(64), "exp_avg_sq": torch.zeros(64), "max_exp_avg_sq": torch.zeros(64)}
-    step_like_cuda_fused_adam([expected["fused32"]], [params["fused32"].grad], [fused_state["exp_avg"]], [fused_state["exp_avg_sq"]],
-                              [fused_state["max_exp_avg_sq"]], [fused_state["step"]], lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01,
-                              eps=1e-8, maximize=False, decoupled_weight_decay=True)
+    step_like_cuda_fused_adam(
+        AdamGroupTensors(
+            [expected["fused32"]], [params["fused32"].grad], [fused_state["exp_avg"]], [fused_state["exp_avg_sq"]],
+            [fused_state["max_exp_avg_sq"]], [fused_state["step"]],
+        ),
+        AdamHyperparameters(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, maximize=False, decoupled_weight_decay=True),
+    )
     foreach_state = {"step": torch.zeros(()), "exp_avg": torch.zeros(64), "exp_avg_sq": torch.zeros(64)}
-    step_like_cuda_foreach_adam([expected["foreach32"]], [params["foreach32"].grad], [foreach_state["exp_avg"]],
-                                [foreach_state["exp_avg_sq"]], None, [foreach_state["step"]], lr=1e-3, beta1=0.9, beta2=0.999,
-                                weight_decay=0.01, eps=1e-8, maximize=False, decoupled_weight_decay=True)
+    step_like_cuda_foreach_adam(
+        AdamGroupTensors(
+            [expected["foreach32"]], [params["foreach32"].grad], [foreach_state["exp_avg"]], [foreach_state["exp_avg_sq"]], None,
+            [foreach_state["step"]],
+        ),
+        AdamHyperparameters(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, maximize=False, decoupled_weight_decay=True),
+    )
     for name, state in (("fused32", fused_state), ("foreach32", foreach_state)):
         assert torch.equal(params[name], expected[name]), name
         assert replayed.state[params[name]].keys() == state.keys()
@@ -371,8 +380,11 @@ def test_the_writer_replays_with_the_powers_the_log_carries():
         tables = ReplayTables(grad_offsets={(1, "w"): 0}, grad_nbytes=256, param_group_of={"w": 0}, copy_group_of={"w": 0})
         replay_to_version(entries, tensors, log, tables, grads[1].view(torch.uint8).clone())
         expected = [t.clone() for t in copied]
-        step_like_cuda_fused_adam([expected[0]], [grads[1]], [expected[2]], [expected[3]], None, [expected[1]], lr=1e-3, beta1=0.9,
-                                  beta2=0.999, weight_decay=0.01, eps=1e-8, maximize=False, decoupled_weight_decay=True, powers=table)
+        step_like_cuda_fused_adam(
+            AdamGroupTensors([expected[0]], [grads[1]], [expected[2]], [expected[3]], None, [expected[1]]),
+            AdamHyperparameters(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, maximize=False, decoupled_weight_decay=True),
+            powers=table,
+        )
         assert all(torch.equal(a, b) for a, b in zip(tensors, expected)), table
         replayed[table is None] = tensors[0]
     assert not torch.equal(replayed[False], replayed[True])

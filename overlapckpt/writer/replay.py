@@ -16,6 +16,7 @@ groups are stepped by it, and every other group by the optimizer itself.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,20 +56,33 @@ def replay_to_version(
     """Apply the logged steps to each group's tensors in place."""
     optimizer_cls = _import(log.optimizer_class)
     check_arithmetic_names(log.arithmetic_names())
-    params: dict[str, torch.Tensor] = {}
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    for e, t in zip(entries, tensors):
-        if e.role == ROLE_PARAM and e.param_fqn is not None:
-            params[e.param_fqn] = t
-        elif e.role == ROLE_OPTIM and e.param_fqn is not None:
-            state.setdefault(e.param_fqn, {})[e.path[-1]] = t
+    targets = _collect_targets(entries, tensors)
     for group_index, version in enumerate(log.group_versions):
         if version is None:
             continue
         steps = [s for s in log.steps if s.step > version and group_index in s.groups]
         fqns = [fqn for fqn, j in tables.copy_group_of.items() if j == group_index]
         if steps and fqns:
-            _replay_group(optimizer_cls, log, tables, fqns, params, state, steps, grad_buffer)
+            _replay_group(optimizer_cls, log, tables, fqns, targets, steps, grad_buffer)
+
+
+@dataclass(frozen=True)
+class _ReplayTargets:
+    """The snapshot's host tensors that replay steps in place (in the shared slot), by parameter FQN."""
+
+    params: dict[str, torch.Tensor]
+    state: dict[str, dict[str, torch.Tensor]]  # each parameter's optimizer state, by state name (exp_avg, step, ...)
+
+
+def _collect_targets(entries: list[TensorEntry], tensors: list[torch.Tensor]) -> _ReplayTargets:
+    """The slot's parameters and optimizer state among ``tensors``, by the FQN their entries name."""
+    targets = _ReplayTargets(params={}, state={})
+    for e, t in zip(entries, tensors):
+        if e.role == ROLE_PARAM and e.param_fqn is not None:
+            targets.params[e.param_fqn] = t
+        elif e.role == ROLE_OPTIM and e.param_fqn is not None:
+            targets.state.setdefault(e.param_fqn, {})[e.path[-1]] = t
+    return targets
 
 
 def _replay_group(
@@ -76,11 +90,11 @@ def _replay_group(
     log: ReplayLog,
     tables: ReplayTables,
     fqns: list[str],
-    params: dict[str, torch.Tensor],
-    state: dict[str, dict[str, torch.Tensor]],
+    targets: _ReplayTargets,
     steps: list[Any],
     grad_buffer: torch.Tensor,
 ) -> None:
+    params, state = targets.params, targets.state
     groups_fqns: dict[int, list[str]] = {}
     for fqn in fqns:
         groups_fqns.setdefault(tables.param_group_of[fqn], []).append(fqn)
