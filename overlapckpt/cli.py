@@ -308,16 +308,14 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .consolidate import export_checkpoint
+    from .consolidate import ExportOptions, export_checkpoint
 
     store = _existing_store(args)
     name = _chosen(store, args)
     progress = Progress()
     try:
-        info = export_checkpoint(
-            store.checkpoint_url(name), args.out, fmt=args.format, model_only=args.model_only,
-            storage_options=_storage_options(args.option), on_stage=progress.say,
-        )
+        options = ExportOptions(fmt=args.format, model_only=args.model_only, storage_options=_storage_options(args.option))
+        info = export_checkpoint(store.checkpoint_url(name), args.out, options, on_stage=progress.say)
     finally:
         progress.done()
     _say(f"exported step {info.step} ({_size(info.nbytes)} of state) from {info.path} to {args.out} ({args.format})")
