@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import sys
 from typing import Any
 
+from .cli_output import Progress, readable_size, say, utc_time
 from .errors import CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError, OverlapCkptError
 from .format.lease import live_holder
 from .format.manifest import step_of_name
@@ -61,54 +61,6 @@ def _storage_options(pairs: list[str]) -> dict[str, Any]:
         except ValueError:
             out[key] = value  # a plain string: a URL, a key id
     return out
-
-
-def _size(nbytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024  # type: ignore[assignment]
-    return str(nbytes)
-
-
-def _when(unix_s: float) -> str:
-    return datetime.datetime.fromtimestamp(unix_s, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def printable(text: str) -> str:
-    """``text`` with every character a terminal would act on escaped (``\x1b``, ``\n``, ...).
-
-    What a manifest holds is data from storage: a crafted name or field must not move the
-    cursor, clear the screen or forge a line of output.
-    """
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
-
-
-def _say(text: str, file: Any = None) -> None:
-    print(printable(text), file=file if file is not None else sys.stdout)
-
-
-class Progress:
-    """One line on stderr, rewritten in place, when stderr is a terminal; nothing otherwise (logs, pipes, CI)."""
-
-    def __init__(self) -> None:
-        self.shown = sys.stderr.isatty()
-        self._last = ""
-
-    def say(self, text: str) -> None:
-        if self.shown and text != self._last:
-            self._last = text
-            sys.stderr.write("\r\033[K" + printable(text))
-            sys.stderr.flush()
-
-    def bytes_read(self, what: str) -> Any:
-        return lambda done, total: self.say(f"{what}: {_size(done)} of {_size(total)} ({100 * done // max(total, 1)}%)")
-
-    def done(self) -> None:
-        if self.shown and self._last:
-            sys.stderr.write("\r\033[K")
-            sys.stderr.flush()
-            self._last = ""
 
 
 def _existing_store(args: argparse.Namespace) -> CheckpointStore:
@@ -183,21 +135,21 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         rows = [{"tier": tier, **dataclasses.asdict(i)} for tier, i in listed]  # "tier" first, as the table shows it
         for line in json.dumps(rows, indent=1).splitlines():
-            _say(line)  # json escapes control characters itself; printable() leaves the lines as they are
+            say(line)  # json escapes control characters itself; printable() leaves the lines as they are
         return 0
     if not listed:
-        _say(f"no committed checkpoint under {args.root}" + (f" nor in the local tier {local}" if args.tier == "all" else ""))
+        say(f"no committed checkpoint under {args.root}" + (f" nor in the local tier {local}" if args.tier == "all" else ""))
         return 0
     # The tier column only where a local tier is listed: a root's listing reads as it always did.
     tiered = any(tier == LOCAL_TIER for tier, _ in listed)
-    _say(
+    say(
         ("tier  " if tiered else "") + f"{'step':>10} {'requested':>10} {'mode':>7} {'window':>6} {'ranks':>5} {'size':>10}  {'run':8}  "
         f"{'continued from':24}  committed                path"
     )
     for tier, i in listed:
-        _say(
+        say(
             (f"{tier:5} " if tiered else "") + f"{i.step:>10} {i.requested_step:>10} {i.mode:>7} {i.window:>6} {i.world_size:>5} "
-            f"{_size(i.nbytes):>10}  {(i.run_id or '-')[:8]:8}  {i.restored_from or '-':24}  {_when(i.created_at)}  {i.path}"
+            f"{readable_size(i.nbytes):>10}  {(i.run_id or '-')[:8]:8}  {i.restored_from or '-':24}  {utc_time(i.created_at)}  {i.path}"
         )
     return 0
 
@@ -208,38 +160,38 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     m = read_manifest(store, name)
     if args.json:
         for line in json.dumps(m.raw, indent=1, sort_keys=True).splitlines():
-            _say(line)
+            say(line)
         return 0
     ledger = m.ledger or {}
-    _say(f"checkpoint   {store.checkpoint_url(name)}")
-    _say(f"version      step {m.step} (requested at step {m.requested_step}), mode {m.mode}, window {m.window}")
-    _say(f"state        {len(m.items)} tensors, {_size(m.nbytes)}; torch {m.torch_version}; committed {_when(m.created_at)}")
-    _say(f"extra state  {', '.join(m.extra_state_index) or '-'}; boundary captured at {ledger.get('boundary')}")
+    say(f"checkpoint   {store.checkpoint_url(name)}")
+    say(f"version      step {m.step} (requested at step {m.requested_step}), mode {m.mode}, window {m.window}")
+    say(f"state        {len(m.items)} tensors, {readable_size(m.nbytes)}; torch {m.torch_version}; committed {utc_time(m.created_at)}")
+    say(f"extra state  {', '.join(m.extra_state_index) or '-'}; boundary captured at {ledger.get('boundary')}")
     if m.ranks:
         mesh = "x".join(str(d) for d in m.mesh_shape)
-        _say(f"ranks        {m.world_size} (mesh {mesh}); each wrote its share:")
+        say(f"ranks        {m.world_size} (mesh {mesh}); each wrote its share:")
         for r in m.ranks:
             versions = sorted({g["version"] for g in (r.ledger or {}).get("groups", [])})
             copied = (r.stats or {}).get("copied_nbytes")
-            _say(
-                f"  rank {r.rank}: {_size(r.nbytes)} in {len(r.items)} tensors or shards, groups at versions "
-                f"{versions}{'' if copied is None else f', copied {_size(int(copied))}'}"
+            say(
+                f"  rank {r.rank}: {readable_size(r.nbytes)} in {len(r.items)} tensors or shards, groups at versions "
+                f"{versions}{'' if copied is None else f', copied {readable_size(int(copied))}'}"
             )
     if m.exports:
-        _say(f"framework    {', '.join(sorted(m.exports))}")
+        say(f"framework    {', '.join(sorted(m.exports))}")
     for g in ledger.get("groups", []):
         landed = g.get("landed_s")
-        _say(f"  group {g['index']}: {_size(g['nbytes'])} at version {g['version']}, landed {'-' if landed is None else f'{landed * 1000:.1f} ms'} after the request")
+        say(f"  group {g['index']}: {readable_size(g['nbytes'])} at version {g['version']}, landed {'-' if landed is None else f'{landed * 1000:.1f} ms'} after the request")
     if ledger.get("gradient_steps"):
-        _say(f"  gradients logged for steps {', '.join(ledger['gradient_steps'])}; replayed on the CPU to version {m.step}")
+        say(f"  gradients logged for steps {', '.join(ledger['gradient_steps'])}; replayed on the CPU to version {m.step}")
     for a in m.replay_arithmetic:
-        _say(f"  replay of {a.describe()}")
+        say(f"  replay of {a.describe()}")
     if ledger.get("closed_early_at") is not None:
-        _say(f"  window closed early at step {ledger['closed_early_at']}")
+        say(f"  window closed early at step {ledger['closed_early_at']}")
     choice = ledger.get("window_choice")
     if choice:
         fwd, bw = choice.get("fwd_bwd_s"), choice.get("copy_bytes_per_s")
-        _say(
+        say(
             f"  window='auto' chose {choice['window_steps']}: {choice['reason']} "
             f"(forward+backward {'-' if fwd is None else f'{fwd * 1000:.2f} ms'}, copy "
             f"{'-' if bw is None else f'{bw / 1e9:.2f} GB/s'})"
@@ -268,20 +220,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
             )  # OVERLAPCKPT_SIGNING_KEY, if set
         except CorruptCheckpointError as e:
             progress.done()
-            _say(f"CORRUPT {store.checkpoint_url(name)}: {e}")
+            say(f"CORRUPT {store.checkpoint_url(name)}: {e}")
             failed += 1
             continue
         progress.done()
         if report.ok:
-            _say(
+            say(
                 f"ok      {report.path}: {report.blobs} blobs in {report.files} files, .metadata and the manifest, "
-                f"{_size(report.nbytes)}: every {report.algorithm} checksum matches"
+                f"{readable_size(report.nbytes)}: every {report.algorithm} checksum matches"
             )
         else:
             failed += 1
-            _say(f"CORRUPT {report.path}: {len(report.problems)} problem(s), {report.blobs} blobs read")
+            say(f"CORRUPT {report.path}: {len(report.problems)} problem(s), {report.blobs} blobs read")
             for problem in report.problems:
-                _say(f"  {problem}")
+                say(f"  {problem}")
     return 1 if failed else 0
 
 
@@ -298,29 +250,27 @@ def cmd_prune(args: argparse.Namespace) -> int:
     doomed = [n for n in names[: max(0, len(names) - args.keep)] if n != latest]
     for name in doomed:
         if args.dry_run:
-            _say(f"would delete {store.checkpoint_url(name)}")
+            say(f"would delete {store.checkpoint_url(name)}")
         else:
             store.remove_checkpoint(name)  # its commit marker first: never a half-deleted checkpoint listed
-            _say(f"deleted {store.checkpoint_url(name)}")
+            say(f"deleted {store.checkpoint_url(name)}")
     kept = len(names) - len(doomed)
-    _say(f"{'would keep' if args.dry_run else 'kept'} {kept} checkpoint(s) under {args.root}")
+    say(f"{'would keep' if args.dry_run else 'kept'} {kept} checkpoint(s) under {args.root}")
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .consolidate import export_checkpoint
+    from .consolidate import ExportOptions, export_checkpoint
 
     store = _existing_store(args)
     name = _chosen(store, args)
     progress = Progress()
     try:
-        info = export_checkpoint(
-            store.checkpoint_url(name), args.out, fmt=args.format, model_only=args.model_only,
-            storage_options=_storage_options(args.option), on_stage=progress.say,
-        )
+        options = ExportOptions(fmt=args.format, model_only=args.model_only, storage_options=_storage_options(args.option))
+        info = export_checkpoint(store.checkpoint_url(name), args.out, options, on_stage=progress.say)
     finally:
         progress.done()
-    _say(f"exported step {info.step} ({_size(info.nbytes)} of state) from {info.path} to {args.out} ({args.format})")
+    say(f"exported step {info.step} ({readable_size(info.nbytes)} of state) from {info.path} to {args.out} ({args.format})")
     return 0
 
 
@@ -347,7 +297,7 @@ def cmd_build_native(args: argparse.Namespace) -> int:
     for what, build in (("host values gather", build_gather), ("hooks' passes", build_passes), ("fused Adam replay", build_fused_adam)):
         built = build()
         missing += built is None
-        _say(f"{what:18} {built if built is not None else 'not built: its Python twin runs (see the log for why)'}")
+        say(f"{what:18} {built if built is not None else 'not built: its Python twin runs (see the log for why)'}")
     return 0 if not missing else 2
 
 
@@ -396,13 +346,13 @@ def main(argv: list[str] | None = None) -> int:
         return _quiet_on_closed_pipe(args.fn, args)
     except CheckpointReadError as e:  # storage, not the checkpoint: name what the storage said
         cause = e.__cause__ if e.__cause__ is not None else e
-        _say(f"overlapckpt {args.command}: {args.root}: {type(cause).__name__}: {cause}", file=sys.stderr)
+        say(f"overlapckpt {args.command}: {args.root}: {type(cause).__name__}: {cause}", file=sys.stderr)
         return 2
     except OverlapCkptError as e:
-        _say(f"overlapckpt {args.command}: {e}", file=sys.stderr)
+        say(f"overlapckpt {args.command}: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # storage unreachable (botocore's errors are not OSErrors), bad URL, missing s3fs
-        _say(f"overlapckpt {args.command}: {args.root}: {type(e).__name__}: {e}", file=sys.stderr)
+        say(f"overlapckpt {args.command}: {args.root}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
 
 

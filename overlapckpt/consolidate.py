@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,25 +24,34 @@ from .restore.contents import read_checkpoint
 FORMATS = ("torch", "safetensors")
 
 
+@dataclass(frozen=True)
+class ExportOptions:
+    """What ``export_checkpoint`` writes, and which checkpoint it reads how; built by keyword."""
+
+    fmt: str = "torch"  # "torch" (torch.save of model and optimizer) or "safetensors" (the model only)
+    step: int | None = None  # of a root: the checkpoint of this step; None: the newest
+    model_only: bool = False  # torch format: leave the optimizer's state out
+    storage_options: dict[str, Any] | None = None  # fsspec options for a remote checkpoint
+    signing_key: str | bytes | None = None  # check the checkpoint's signature (None: OVERLAPCKPT_SIGNING_KEY, if set)
+
+
 def export_checkpoint(
     path: str,
     out: str | os.PathLike[str],
+    options: ExportOptions | None = None,
     *,
-    fmt: str = "torch",
-    step: int | None = None,
-    model_only: bool = False,
-    storage_options: dict[str, Any] | None = None,
-    signing_key: str | bytes | None = None,
     on_stage: Callable[[str], None] | None = None,
 ) -> CheckpointInfo:
-    """Write checkpoint ``path`` (a directory, or the root: ``step``, else the newest) to the file ``out``.
+    """Write checkpoint ``path`` (a directory, or the root: ``options.step``, else the newest) to the file ``out``.
 
-    ``fmt="torch"``: ``torch.save`` of ``{"model": ..., "optimizer": ..., "step": N}`` (the
+    ``ExportOptions(fmt="torch")`` (the default): ``torch.save`` of ``{"model": ..., "optimizer": ..., "step": N}`` (the
     optimizer's state keyed by parameter name, as ``get_state_dict`` gives it; ``model_only``
     leaves it out), loadable with ``torch.load(out, weights_only=True)``. ``fmt="safetensors"``:
     the model's tensors only (safetensors holds nothing else), with the step in the file's
     metadata. ``on_stage`` is told what is being done (the CLI's progress line).
     """
+    options = options if options is not None else ExportOptions()
+    fmt = options.fmt
     if fmt not in FORMATS:
         raise ConfigError(f"fmt={fmt!r} is invalid; use one of {FORMATS}")
     target = os.fspath(out)
@@ -55,7 +65,7 @@ def export_checkpoint(
             raise ConfigError("exporting to safetensors needs the safetensors package: pip install safetensors") from e
     say = on_stage or (lambda _text: None)
     say(f"reading {path}")
-    contents = read_checkpoint(path, step=step, storage_options=storage_options, signing_key=signing_key)
+    contents = read_checkpoint(path, step=options.step, storage_options=options.storage_options, signing_key=options.signing_key)
     step_held = contents.info.step
     tmp = f"{target}.tmp-{os.getpid()}"
     say(f"writing {target}")
@@ -66,7 +76,7 @@ def export_checkpoint(
             save_safetensors(tensors, tmp, metadata={"step": str(step_held), "source": contents.info.path})
         else:
             whole: dict[str, Any] = {"model": contents.model, "step": step_held}
-            if not model_only and contents.optimizer is not None:
+            if not options.model_only and contents.optimizer is not None:
                 whole["optimizer"] = contents.optimizer
             torch.save(whole, tmp)
         with open(tmp, "rb+") as f:

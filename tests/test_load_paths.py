@@ -25,7 +25,7 @@ from overlapckpt.format.storage import CheckpointStore
 from overlapckpt.format.verify import read_manifest
 from overlapckpt.restore import pipeline
 from overlapckpt.restore.apply import live_state_dicts, named_as
-from overlapckpt.restore.read import read_into
+from overlapckpt.restore.read import ReadOptions, read_into
 
 from helpers import assert_state_equal, make_run, snapshot, train_step
 
@@ -180,7 +180,7 @@ def test_placing_without_a_check_before_it_checks_what_it_read(root, direct, whe
     model, opt = _fresh()
     store, manifest, target = _target(root, model, opt)
     with pytest.raises(CorruptCheckpointError, match=f"checksum mismatch for {key!r}"):
-        read_into(store, STEP, target, manifest=manifest, mode=PLACE)
+        read_into(store, STEP, target, options=ReadOptions(manifest=manifest, mode=PLACE))
 
 
 def test_the_check_pass_hashes_on_every_core_and_the_placing_pass_reads_on_half(root, monkeypatch):
@@ -206,7 +206,7 @@ def test_the_check_pass_hashes_on_every_core_and_the_placing_pass_reads_on_half(
     monkeypatch.setattr(blob_reader, "_checked_bytes", recording)
     model, opt = _fresh()
     store, manifest, target = _target(root, model, opt)
-    read_into(store, STEP, target, manifest=manifest, mode=CHECK)
+    read_into(store, STEP, target, options=ReadOptions(manifest=manifest, mode=CHECK))
     assert len(hashed_on) == 2 and all(n.startswith("overlapckpt-read") for n in hashed_on), hashed_on
     monkeypatch.setattr(blob_reader, "_checked_bytes", checked_bytes)
     placed_on: set[str] = set()
@@ -217,7 +217,7 @@ def test_the_check_pass_hashes_on_every_core_and_the_placing_pass_reads_on_half(
         return place_direct(*args, **kwargs)
 
     monkeypatch.setattr(blob_reader, "_place_direct", recording_place)
-    read_into(store, STEP, target, manifest=manifest, mode=PLACE)
+    read_into(store, STEP, target, options=ReadOptions(manifest=manifest, mode=PLACE))
     assert placed_on == {threading.current_thread().name}  # read_thread_count(): 2 cores // 2
 
 
@@ -232,7 +232,7 @@ def test_the_check_pass_refuses_a_flipped_bit_and_places_nothing(root, direct):
     before = model.inp.weight.detach().clone()
     store, manifest, target = _target(root, model, opt)
     with pytest.raises(CorruptCheckpointError, match=f"checksum mismatch for {key!r}"):
-        read_into(store, STEP, target, manifest=manifest, mode=CHECK)
+        read_into(store, STEP, target, options=ReadOptions(manifest=manifest, mode=CHECK))
     assert torch.equal(model.inp.weight, before)
 
 

@@ -140,13 +140,13 @@ class OverlapCallback(TrainerCallback):  # type: ignore[misc, valid-type]
         """
         from ..errors import CheckpointNotFoundError
         from ..restore.locate import checkpoint_at
-        from ..restore.tiers import local_candidate
+        from ..restore.tiers import RestoreScope, local_candidate
 
         root = os.fspath(output_dir) if output_dir is not None else (self.output_dir or self.settings.root)
         settings = dataclasses.replace(self.settings, root=root)
         local_dir = settings.local_dir()
         if local_dir is not None:
-            candidate = local_candidate(local_dir, root, None, self.settings.options.get("storage_options"), None, 1)
+            candidate = local_candidate(RestoreScope(root, None, self.settings.options.get("storage_options")), local_dir)
             if candidate is not None:
                 return candidate.url
         try:

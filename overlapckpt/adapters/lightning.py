@@ -30,7 +30,7 @@ from typing import Any
 from ..errors import CheckpointNotFoundError, ConfigError
 from ..restore import CheckpointContents, optimizer_state_by_index, read_checkpoint
 from ..restore.apply import restore_rng
-from ..restore.tiers import RestoreReport, Source, from_newest_tier
+from ..restore.tiers import RestoreReport, RestoreScope, Source, from_newest_tier
 from ..user_log import say_resumed
 from . import AdapterSettings, commit_line, finish, metric_figures, require
 
@@ -286,10 +286,8 @@ class OverlapCheckpoint(ModelCheckpoint):  # type: ignore[misc, valid-type]
                 "checkpoint and starts fresh when there is none (a first run)"
             )
         report = RestoreReport()
-        contents = from_newest_tier(
-            path, self.settings.local_dir() if at_root else None, None, storage_options,
-            dist.group.WORLD if distributed else None, dist.get_world_size() if distributed else 1, read, report=report,
-        )
+        scope = RestoreScope(path, None, storage_options, dist.group.WORLD if distributed else None, dist.get_world_size() if distributed else 1)
+        contents = from_newest_tier(scope, self.settings.local_dir() if at_root else None, read, report=report)
         if STATE_NAME not in contents.stateful:
             raise ConfigError(
                 f"{contents.info.path} was not written by OverlapCheckpoint (it holds no Lightning state); restore it "

@@ -53,6 +53,9 @@ from ..format.key_layout import TORCHTITAN
 from ..format.manifest import MANIFEST_NAME
 from ..format.storage import CheckpointStore
 from . import commit_line, require
+from .titan_dataloader import DataloaderState
+from .titan_model_parts import merged_model_parts
+from .titan_stock import read_stock_checkpoint
 
 _titan_base = require("titan")
 BaseCheckpointManager = _titan_base.BaseCheckpointManager
@@ -148,17 +151,7 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
         self.load_only = config.load_only
         self._model = merged_model_parts(model_parts)
         self._optimizers = optimizers
-        self._stateful = {
-            **{k: v for k, v in states.items() if k not in (MODEL, OPTIMIZER)},
-            LR_SCHEDULER: lr_schedulers,
-            **({} if dataloader is None else {DATALOADER: DataloaderState(dataloader)}),
-        }
-        for name in self.config.exclude_from_loading:
-            if name not in self._stateful and name != OPTIMIZER:
-                raise ConfigError(
-                    f"checkpoint.exclude_from_loading names {name!r}, which is not saved; the saved states are "
-                    f"{sorted([OPTIMIZER, *self._stateful])}"
-                )
+        self._stateful = _saved_states(states, lr_schedulers, dataloader, config.exclude_from_loading)
         self._warned_step_mismatch = False
         self.ckpt = Checkpointer(
             self._model,
@@ -363,114 +356,20 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
         return True
 
 
-class DataloaderState:
-    """A TorchTitan data loader as a stateful object whose restore never unpickles code.
-
-    ``ParallelAwareDataloader.state_dict()`` holds ``pickle.dumps`` of torchdata's state
-    under ``dp_rank_<r>``, and its ``load_state_dict`` calls ``pickle.loads`` on it. That
-    form is kept for TorchTitan's own manager; here it is read by a plain-data unpickler.
-    """
-
-    def __init__(self, dataloader: Any) -> None:
-        self.dataloader = dataloader
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.dataloader.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        from ..format.safe_unpickle import load_plain_data
-
-        rank_key = getattr(self.dataloader, "_rank_id", None)
-        stateful_loader = _stateful_dataloader_base(self.dataloader)
-        if rank_key is None or stateful_loader is None:
-            self.dataloader.load_state_dict(state)  # not TorchTitan's pickling loader: its own restore
-            return
-        if not state:
-            return
-        if rank_key not in state:
+def _saved_states(states: dict[str, Any], lr_schedulers: Any, dataloader: Any, exclude_from_loading: list[str]) -> dict[str, Any]:
+    """The stateful objects each checkpoint holds besides model and optimizer; ``exclude_from_loading`` must name saved ones."""
+    stateful = {
+        **{k: v for k, v in states.items() if k not in (MODEL, OPTIMIZER)},
+        LR_SCHEDULER: lr_schedulers,
+        **({} if dataloader is None else {DATALOADER: DataloaderState(dataloader)}),
+    }
+    for name in exclude_from_loading:
+        if name not in stateful and name != OPTIMIZER:
             raise ConfigError(
-                f"the checkpoint's data loader state has no {rank_key!r} (it has {sorted(state)}); resume with the "
-                "data-parallel degree that wrote it"
+                f"checkpoint.exclude_from_loading names {name!r}, which is not saved; the saved states are "
+                f"{sorted([OPTIMIZER, *stateful])}"
             )
-        if state.get("world_size") != self.dataloader.dp_world_size:
-            raise ConfigError(
-                f"the checkpoint's data loader state is for {state.get('world_size')} data-parallel ranks, and this "
-                f"run has {self.dataloader.dp_world_size}; TorchTitan's loader cannot reshard it"
-            )
-        stateful_loader.load_state_dict(self.dataloader, load_plain_data(state[rank_key], f"the data loader state {rank_key}"))
-
-
-def _stateful_dataloader_base(dataloader: Any) -> Any:
-    try:
-        StatefulDataLoader = importlib.import_module("torchdata.stateful_dataloader").StatefulDataLoader
-    except ImportError:
-        return None
-    return StatefulDataLoader if isinstance(dataloader, StatefulDataLoader) else None
-
-
-def merged_model_parts(parts: list[nn.Module]) -> nn.Module:
-    """One module whose parameters and buffers are those of every part, under the names TorchTitan saves them.
-
-    A pipeline stage is the whole model with the other stages' layers deleted, so its
-    FQNs are the model's (``layers.3.attention.wq.weight``). Several stages on one rank
-    are merged here: children found in more than one part (``layers``) are merged by
-    name; the modules themselves are shared, never copied.
-    """
-    if not parts:
-        raise ConfigError("model_parts is empty; pass the model's parts, as the trainer builds them")
-    if len(parts) == 1:
-        return parts[0]
-    merged = nn.Module()
-    for index, part in enumerate(parts):
-        _merge_into(merged, part, f"model_parts[{index}]")
-    return merged
-
-
-def _merge_into(target: nn.Module, part: nn.Module, where: str) -> None:
-    for name, tensor in list(part._parameters.items()) + list(part._buffers.items()):
-        if tensor is None:
-            continue
-        if name in target._parameters or name in target._buffers:
-            raise ConfigError(f"{where} and an earlier part both hold {name!r}; each part must hold different tensors")
-        if name in part._parameters:
-            target.register_parameter(name, part._parameters[name])
-        else:
-            target.register_buffer(name, tensor, persistent=name not in part._non_persistent_buffers_set)
-    for name, child in part.named_children():
-        existing = target._modules.get(name)
-        if existing is None:
-            target.add_module(name, child)
-        elif existing is child:
-            continue
-        elif isinstance(existing, nn.ModuleDict) and isinstance(child, nn.ModuleDict):
-            if not getattr(existing, "_overlapckpt_merged", False):
-                existing = nn.ModuleDict(dict(existing.items()))
-                existing._overlapckpt_merged = True  # type: ignore[assignment]
-                target._modules[name] = existing
-            for key, module in child.items():
-                if key in existing:
-                    raise ConfigError(f"{where} and an earlier part both hold {name}.{key}; each part must hold different layers")
-                existing[key] = module
-        else:
-            raise ConfigError(f"{where} and an earlier part both have a child {name!r} that is not a ModuleDict; cannot merge them")
-
-
-def read_stock_checkpoint(store: Any, name: str, model: nn.Module, optimizers: Any, stateful: dict[str, Any], group: Any) -> None:
-    """Restore a checkpoint TorchTitan's own manager wrote (no manifest), through the allowlists, unverified."""
-    from ..optimizers import torch_optimizers, unwrap_optimizer
-    from ..restore.apply import apply_state_dicts, live_state_dicts, named_as, unnamed
-    from ..restore.read import empty_like_on_cpu, read_into
-
-    inner = None if optimizers is None else torch_optimizers(unwrap_optimizer(optimizers))
-    msd, osd = live_state_dicts(model, inner)
-    target = named_as(TORCHTITAN, msd, osd)
-    saved = {k: obj.state_dict() for k, obj in stateful.items()}  # DCP fills the same keys from the checkpoint
-    host = {**empty_like_on_cpu(target), **saved}
-    read_into(store, name, host, group, manifest=None)
-    model_sd, optim_sd = unnamed(TORCHTITAN, {k: v for k, v in host.items() if k not in saved}, osd)
-    apply_state_dicts(model, inner, model_sd, optim_sd)
-    for key, obj in stateful.items():
-        obj.load_state_dict(host[key])
+    return stateful
 
 
 def _is_ours(store: Any, name: str) -> bool:

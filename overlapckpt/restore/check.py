@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,24 +39,31 @@ def check_signed(store: CheckpointStore, name: str, manifest: Manifest, signing_
     return key
 
 
+@dataclass(frozen=True)
+class ManifestChecks:
+    """What ``checked_manifest`` checks on this rank before anything is read."""
+
+    share: tuple[int, int]  # (this rank, the world size): which 1/N of the files this rank checks
+    per_rank_state: str  # "restore": the world size must be the one that wrote it; "skip": any
+    verify: bool  # .metadata's bytes and every shard's kind and size, before reading
+    files: frozenset[str] | None = None  # the files this rank reads (a local tier's directory): checked instead of its share
+
+
 def checked_manifest(
     store: CheckpointStore,
     name: str,
-    share: tuple[int, int],
-    per_rank_state: str,
-    verify: bool,
+    checks: ManifestChecks,
     target: dict[str, Any] | Callable[[str], dict[str, Any]],
-    files: frozenset[str] | None = None,
 ) -> Manifest:
     """The manifest of ``name``, once everything that can be checked before reading has passed.
 
-    ``files``: the files this rank reads (a local tier's directory, which holds only those):
-    checked instead of its ``share`` of all the files.
+    ``checks.files``: the files this rank reads (a local tier's directory, which holds only those):
+    checked instead of its ``checks.share`` of all the files.
     """
     where = store.checkpoint_url(name)
     manifest = read_manifest(store, name)
     try:
-        return _checked_fields(store, name, manifest, share, per_rank_state, verify, target, where, files)
+        return _checked_fields(store, name, manifest, checks, target, where)
     except OverlapCkptError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -68,24 +76,22 @@ def _checked_fields(
     store: CheckpointStore,
     name: str,
     manifest: Manifest,
-    share: tuple[int, int],
-    per_rank_state: str,
-    verify: bool,
+    checks: ManifestChecks,
     target: dict[str, Any] | Callable[[str], dict[str, Any]],
     where: str,
-    files: frozenset[str] | None,
 ) -> Manifest:
+    share, files = checks.share, checks.files
     if callable(target):
         target = target(manifest.key_layout)
     world = share[1]
     saved_world = manifest.world_size
-    if per_rank_state == "restore" and saved_world != world:
+    if checks.per_rank_state == "restore" and saved_world != world:
         raise CheckpointMismatchError(
             f"{where} was written by {saved_world} rank(s) and is loaded by {world}: its stateful objects and RNG "
             "states are per rank and cannot be restored here; load at the same world size, or pass "
             "per_rank_state='skip' to restore model and optimizer only"
         )
-    if verify:
+    if checks.verify:
         # Before reading: .metadata's bytes, and every shard's kind and size (each rank of a
         # distributed load checks a 1/N share of the files; a rank that finds damage fails,
         # and the agreement below makes every rank raise). The blobs are checked as they

@@ -26,9 +26,9 @@ from ..format.key_layout import GET_STATE_DICT
 from ..format.manifest import CheckpointInfo
 from ..format.storage import CheckpointStore, translate_read_errors
 from ..format.verify import read_manifest
-from .check import check_signed, checked_manifest, per_rank_extra_state
+from .check import ManifestChecks, check_signed, checked_manifest, per_rank_extra_state
 from .locate import checkpoint_at
-from .read import read_into
+from .read import ReadOptions, read_into
 
 
 @dataclass
@@ -64,13 +64,13 @@ def read_checkpoint(
     key = check_signed(store, name, read_manifest(store, name), signing_key)
     verify = verify or key is not None  # with a key every blob's MAC is checked (format/blob_macs.py)
     host = _template(store, name)
-    manifest = checked_manifest(store, name, (0, 1), "skip", verify, host)
+    manifest = checked_manifest(store, name, ManifestChecks((0, 1), "skip", verify), host)
     if manifest.key_layout != GET_STATE_DICT:
         raise ConfigError(
             f"{where} names its state in the {manifest.key_layout!r} key layout, and read_checkpoint returns the "
             f"{GET_STATE_DICT!r} one; restore it with overlapckpt.load (or overlapckpt.titan's manager)"
         )
-    read_into(store, name, host, manifest=manifest if verify else None, signing_key=key)
+    read_into(store, name, host, options=ReadOptions(manifest if verify else None, signing_key=key))
     world = manifest.world_size
     if not 0 <= rank < world:
         raise ConfigError(f"rank={rank} is not a rank of {where}, which {world} rank(s) wrote; pass 0..{world - 1}")

@@ -28,6 +28,7 @@ from ..user_log import say_fresh, say_resumed
 from .apply import LiveObjectsKept, apply_state_dicts, live_state_dicts, named_as, restore_extra_state, unnamed
 from .check import (
     PER_RANK_STATE_CHOICES,
+    ManifestChecks,
     check_items_stored,
     check_optimizer_matches,
     check_signed,
@@ -38,8 +39,8 @@ from .check import (
 )
 from .locate import anything_to_restore, checkpoint_at
 from .plan import files_in_load_plan
-from .read import agree_before_reading, empty_like_on_cpu, read_into, world_of
-from .tiers import Fetch, RestoreReport, Source, from_newest_tier
+from .read import ReadOptions, agree_before_reading, empty_like_on_cpu, read_into, world_of
+from .tiers import Fetch, RestoreReport, RestoreScope, Source, from_newest_tier
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,8 @@ def _read_newest(
         return files_in_load_plan(store, name, manifest, named_as(manifest.key_layout, *live), rank == 0)
 
     directory = None if options.local_dir is None else str(options.local_dir)  # a str already (_from_tiers)
-    return from_newest_tier(path, directory, options.step, options.storage_options, group, world, read, fetch, files_read, report)
+    scope = RestoreScope(path, options.step, options.storage_options, group, world)
+    return from_newest_tier(scope, directory, read, fetch, files_read, report)
 
 
 @dataclass
@@ -284,7 +286,8 @@ def _check_before_reading(
     # With a key every blob read is checked against its MAC, verify or not: the key's promise
     # is that nothing unauthenticated is loaded.
     checked.verify = options.verify or checked.key is not None
-    checked.manifest = manifest = checked_manifest(store, name, rank_and_world, options.per_rank_state, checked.verify, target_for, files)
+    checks = ManifestChecks(rank_and_world, options.per_rank_state, checked.verify, files)
+    checked.manifest = manifest = checked_manifest(store, name, checks, target_for)
     if targets.optimizer is not None:
         check_optimizer_matches(manifest, unwrap_optimizer(targets.optimizer), store.checkpoint_url(name))
     check_items_stored(manifest, checked.target, store.checkpoint_url(name))
@@ -310,10 +313,10 @@ def _read_tensors(
         # tensors themselves, which are in memory already. Host tensors of the load's own
         # would fault in fresh memory, a page per 4 KiB: that made load bimodal (direct_read.py).
         # The second pass checks again only what changed since the first (it refuses it).
-        checked = read_into(store, name, target, group, manifest, mode=CHECK, signing_key=signing_key) if verify else None
-        read_into(store, name, target, group, manifest if verify else None, mode=PLACE, checked_files=checked, signing_key=signing_key)
+        checked = read_into(store, name, target, group, ReadOptions(manifest, CHECK, signing_key=signing_key)) if verify else None
+        read_into(store, name, target, group, ReadOptions(manifest if verify else None, PLACE, checked_files=checked, signing_key=signing_key))
         return target
     # A second read would be a second download: one read, into host tensors of the load's own.
     host = empty_like_on_cpu(target)
-    read_into(store, name, host, group, manifest if verify else None, mode=ADOPT, signing_key=signing_key)
+    read_into(store, name, host, group, ReadOptions(manifest if verify else None, ADOPT, signing_key=signing_key))
     return host

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -24,34 +25,42 @@ from ..format.safe_unpickle import SafeLoadPlanner
 from ..format.storage import CheckpointStore, dcp_root_cause, is_storage_error, read_error, translate_read_errors
 
 
+@dataclass(frozen=True)
+class ReadOptions:
+    """How ``read_into`` reads: what it checks each blob against, and whose tensors it fills."""
+
+    manifest: Manifest | None = None  # every blob checked against it as it is read; None: nothing checked
+    mode: str = ADOPT  # ADOPT, CHECK or PLACE (format/blob_reader.py)
+    checked_files: dict[str, FileIdentity] | None = None  # what a CHECK pass returned: read without checking again
+    signing_key: bytes | None = None  # with ``manifest``, whose signature was checked with it: each blob's MAC too
+
+
 def read_into(
     store: CheckpointStore,
     name: str,
     host: dict[str, Any],
     process_group: Any = None,
-    manifest: Manifest | None = None,
-    mode: str = ADOPT,
-    checked_files: dict[str, FileIdentity] | None = None,
-    signing_key: bytes | None = None,
+    options: ReadOptions | None = None,
 ) -> dict[str, FileIdentity]:
     """Fill the tensors of ``host`` from checkpoint ``name`` with DCP (collectively with ``process_group`` when given).
 
-    With ``manifest``, every blob is checked as it is read, and every decoded tensor
-    against the snapshot it was saved from (``format/blob_reader.py``). ``mode``: ADOPT
+    With ``options.manifest``, every blob is checked as it is read, and every decoded tensor
+    against the snapshot it was saved from (``format/blob_reader.py``). ``options.mode``: ADOPT
     (``host`` holds tensors this load allocated: decoded ones take their place), CHECK
     (read and check only) or PLACE (``host`` holds the live tensors: read into them).
-    ``checked_files``: what a CHECK pass returned; the files it checked, found unchanged,
-    are read without checking their bytes again. ``signing_key`` (with ``manifest``, whose
+    ``options.checked_files``: what a CHECK pass returned; the files it checked, found unchanged,
+    are read without checking their bytes again. ``options.signing_key`` (with the manifest, whose
     signature was checked with it): each blob's MAC is checked too. Returns the local files read, by name.
     CheckpointReadError if storage fails, CorruptCheckpointError if the bytes are
     damaged or cannot be decoded.
     """
+    options = options if options is not None else ReadOptions()
     reader = store.make_reader(name)
     try:
-        return _read_into(store, name, reader, host, process_group, manifest, mode, checked_files, signing_key)
+        return _read_into(store, name, reader, host, process_group, options)
     except (CorruptCheckpointError, CheckpointReadError) as e:
         placed = getattr(reader, "tensors_placed", 0)
-        if mode != PLACE or not placed:
+        if options.mode != PLACE or not placed:
             raise
         raise type(e)(
             f"{e}. {placed} tensor(s) of the objects being loaded were being read into, or had been, before this: they are "
@@ -65,19 +74,17 @@ def _read_into(
     reader: Any,
     host: dict[str, Any],
     process_group: Any,
-    manifest: Manifest | None,
-    mode: str,
-    checked_files: dict[str, FileIdentity] | None,
-    signing_key: bytes | None,
+    options: ReadOptions,
 ) -> dict[str, FileIdentity]:
     import torch.distributed.checkpoint as dcp
 
     where = store.checkpoint_url(name)
     expect = getattr(reader, "expect", None)
+    manifest = options.manifest
     if expect is not None:  # each blob read once, on several threads; checked as it arrives with a manifest
-        expected = None if manifest is None else ExpectedSums.from_manifest(manifest, where, signing_key)
-        expect(expected, mode=mode, checked_files=checked_files)
-    elif manifest is not None or mode != ADOPT:
+        expected = None if manifest is None else ExpectedSums.from_manifest(manifest, where, options.signing_key)
+        expect(expected, mode=options.mode, checked_files=options.checked_files)
+    elif manifest is not None or options.mode != ADOPT:
         raise ConfigError(
             f"{type(store).__name__}.make_reader returned a {type(reader).__name__}, which cannot check blobs as it "
             "reads; build it with format.blob_reader.verified_reader_class, or load with verify=False"

@@ -93,19 +93,29 @@ Fetch = Callable[[str, tuple[FileCopy, ...]], None]
 FilesRead = Callable[[str], frozenset[str]]
 
 
+@dataclass(frozen=True)
+class RestoreScope:
+    """What a restore chooses among the tiers for, and which ranks choose it together (``from_newest_tier``'s arguments).
+
+    Every rank of ``group`` gets the same answer; ``group=None``: one process chooses alone.
+    """
+
+    path: str  # the root, or one checkpoint directory of it
+    step: int | None = None  # None: the newest committed version
+    storage_options: dict[str, Any] | None = None  # the root's fsspec options
+    group: Any = None  # the ranks that choose together (torch.distributed); None: one process
+    world: int = 1  # the world size the restore loads at: a local-tier checkpoint of another is not chosen
+
+
 def from_newest_tier(
-    path: str,
+    scope: RestoreScope,
     local_dir: str | None,
-    step: int | None,
-    storage_options: dict[str, Any] | None,
-    group: Any,
-    world: int,
     read: Callable[[Source], Read],
     fetch: Fetch | None = None,
     files_read: FilesRead | None = None,
     report: RestoreReport | None = None,
 ) -> Read:
-    """``read(source)`` from the local tier's checkpoint when it is the one to restore, else from the root ``path``.
+    """``read(source)`` from the local tier's checkpoint when it is the one to restore, else from the root ``scope.path``.
 
     A local-tier read that is refused (corrupt, missing, unreadable) is warned of, naming
     the checkpoint, and the root is read instead. The source and its time are logged.
@@ -113,10 +123,11 @@ def from_newest_tier(
     without it (a reader of whole checkpoints), every node is completed. ``report``: filled
     with the source and the time each part took.
     """
+    path = scope.path
     report = report if report is not None else RestoreReport()
     if local_dir is not None:
         started = time.perf_counter()
-        candidate = local_candidate(os.fspath(local_dir), path, step, storage_options, group, world, fetch, files_read, report)
+        candidate = local_candidate(scope, os.fspath(local_dir), fetch, files_read, report)
         report.choose_s = chosen_s = time.perf_counter() - started
         if candidate is not None:
             started = time.perf_counter()
@@ -145,12 +156,8 @@ def from_newest_tier(
 
 
 def local_candidate(
+    scope: RestoreScope,
     local_dir: str,
-    path: str,
-    step: int | None,
-    storage_options: dict[str, Any] | None,
-    group: Any,
-    world: int,
     fetch: Fetch | None = None,
     files_read: FilesRead | None = None,
     report: RestoreReport | None = None,
@@ -165,30 +172,10 @@ def local_candidate(
     plans name (else every file). Without ``fetch`` (``load`` called outside a
     Checkpointer) the root is read instead.
     """
+    path, step, group = scope.path, scope.step, scope.group
     if not os.path.isdir(local_dir):
         log.info("no local tier at %s on this node", local_dir)
-    if group is None:
-        root_version = _root_version(path, storage_options) if step is None else None
-        listing = tier_listing(local_dir, world, path)
-        tiers = NodeListings.from_gathered([(node_key(), listing)], lineage=tier_lineage(local_dir) if listing else {})
-    else:
-        import torch.distributed as dist
-
-        rank = dist.get_rank(group)
-        root_version = _root_version(path, storage_options) if step is None and rank == 0 else None
-        keys: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(keys, (node_key(), root_version), group=group)
-        # Only each node's lowest rank lists its tier: the others' listings would be the same, and
-        # every rank receives every listing (a manifest names every file of the checkpoint).
-        leads = [key for key, _ in keys].index(keys[rank][0]) == rank
-        listings: list[Any] = [None] * len(keys)
-        listing = tier_listing(local_dir, world, path) if leads else {}
-        dist.all_gather_object(listings, (listing, tier_lineage(local_dir) if listing else {}), group=group)
-        lineage: dict[str, int] = {}
-        for _, of_node in listings:  # every node's tier names the same latest, or one an older commit left
-            lineage = lineage or of_node
-        tiers = NodeListings.from_gathered([(key, of_node) for (key, _), (of_node, _) in zip(keys, listings)], lineage=lineage)
-        root_version = keys[0][1]
+    tiers, root_version = _pooled_listings(scope, local_dir)
     choice = tiers.newest_complete(step, root_version)
     if choice is None:
         log.info("the local tiers hold no complete checkpoint to restore%s: restoring from the root %s", "" if step is None else f" of step {step}", path)
@@ -203,16 +190,7 @@ def local_candidate(
     # .metadata and the manifest first: a rank's load plan is read from them.
     if not _fetched(tiers, name, version, {node: HEAD_FILES for node in tiers.listings}, fetch, path, report):
         return None
-    reads: frozenset[str] | None = None
-    failure: str | None = None
-    try:
-        reads = HEAD_FILES | files_read(where)
-    except Exception as e:  # noqa: BLE001 - agreed on below, so that every rank reads the root
-        failure = f"{type(e).__name__}: {e}"
-    import torch.distributed as dist
-
-    plans: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(plans, (node_key(), reads, failure), group=group)
+    reads, plans = _gathered_load_plans(where, files_read, group)
     failed = [(rank, why) for rank, (_, _, why) in enumerate(plans) if why is not None]
     if failed:
         rank, why = failed[0]
@@ -225,6 +203,48 @@ def local_candidate(
         return None
     log.info("restoring version %d from the local tier: %s (this rank reads %d of its files)", version, where, len(reads or ()))
     return Source(where, is_root=False, files=reads)
+
+
+def _pooled_listings(scope: RestoreScope, local_dir: str) -> tuple[NodeListings, int | None]:
+    """Every node's local-tier listing, pooled on every rank, and the root's newest version (None: none, or a step was named)."""
+    path, step, storage_options, group, world = scope.path, scope.step, scope.storage_options, scope.group, scope.world
+    if group is None:
+        root_version = _root_version(path, storage_options) if step is None else None
+        listing = tier_listing(local_dir, world, path)
+        tiers = NodeListings.from_gathered([(node_key(), listing)], lineage=tier_lineage(local_dir) if listing else {})
+        return tiers, root_version
+    import torch.distributed as dist
+
+    rank = dist.get_rank(group)
+    root_version = _root_version(path, storage_options) if step is None and rank == 0 else None
+    keys: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(keys, (node_key(), root_version), group=group)
+    # Only each node's lowest rank lists its tier: the others' listings would be the same, and
+    # every rank receives every listing (a manifest names every file of the checkpoint).
+    leads = [key for key, _ in keys].index(keys[rank][0]) == rank
+    listings: list[Any] = [None] * len(keys)
+    listing = tier_listing(local_dir, world, path) if leads else {}
+    dist.all_gather_object(listings, (listing, tier_lineage(local_dir) if listing else {}), group=group)
+    lineage: dict[str, int] = {}
+    for _, of_node in listings:  # every node's tier names the same latest, or one an older commit left
+        lineage = lineage or of_node
+    tiers = NodeListings.from_gathered([(key, of_node) for (key, _), (of_node, _) in zip(keys, listings)], lineage=lineage)
+    return tiers, keys[0][1]
+
+
+def _gathered_load_plans(where: str, files_read: FilesRead, group: Any) -> tuple[frozenset[str] | None, list[Any]]:
+    """The files this rank's load reads from ``where`` (None if it cannot be planned), and every rank's (node, files, failure)."""
+    reads: frozenset[str] | None = None
+    failure: str | None = None
+    try:
+        reads = HEAD_FILES | files_read(where)
+    except Exception as e:  # noqa: BLE001 - gathered below and agreed on by every rank, which then reads the root
+        failure = f"{type(e).__name__}: {e}"
+    import torch.distributed as dist
+
+    plans: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(plans, (node_key(), reads, failure), group=group)
+    return reads, plans
 
 
 def _fetched(
@@ -275,5 +295,6 @@ def _root_version(path: str, storage_options: dict[str, Any] | None) -> int | No
     except CheckpointNotFoundError:
         return None
     except (CheckpointReadError, CorruptCheckpointError) as e:
-        warnings.warn(f"overlapckpt: the root {path} cannot be read ({e}); restoring from the local tier", stacklevel=5)
+        # stacklevel: the caller of from_newest_tier, through local_candidate and _pooled_listings.
+        warnings.warn(f"overlapckpt: the root {path} cannot be read ({e}); restoring from the local tier", stacklevel=6)
         return None
