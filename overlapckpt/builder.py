@@ -33,7 +33,8 @@ from .protocol import WatchPreemptionRequest
 from .settings import AUTO_WINDOW, CheckpointerSettings
 from .train.consistency.autowindow import PhaseTimer, make_gap_timer
 from .train.copying.layout import CheckpointScope
-from .train.copying.transfer import Copier, make_copier
+from .train.copying.stream_copier import make_copier
+from .train.copying.transfer import Copier
 from .train.lifecycle.engine import SnapshotEngine
 from .train.run.distributed import DistributedRun, is_distributed, node_keys_of, set_up_distributed
 from .train.run.lineage import Lineage

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ...errors import ConfigError
 from ...format.entries import ROLE_BUFFER, TensorEntry
-from .transfer import SMALL_COPY_BYTES
+from .packed_copy import SMALL_COPY_BYTES
 
 # Each entry starts on a 64-byte boundary: the widest vector load, and the cache line.
 ENTRY_ALIGN_BYTES = 64
