@@ -40,7 +40,7 @@ from .train.run.distributed import DistributedRun, is_distributed, node_keys_of,
 from .train.run.lineage import Lineage
 from .train.run.preemption import PreemptionGuard, default_grace_s
 from .train.run.run_identity import agreed_run_id, take_root_lease
-from .train.writer_client.client import WriterClient
+from .train.writer_client.client import WriterClient, WriterTargets
 from .train.writer_client.link import WriterLink
 
 log = logging.getLogger("overlapckpt")
@@ -119,13 +119,15 @@ def build(
                 # had sent to the dead writer: they are lost on every rank.
                 spec = dataclasses.replace(spec, restarted=True, lost_names=tuple(engine_box[0].dispatcher.sent_names()))
             return WriterClient(
-                s.storage.path,
-                dict(s.storage.storage_options),
-                (s.storage.store_class.__module__, s.storage.store_class.__qualname__),
+                WriterTargets(
+                    s.storage.path,
+                    dict(s.storage.storage_options),
+                    (s.storage.store_class.__module__, s.storage.store_class.__qualname__),
+                    local_root=None if local_store is None else local_store.root,
+                ),
                 group=spec,
                 signing_key=signing_key,
                 writer_threads=s.writer.writer_threads,
-                local_root=None if local_store is None else local_store.root,
                 replay_expected=s.window.consistency == "replay" and s.window.window != 1,
             )
 
