@@ -2,8 +2,8 @@
 
 The copier behind the ``Copier`` protocol (``transfer.py``, whose docstring numbers the
 fences it implements), and ``make_copier``, which picks its device for the device the state
-lives on. Separate from the protocol so that its callers, which only hold a ``Copier``,
-do not read its routes and events.
+lives on. Separate from the protocol, which every caller imports: only the builder, the tests and
+the benchmarks name this implementation.
 """
 
 from __future__ import annotations
