@@ -27,8 +27,9 @@ sys.path[:0] = [os.path.join(os.path.dirname(_HERE), "tests"), os.path.dirname(_
 import torch  # noqa: E402
 
 from overlapckpt.seams import Checkpointer  # noqa: E402
+from overlapckpt.train.copying.cpu_copier import CpuCopier  # noqa: E402
 from overlapckpt.train.copying.cpu_device import CpuDevice  # noqa: E402
-from overlapckpt.train.copying.transfer import CpuCopier, StreamCopier  # noqa: E402
+from overlapckpt.train.copying.stream_copier import StreamCopier  # noqa: E402
 
 from helpers import make_run, train_step  # noqa: E402
 

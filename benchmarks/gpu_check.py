@@ -33,7 +33,7 @@ from overlapckpt import load  # noqa: E402
 from overlapckpt.hostbuf import SharedHostBuffer  # noqa: E402
 from overlapckpt.seams import Checkpointer, engine_of  # noqa: E402
 from overlapckpt.train.copying.emulated_device import EmulatedDevice, torch_cuda_placement  # noqa: E402
-from overlapckpt.train.copying.transfer import StreamCopier  # noqa: E402
+from overlapckpt.train.copying.stream_copier import StreamCopier  # noqa: E402
 
 from gpu_support import flat_state, mismatches  # noqa: E402  (the GPU tests' own comparisons)
 

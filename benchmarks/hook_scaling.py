@@ -95,7 +95,7 @@ def measure_one(tensors: int, mode: str, cycles: int, every: int, schedule: str 
     from overlapckpt.seams import Checkpointer
     from overlapckpt.train.copying import tensor_passes
     from overlapckpt.train.copying.emulated_device import EmulatedDevice, torch_cuda_placement
-    from overlapckpt.train.copying.transfer import StreamCopier
+    from overlapckpt.train.copying.stream_copier import StreamCopier
 
     class Counts:
         """Copy launches asked of the device, the tensors in them, and the device work run on the host."""

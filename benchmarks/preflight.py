@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from overlapckpt.seams import Checkpointer
     from overlapckpt.train.copying.emulated_device import EmulatedDevice
-    from overlapckpt.train.copying.transfer import StreamCopier
+    from overlapckpt.train.copying.stream_copier import StreamCopier
 
     device = torch.device("cpu" if args.emulate else "cuda")
     model = torch.nn.Linear(64, 64).to(device)

@@ -29,7 +29,7 @@ from measure import machine_description  # noqa: E402
 
 from overlapckpt.hostbuf import SharedHostBuffer  # noqa: E402
 from overlapckpt.train.copying.cuda_device import CudaDevice  # noqa: E402
-from overlapckpt.train.copying.transfer import StreamCopier  # noqa: E402
+from overlapckpt.train.copying.stream_copier import StreamCopier  # noqa: E402
 
 PROBE_NBYTES = 2 << 30
 COPY_REPEATS = 3

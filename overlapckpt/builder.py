@@ -33,14 +33,15 @@ from .protocol import WatchPreemptionRequest
 from .settings import AUTO_WINDOW, CheckpointerSettings
 from .train.consistency.autowindow import PhaseTimer, make_gap_timer
 from .train.copying.layout import CheckpointScope
-from .train.copying.transfer import Copier, make_copier
+from .train.copying.stream_copier import make_copier
+from .train.copying.transfer import Copier
 from .train.lifecycle.engine import SnapshotEngine
 from .train.lifecycle.engine_parts import BuiltUnits, RunCallbacks
 from .train.run.distributed import DistributedRun, is_distributed, node_keys_of, set_up_distributed
 from .train.run.lineage import Lineage
 from .train.run.preemption import PreemptionGuard, default_grace_s
 from .train.run.run_identity import agreed_run_id, take_root_lease
-from .train.writer_client.client import WriterClient
+from .train.writer_client.client import WriterClient, WriterTargets
 from .train.writer_client.link import WriterLink
 
 log = logging.getLogger("overlapckpt")
@@ -167,13 +168,15 @@ class _WriterStarter:
             # had sent to the dead writer: they are lost on every rank.
             spec = dataclasses.replace(spec, restarted=True, lost_names=tuple(self.engine_box[0].parts.dispatcher.sent_names()))
         return WriterClient(
-            s.storage.path,
-            dict(s.storage.storage_options),
-            (s.storage.store_class.__module__, s.storage.store_class.__qualname__),
+            WriterTargets(
+                s.storage.path,
+                dict(s.storage.storage_options),
+                (s.storage.store_class.__module__, s.storage.store_class.__qualname__),
+                local_root=None if self.local_store is None else self.local_store.root,
+            ),
             group=spec,
             signing_key=self.signing_key,
             writer_threads=s.writer.writer_threads,
-            local_root=None if self.local_store is None else self.local_store.root,
             replay_expected=s.overlap.consistency == "replay" and s.overlap.window != 1,
         )
 

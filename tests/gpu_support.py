@@ -42,7 +42,7 @@ from overlapckpt import load
 from overlapckpt.seams import Checkpointer
 from overlapckpt.train.copying import transfer
 from overlapckpt.train.copying.emulated_device import EmulatedDevice, torch_cuda_placement
-from overlapckpt.train.copying.transfer import StreamCopier
+from overlapckpt.train.copying.stream_copier import StreamCopier
 
 # torch.cuda._sleep spins one thread for this many SM clock cycles (clock64): about
 # 100 ms at the H200's 1.98 GHz boost clock, longer at any lower clock.

@@ -14,10 +14,11 @@ from overlapckpt import load
 from overlapckpt.errors import UnsupportedOptimizerError
 from overlapckpt.seams import Checkpointer, engine_of
 from overlapckpt.train.consistency.autowindow import AUTO_FILL_FRACTION, HostGapTimer, WindowTuner
+from overlapckpt.train.copying.cpu_copier import CpuCopier
 from overlapckpt.train.copying.layout import build_layout
 from overlapckpt.train.copying.plan import make_plan
 from overlapckpt.train.copying.replay_tables import gradient_layout
-from overlapckpt.train.copying.transfer import CopyTicket, CpuCopier
+from overlapckpt.train.copying.transfer import CopyTicket
 
 LAYERS = 24
 WIDTH = 64

@@ -14,7 +14,7 @@ import torch
 from overlapckpt import ConfigError
 from overlapckpt.train.copying.cpu_device import CpuDevice
 from overlapckpt.train.copying.emulated_device import EmulatedDevice
-from overlapckpt.train.copying.transfer import CPU_DEVICE_ENV, StreamCopier, make_copier
+from overlapckpt.train.copying.stream_copier import CPU_DEVICE_ENV, StreamCopier, make_copier
 
 
 def test_cpu_training_gets_the_plain_device_and_the_tests_the_emulation(monkeypatch):

@@ -15,7 +15,8 @@ from overlapckpt.train.consistency.boundary import capture_boundary, resolve_val
 from overlapckpt.train.copying import slots as slots_module
 from overlapckpt.train.copying.emulated_device import EmulatedDevice
 from overlapckpt.train.copying.layout import build_layout
-from overlapckpt.train.copying.transfer import SMALL_COPY_BYTES, StreamCopier, plan_packed_copy
+from overlapckpt.train.copying.packed_copy import SMALL_COPY_BYTES, plan_packed_copy
+from overlapckpt.train.copying.stream_copier import StreamCopier
 
 from helpers import assert_state_equal, make_run, snapshot, train_step
 

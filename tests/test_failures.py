@@ -13,7 +13,7 @@ import torch
 
 from overlapckpt import CheckpointWriteError, WriterDiedError, list_checkpoints, load
 from overlapckpt.seams import Checkpointer, engine_of
-from overlapckpt.train.copying.transfer import CpuCopier
+from overlapckpt.train.copying.cpu_copier import CpuCopier
 
 from fakes import BLOCK_FIFO_ENV, FAIL_AT_ENV, ONLY_NAME_ENV, BlockingStore, FailingStore
 from helpers import TinyNet, assert_state_equal, make_run, read_fifo_line, snapshot, train_step

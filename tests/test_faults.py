@@ -13,7 +13,7 @@ import torch
 
 from overlapckpt import WriterDiedError, list_checkpoints, load
 from overlapckpt.seams import Checkpointer, engine_of
-from overlapckpt.train.copying.transfer import CpuCopier
+from overlapckpt.train.copying.cpu_copier import CpuCopier
 
 from fakes import BLOCK_FIFO_ENV, BLOCK_ONCE_MARKER_ENV, ONLY_NAME_ENV, BlockingOnceStore
 from helpers import assert_state_equal, exited_within, make_run, read_child_line, read_fifo_line, train_step, twin_states

@@ -20,7 +20,8 @@ from torch import nn
 from overlapckpt import load
 from overlapckpt.seams import Checkpointer
 from overlapckpt.train.copying.emulated_device import EmulatedDevice
-from overlapckpt.train.copying.transfer import CopyTicket, FenceResult, StreamCopier
+from overlapckpt.train.copying.stream_copier import StreamCopier
+from overlapckpt.train.copying.transfer import CopyTicket, FenceResult
 
 from helpers import make_run
 

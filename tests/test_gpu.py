@@ -24,7 +24,7 @@ import torch
 
 from overlapckpt import load
 from overlapckpt.seams import Checkpointer, engine_of
-from overlapckpt.train.copying.transfer import StreamCopier
+from overlapckpt.train.copying.stream_copier import StreamCopier
 
 from gpu_support import (
     REPLAY_ULPS_PER_STEP,

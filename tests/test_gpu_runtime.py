@@ -16,7 +16,7 @@ import torch
 
 from overlapckpt.hostbuf import SharedHostBuffer
 from overlapckpt.seams import Checkpointer, engine_of
-from overlapckpt.train.copying.transfer import StreamCopier
+from overlapckpt.train.copying.stream_copier import StreamCopier
 
 from gpu_support import (
     OPTIMIZERS,

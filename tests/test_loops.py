@@ -17,7 +17,8 @@ from torch import nn
 from overlapckpt import ConfigError, load
 from overlapckpt.seams import Checkpointer
 from overlapckpt.train.copying.emulated_device import EmulatedDevice
-from overlapckpt.train.copying.transfer import CopyTicket, FenceResult, StreamCopier
+from overlapckpt.train.copying.stream_copier import StreamCopier
+from overlapckpt.train.copying.transfer import CopyTicket, FenceResult
 
 from helpers import closure_train_step, make_run, snapshot, tensors_that_differ, train_step, twin_states
 

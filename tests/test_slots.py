@@ -10,7 +10,7 @@ from torch import nn
 
 from overlapckpt.seams import Checkpointer, engine_of
 from overlapckpt.train.copying.emulated_device import EmulatedDevice
-from overlapckpt.train.copying.transfer import StreamCopier
+from overlapckpt.train.copying.stream_copier import StreamCopier
 
 from helpers import exited_within
 

@@ -13,7 +13,7 @@ from torch import nn
 from overlapckpt import ConfigError, load
 from overlapckpt.seams import Checkpointer
 from overlapckpt.train.copying.emulated_device import EmulatedDevice
-from overlapckpt.train.copying.transfer import StreamCopier
+from overlapckpt.train.copying.stream_copier import StreamCopier
 
 WIDTH = 160  # 100 KiB per tensor: above the packing size, so the region dominates what is held
 LAYER_STATE_BYTES = 3 * WIDTH * WIDTH * 4  # a weight and AdamW's two moments

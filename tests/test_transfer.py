@@ -16,7 +16,8 @@ from overlapckpt import load
 from overlapckpt.seams import Checkpointer
 from overlapckpt.train.copying.device import TensorRun
 from overlapckpt.train.copying.emulated_device import POISON_BYTE, EmulatedDevice, torch_cuda_placement
-from overlapckpt.train.copying.transfer import FenceResult, StreamCopier
+from overlapckpt.train.copying.stream_copier import StreamCopier
+from overlapckpt.train.copying.transfer import FenceResult
 
 POISON_FP32 = torch.tensor([POISON_BYTE] * 4, dtype=torch.uint8).view(torch.float32).item()
 

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
 from overlapckpt.seams import Checkpointer  # noqa: E402
-from overlapckpt.train.copying.transfer import CpuCopier  # noqa: E402
+from overlapckpt.train.copying.cpu_copier import CpuCopier  # noqa: E402
 
 from fakes import BLOCK_FIFO_ENV, BlockingStore  # noqa: E402
 from helpers import make_run, train_step  # noqa: E402

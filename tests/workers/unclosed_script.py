@@ -13,7 +13,7 @@ from torch import nn
 
 from overlapckpt.seams import Checkpointer
 from overlapckpt.train.copying.emulated_device import EmulatedDevice
-from overlapckpt.train.copying.transfer import StreamCopier
+from overlapckpt.train.copying.stream_copier import StreamCopier
 
 
 class LoggingDevice(EmulatedDevice):

@@ -142,24 +142,7 @@ class WindowTuner:
                 **base,
             )
         opt_s = opt_s or 0.0
-        candidates: list[dict[str, Any]] = []
-        for w in windows:
-            steps = schedule(w)
-            group_s = [g / bandwidth for g, _ in steps]
-            grad_s = [gr / bandwidth for _, gr in steps]
-            fits = all(t <= self.fill_fraction * fwd_bwd_s for t in group_s) and all(
-                t <= self.fill_fraction * opt_s for t in grad_s if t > 0
-            )
-            stall_s = sum(max(0.0, t - fwd_bwd_s) for t in group_s) + sum(max(0.0, t - opt_s) for t in grad_s if t > 0)
-            candidates.append(
-                {
-                    "window_steps": w,
-                    "largest_group_bytes": max(g for g, _ in steps),
-                    "largest_gradient_bytes": max(gr for _, gr in steps),
-                    "fits": fits,
-                    "estimated_stall_s": stall_s,
-                }
-            )
+        candidates = [self._estimate(w, schedule(w), fwd_bwd_s, opt_s, bandwidth) for w in windows]
         for c in candidates:
             if c["fits"]:
                 return WindowChoice(
@@ -181,6 +164,24 @@ class WindowTuner:
             candidates=candidates,
             **base,
         )
+
+    def _estimate(
+        self, window_steps: int, steps: CopySchedule, fwd_bwd_s: float, opt_s: float, copy_bytes_per_s: float
+    ) -> dict[str, Any]:
+        """One window's candidate: its largest copies, whether they all fit, and the stall they would cause."""
+        group_s = [g / copy_bytes_per_s for g, _ in steps]
+        grad_s = [gr / copy_bytes_per_s for _, gr in steps]
+        fits = all(t <= self.fill_fraction * fwd_bwd_s for t in group_s) and all(
+            t <= self.fill_fraction * opt_s for t in grad_s if t > 0
+        )
+        stall_s = sum(max(0.0, t - fwd_bwd_s) for t in group_s) + sum(max(0.0, t - opt_s) for t in grad_s if t > 0)
+        return {
+            "window_steps": window_steps,
+            "largest_group_bytes": max(g for g, _ in steps),
+            "largest_gradient_bytes": max(gr for _, gr in steps),
+            "fits": fits,
+            "estimated_stall_s": stall_s,
+        }
 
 
 def copy_schedule(plan: CopyPlan, layout: StateLayout, mode: str, gradients_fenced: bool = True) -> CopySchedule:

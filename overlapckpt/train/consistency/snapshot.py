@@ -46,6 +46,16 @@ class StartingRequest:
         return ROOT_TIER in self.tiers
 
 
+@dataclass(frozen=True)
+class SnapshotPlan:
+    """What the snapshot starting now copies, and how: the layout, its copy plan, and the window choice behind it."""
+
+    layout: StateLayout
+    plan: CopyPlan
+    plan_id: int  # the id the writer knows this (layout, window) plan by
+    choice: WindowChoice | None  # window="auto": why this window (None: a fixed window)
+
+
 
 class SnapshotMode(str, enum.Enum):
     """How a snapshot reaches one consistent version; the value is what the manifest records."""
@@ -142,12 +152,10 @@ class Snapshot:
         step: int,
         mode: SnapshotMode,
         slot: HostSlot,
-        plan: CopyPlan,
-        plan_id: int,
-        layout: StateLayout,
-        choice: WindowChoice | None,
+        planned: SnapshotPlan,
     ) -> Snapshot:
         """A snapshot starting at ``step`` for ``request``, with its ledger."""
+        plan, choice = planned.plan, planned.choice
         window = plan.window_steps
         ledger = CheckpointLedger(
             requested_step=request.requested_step,
@@ -165,8 +173,8 @@ class Snapshot:
             mode=mode,
             slot=slot,
             plan=plan,
-            plan_id=plan_id,
-            layout=layout,
+            plan_id=planned.plan_id,
+            layout=planned.layout,
             ledger=ledger,
             deferred=request.deferred,
             tiers=request.tiers,

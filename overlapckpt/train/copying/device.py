@@ -1,6 +1,6 @@
 """The device seam: what the copier needs of a device, in one small protocol with two backends.
 
-The copier (``transfer.py``) holds every decision: what is packed, what is cloned, which
+The copier (``stream_copier.py``) holds every decision: what is packed, what is cloned, which
 stream waits for which event, how long a clone or a scratch buffer lives. A device only
 does what it is told, the way CUDA does it:
 

@@ -2,7 +2,7 @@
 
 On CUDA, torch keeps some optimizer state in host memory: Adam's, AdamW's (and others')
 ``step`` counter, one 0-dim tensor per parameter. A copy route hands those to the host,
-in program order (``transfer.py``). With tens of thousands of parameters, a per-tensor
+in program order (``stream_copier.py``). With tens of thousands of parameters, a per-tensor
 copy is the largest cost in a snapshot's hook: ``_foreach_copy_`` on CPU tensors still
 dispatches each pair, about 0.6 µs each on a small machine. Single-element tensors of one
 dtype take a faster road: their values are gathered into one tensor, and written into the

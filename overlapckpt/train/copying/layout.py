@@ -74,6 +74,10 @@ def optimizer_shape_signature(optimizer: torch.optim.Optimizer) -> tuple[int, in
     return sum(map(len, optimizer.state.values())), sum(len(g["params"]) for g in optimizer.param_groups)
 
 
+# A tensor entry this rank may checkpoint: (entry, its local tensor, the key of its ownership unit, its placement).
+_Candidate = tuple[TensorEntry, torch.Tensor, str, TensorPlacement]
+
+
 def _param_fqns(model: nn.Module) -> dict[int, str]:
     """Parameter id -> the canonical FQN ``get_state_dict`` gives it (no ``module.``, ``_orig_mod.``)."""
     from torch.distributed.checkpoint.state_dict import _get_fqns
@@ -98,24 +102,11 @@ def build_layout(
     ``get_state_dict`` run a zero-gradient step, which changes Adam's step count.
     In a distributed run only this rank's share is kept (``ownership.py``).
     """
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
     fqn_by_id = _param_fqns(model)
-    param_ptrs = {local_tensor(p).data_ptr() for p in model.parameters()}
-    param_names = set(fqn_by_id.values())
     # A parameter no optimizer updates (left out of it, a frozen module excluded) never
     # changes: it travels with the buffers, in the last group, and replay carries it as is.
     optimized = {fqn_by_id[id(p)] for group in optimizer.param_groups for p in group["params"]}
-    candidates: list[tuple[TensorEntry, torch.Tensor, str, TensorPlacement]] = []  # entry, local, unit key, placement
-
-    for fqn, t in get_model_state_dict(model).items():
-        if not isinstance(t, torch.Tensor):
-            continue
-        local = local_tensor(t)
-        role = ROLE_PARAM if local.data_ptr() in param_ptrs and fqn in param_names else ROLE_BUFFER
-        placement = placement_of(t, scope.rank, scope.world_size, scope.plain_holders.get(fqn))
-        entry = _entry(model_path(key_layout, fqn), role, fqn if role == ROLE_PARAM and fqn in optimized else None, local, placement)
-        candidates.append((entry, local, fqn, placement))
+    candidates = _model_candidates(model, fqn_by_id, optimized, scope, key_layout)
 
     group_fqns: list[list[str]] = []
     small_keys: list[tuple[str, str]] = []
@@ -139,20 +130,7 @@ def build_layout(
                     small_keys.append((fqn, k))
         group_fqns.append(names)
 
-    # A unit takes the placement of its first tensor: the parameter itself (model entries
-    # come first), not a CPU step counter of its optimizer state, which every rank holds.
-    unit_bytes: dict[str, int] = {}
-    unit_placement: dict[str, TensorPlacement] = {}
-    for entry, _, unit, placement in candidates:
-        unit_bytes[unit] = unit_bytes.get(unit, 0) + entry.nbytes
-        unit_placement.setdefault(unit, placement)
-    buffer_units = {unit for entry, _, unit, _ in candidates if entry.role == ROLE_BUFFER}
-    owned = owned_units(
-        [
-            OwnershipUnit(u, unit_bytes[u], unit_placement[u].replica_index, unit_placement[u].replica_count, u in buffer_units)
-            for u in unit_bytes
-        ]
-    )
+    owned = _owned_units(candidates)
     kept = [(e, t) for e, t, unit, _ in candidates if unit in owned]
     owned_params = [f for f in param_order if f in owned]
     return StateLayout(
@@ -167,6 +145,44 @@ def build_layout(
         fingerprint=new_generation(),
         identity=LiveIdentity.capture(model, optimizer),
         shape_signature=optimizer_shape_signature(optimizer),
+    )
+
+
+def _model_candidates(
+    model: nn.Module, fqn_by_id: dict[int, str], optimized: set[str], scope: CheckpointScope, key_layout: str
+) -> list[_Candidate]:
+    """The model's tensor entries in ``state_dict`` order, each its own unit (its FQN)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    param_ptrs = {local_tensor(p).data_ptr() for p in model.parameters()}
+    param_names = set(fqn_by_id.values())
+    candidates: list[_Candidate] = []
+    for fqn, t in get_model_state_dict(model).items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        local = local_tensor(t)
+        role = ROLE_PARAM if local.data_ptr() in param_ptrs and fqn in param_names else ROLE_BUFFER
+        placement = placement_of(t, scope.rank, scope.world_size, scope.plain_holders.get(fqn))
+        entry = _entry(model_path(key_layout, fqn), role, fqn if role == ROLE_PARAM and fqn in optimized else None, local, placement)
+        candidates.append((entry, local, fqn, placement))
+    return candidates
+
+
+def _owned_units(candidates: list[_Candidate]) -> set[str]:
+    """The units (parameters with their optimizer state, buffers) this rank keeps (``ownership.py``)."""
+    # A unit takes the placement of its first tensor: the parameter itself (model entries
+    # come first), not a CPU step counter of its optimizer state, which every rank holds.
+    unit_bytes: dict[str, int] = {}
+    unit_placement: dict[str, TensorPlacement] = {}
+    for entry, _, unit, placement in candidates:
+        unit_bytes[unit] = unit_bytes.get(unit, 0) + entry.nbytes
+        unit_placement.setdefault(unit, placement)
+    buffer_units = {unit for entry, _, unit, _ in candidates if entry.role == ROLE_BUFFER}
+    return owned_units(
+        [
+            OwnershipUnit(u, unit_bytes[u], unit_placement[u].replica_index, unit_placement[u].replica_count, u in buffer_units)
+            for u in unit_bytes
+        ]
     )
 
 

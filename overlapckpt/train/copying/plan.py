@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ...errors import ConfigError
 from ...format.entries import ROLE_BUFFER, TensorEntry
-from .transfer import SMALL_COPY_BYTES
+from .packed_copy import SMALL_COPY_BYTES
 
 # Each entry starts on a 64-byte boundary: the widest vector load, and the cache line.
 ENTRY_ALIGN_BYTES = 64
@@ -51,6 +51,20 @@ def align_bytes(n: int) -> int:
     return (n + ENTRY_ALIGN_BYTES - 1) // ENTRY_ALIGN_BYTES * ENTRY_ALIGN_BYTES
 
 
+def _split_units(unit_order: list[str], unit_bytes: list[int], total: int, window_steps: int) -> list[list[str]]:
+    """The units of each of ``window_steps`` groups: runs of ``unit_order`` of about ``total / window_steps`` bytes each."""
+    groups_units: list[list[str]] = [[] for _ in range(window_steps)]
+    cumulative = 0
+    for fqn, nbytes in zip(unit_order, unit_bytes):
+        # Place a unit by the midpoint of its byte range, so each group's bytes stay
+        # within one unit of total / W and small units are packed together.
+        midpoint = cumulative + nbytes / 2
+        j = min(window_steps - 1, int(midpoint * window_steps / total)) if total else 0
+        groups_units[j].append(fqn)
+        cumulative += nbytes
+    return groups_units
+
+
 def make_plan(entries: list[TensorEntry], window_steps: int, fingerprint: int = 0) -> CopyPlan:
     """Partition entries into ``window_steps`` contiguous groups of about equal bytes."""
     if window_steps < 1:
@@ -72,15 +86,7 @@ def make_plan(entries: list[TensorEntry], window_steps: int, fingerprint: int = 
 
     unit_bytes = [sum(entries[i].nbytes for i in unit_entries[f]) for f in unit_order]
     total = sum(unit_bytes) + sum(entries[i].nbytes for i in tail)
-    groups_units: list[list[str]] = [[] for _ in range(window_steps)]
-    cumulative = 0
-    for fqn, nbytes in zip(unit_order, unit_bytes):
-        # Place a unit by the midpoint of its byte range, so each group's bytes stay
-        # within one unit of total / W and small units are packed together.
-        midpoint = cumulative + nbytes / 2
-        j = min(window_steps - 1, int(midpoint * window_steps / total)) if total else 0
-        groups_units[j].append(fqn)
-        cumulative += nbytes
+    groups_units = _split_units(unit_order, unit_bytes, total, window_steps)
 
     groups: list[CopyGroup] = []
     order: list[int] = []

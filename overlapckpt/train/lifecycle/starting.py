@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from ...errors import ConfigError, WriterDiedError
-from ..consistency.snapshot import Snapshot, SnapshotMode
+from ..consistency.snapshot import Snapshot, SnapshotMode, SnapshotPlan
 
 log = logging.getLogger("overlapckpt.requests")
 
@@ -196,7 +196,8 @@ class SnapshotStarts:
         s, mode = self.s.step_count, self.p.windows.mode_for(plan.window_steps)
         self.s.next_request_id += 1
         self.restarts.warn_about_late_hooks()
-        snap = Snapshot.open(self.s.next_request_id, request, s, mode, slot, plan, plan_id, layout, choice)
+        planned = SnapshotPlan(layout=layout, plan=plan, plan_id=plan_id, choice=choice)
+        snap = Snapshot.open(self.s.next_request_id, request, s, mode, slot, planned)
         snap.waited_for_slot_s, self.s.slot_wait_s = self.s.slot_wait_s, 0.0
         views = slot.entry_views(plan, layout)
         if mode == SnapshotMode.STAGE:

@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -52,19 +53,26 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+@dataclass(frozen=True)
+class WriterTargets:
+    """Where the writer persists: the root tier's store, and the node-local tier's directory if the run has one."""
+
+    root: str
+    storage_options: dict[str, Any]
+    store_class: tuple[str, str]  # (module, qualified name) of a CheckpointStore subclass
+    local_root: str | None = None
+
+
 class WriterClient:
     """One long-lived writer process and the pipe to it."""
 
     def __init__(
         self,
-        root: str,
-        storage_options: dict[str, Any],
-        store_class: tuple[str, str],
+        targets: WriterTargets,
         startup_timeout_s: float = 120.0,
         group: Any = None,
         signing_key: bytes | None = None,
         writer_threads: int | None = None,
-        local_root: str | None = None,
         replay_expected: bool = False,
     ) -> None:
         self.startup_timeout_s = startup_timeout_s
@@ -88,8 +96,8 @@ class WriterClient:
             p.InitRequest(
                 # Where the store class's module may live; "" (the cwd) is never searched.
                 sys_path=[entry for entry in sys.path if entry],
-                root=root, storage_options=storage_options, store_class=store_class, group=group, signing_key=signing_key,
-                writer_threads=writer_threads, local_root=local_root, replay_expected=replay_expected,
+                root=targets.root, storage_options=targets.storage_options, store_class=targets.store_class, group=group,
+                signing_key=signing_key, writer_threads=writer_threads, local_root=targets.local_root, replay_expected=replay_expected,
             )
         )
 
