@@ -70,27 +70,52 @@ def persist_snapshot(
     uncommitted and out of the listing): the caller deletes them after answering.
     """
     started = time.perf_counter()
-    stores, group, entries, global_shapes = ctx.stores, ctx.group, plan.entries, plan.global_shapes
+    stores, group, global_shapes = ctx.stores, ctx.group, plan.global_shapes
     purge_later = purge_later if purge_later is not None else []
     missing = [tier for tier in req.tiers if tier not in stores]
     if missing or not req.tiers:
         raise InternalError(f"checkpoint {req.name} is for tiers {req.tiers}, but this writer has stores for {sorted(stores)}")
     if group is not None:
         # Before any work: a rank that disagrees must not leave the others in a collective.
-        claim = {"name": req.name, "version": req.step, "requested": req.requested_step}
-        if req.tiers != (ROOT_TIER,):  # ranks that would write different tiers would enter different collectives
-            claim["tiers"] = ",".join(req.tiers)
-        sequence = group.agree(claim)
-        # The manifest and the coverage check need every rank's tensors: pipeline stages hold different ones.
-        global_shapes = group.union_of_shapes(global_shapes)
+        sequence, global_shapes = _agree_on_checkpoint(group, req, global_shapes)
     if group is None and all(stores[tier].is_committed(req.name) for tier in req.tiers):
         # Persisted again by the successor of a writer that died after the commit (the rename)
         # and before it answered: this run's own checkpoint of this step is a success.
         done = [_committed_already(stores[tier], tier, req, started, purge_later) for tier in req.tiers]
         return _merged(done)
+    tensors = _replayed_views(ctx, plan, req, on_replay)
+    phases = PhaseClock(started)
+    phases.lap("agree_and_replay")
+    snapshot = _prepare(group, req, plan.entries, tensors, global_shapes, phases, started)
+    answers = _write_tiers(ctx, snapshot, purge_later)
+    agreed_window = group.agree_window(req.proposed_next_window) if group is not None else req.proposed_next_window
+    if group is not None:
+        group.forget(sequence)  # agree_window was a collective: every rank is past the wait on these keys
+    answer = _merged(answers)
+    answer.agreed_next_window = agreed_window
+    answer.persist_s = time.perf_counter() - started
+    return answer
+
+
+def _agree_on_checkpoint(
+    group: WriterGroup, req: p.PersistRequest, global_shapes: dict[str, tuple[int, ...]]
+) -> tuple[int, dict[str, tuple[int, ...]]]:
+    """Every rank claims the same checkpoint, then learns every rank's tensors: the claim's sequence, and the shapes (a collective)."""
+    claim = {"name": req.name, "version": req.step, "requested": req.requested_step}
+    if req.tiers != (ROOT_TIER,):  # ranks that would write different tiers would enter different collectives
+        claim["tiers"] = ",".join(req.tiers)
+    sequence = group.agree(claim)
+    # The manifest and the coverage check need every rank's tensors: pipeline stages hold different ones.
+    return sequence, group.union_of_shapes(global_shapes)
+
+
+def _replayed_views(
+    ctx: PersistContext, plan: p.SetPlanRequest, req: p.PersistRequest, on_replay: Callable[[bool], None] | None
+) -> list[torch.Tensor]:
+    """The snapshot's tensors in its host slot, replayed to the checkpoint's version where ``req.replay`` asks."""
     slot = ctx.buffers[req.buffer_id]
     # Exact-storage views: DCP writes them in place instead of cloning each (hostbuf.exact_view).
-    tensors = [exact_view(slot, off, e.dtype, e.shape) for e, off in zip(entries, plan.offsets)]
+    tensors = [exact_view(slot, off, e.dtype, e.shape) for e, off in zip(plan.entries, plan.offsets)]
     if req.replay is not None:
         from .replay import replay_to_version
 
@@ -100,11 +125,22 @@ def persist_snapshot(
             on_replay(False)
         if plan.replay_tables is None:
             raise InternalError(f"the snapshot of step {req.step} needs replay, but its plan {req.plan_id} came without replay tables")
-        replay_to_version(entries, tensors, req.replay, plan.replay_tables, ctx.buffers[req.replay.grad_buffer_id])
+        replay_to_version(plan.entries, tensors, req.replay, plan.replay_tables, ctx.buffers[req.replay.grad_buffer_id])
         if on_replay is not None:
             on_replay(True)
-    phases = PhaseClock(started)
-    phases.lap("agree_and_replay")
+    return tensors
+
+
+def _prepare(
+    group: WriterGroup | None,
+    req: p.PersistRequest,
+    entries: list[TensorEntry],
+    tensors: list[torch.Tensor],
+    global_shapes: dict[str, tuple[int, ...]],
+    phases: PhaseClock,
+    started: float,
+) -> PreparedSnapshot:
+    """The snapshot's checksums, its manifest less the stored bytes' checksums, and DCP's state dict: once, for every tier."""
     # Per local part: the checksum of the host snapshot, checked against what DCP decodes at
     # load. The same algorithm as the stored bytes' (the storage writer's default_algorithm()).
     algorithm = default_algorithm()
@@ -136,21 +172,21 @@ def persist_snapshot(
     # The torchtitan layout saves the stateful objects as DCP items too, for TorchTitan's own manager.
     stateful = req.extra_state.get("stateful", {}) if req.key_layout == TORCHTITAN else None
     state_dict = build_state_dict(entries, [_part(e, t) for e, t in zip(entries, tensors)], req.small_state, req.key_layout, stateful)
-    snapshot = PreparedSnapshot(req, entries, global_shapes, manifest, algorithm, known, state_dict, phases, started)
+    return PreparedSnapshot(req, entries, global_shapes, manifest, algorithm, known, state_dict, phases, started)
+
+
+def _write_tiers(ctx: PersistContext, snapshot: PreparedSnapshot, purge_later: Retired) -> list[p.CommittedResponse]:
+    """Each of the checkpoint's tiers, in order: written and committed, or answered as this run's commit there already."""
+    req, group = snapshot.req, ctx.group
     answers: list[p.CommittedResponse] = []
     for tier in req.tiers:
+        store = ctx.stores[tier]
         layout = node_layout(group) if tier == LOCAL_TIER else None  # a local tier on several nodes: replicated
-        if _held_already(stores[tier], group, req, layout):  # this run committed it here (before a writer's death, or a local-only checkpoint)
-            answers.append(_committed_already(stores[tier], tier, req, started, purge_later, leads(group, layout)))
+        if _held_already(store, group, req, layout):  # this run committed it here (before a writer's death, or a local-only checkpoint)
+            answers.append(_committed_already(store, tier, req, snapshot.started, purge_later, leads(group, layout)))
             continue
         answers.append(write_tier(ctx, tier, snapshot, layout, purge_later))
-    agreed_window = group.agree_window(req.proposed_next_window) if group is not None else req.proposed_next_window
-    if group is not None:
-        group.forget(sequence)  # agree_window was a collective: every rank is past the wait on these keys
-    answer = _merged(answers)
-    answer.agreed_next_window = agreed_window
-    answer.persist_s = time.perf_counter() - started
-    return answer
+    return answers
 
 
 def _merged(answers: list[p.CommittedResponse]) -> p.CommittedResponse:

@@ -150,20 +150,9 @@ def copy_files(
     rank = group.rank
     outgoing = [(index, c) for index, c in enumerate(copies) if c.source == rank]
     incoming = [(index, c) for index, c in enumerate(copies) if c.target == rank]
-    failure: BaseException | None = None
     readers: dict[int, Any] = {}
     writers: dict[int, Any] = {}
-    try:
-        for index, c in outgoing:
-            # A regular file, never a link's target or a FIFO, at the size the manifest gives it.
-            readers[index], size = open_regular_file(os.path.join(read_dir, c.filename))
-            if size != c.nbytes:
-                raise CheckpointWriteError(f"{os.path.join(read_dir, c.filename)} holds {size} bytes, {c.nbytes} were listed")
-        for index, c in incoming:
-            # A tier's file: 0600, over what a killed copy left.
-            writers[index] = os.fdopen(recreate_private_file(os.path.join(write_dir, c.filename + _PART_SUFFIX)), "wb")
-    except (OSError, CheckpointWriteError) as e:
-        failure = e
+    failure = _open_ends(outgoing, incoming, read_dir, write_dir, readers, writers)
     try:
         agree_on_failure(group, failure, "opening the files to copy between nodes")
         chunk_bytes = paced_chunk_bytes(bytes_per_s)  # the same on every rank: the cap is the run's
@@ -189,12 +178,7 @@ def copy_files(
                 work.wait()  # gloo's isend/irecv always return a Work
             for index, buffer in received:
                 writers[index].write(buffer.numpy().tobytes())
-        for index, c in incoming:
-            f = writers.pop(index)
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-            os.replace(os.path.join(write_dir, c.filename + _PART_SUFFIX), os.path.join(write_dir, c.filename))
+        _commit_received(incoming, writers, write_dir)
     finally:
         for f in [*readers.values(), *writers.values()]:
             f.close()
@@ -202,6 +186,43 @@ def copy_files(
     if incoming or outgoing:
         log.info("overlapckpt: rank %d sent %d and received %d bytes of replicas", rank, sum(c.nbytes for _, c in outgoing), total)
     return total
+
+
+def _open_ends(
+    outgoing: list[tuple[int, FileCopy]],
+    incoming: list[tuple[int, FileCopy]],
+    read_dir: str,
+    write_dir: str,
+    readers: dict[int, Any],
+    writers: dict[int, Any],
+) -> BaseException | None:
+    """Open this rank's ends of its copies, by copy index: the files it sends into ``readers``, the parts it receives into ``writers``.
+
+    Filled in place, so that the caller closes whatever opened before a failure; the failure is
+    returned, for every rank to hear of it (``agree_on_failure``).
+    """
+    try:
+        for index, c in outgoing:
+            # A regular file, never a link's target or a FIFO, at the size the manifest gives it.
+            readers[index], size = open_regular_file(os.path.join(read_dir, c.filename))
+            if size != c.nbytes:
+                raise CheckpointWriteError(f"{os.path.join(read_dir, c.filename)} holds {size} bytes, {c.nbytes} were listed")
+        for index, c in incoming:
+            # A tier's file: 0600, over what a killed copy left.
+            writers[index] = os.fdopen(recreate_private_file(os.path.join(write_dir, c.filename + _PART_SUFFIX)), "wb")
+    except (OSError, CheckpointWriteError) as e:
+        return e
+    return None
+
+
+def _commit_received(incoming: list[tuple[int, FileCopy]], writers: dict[int, Any], write_dir: str) -> None:
+    """Each received part made durable (fsynced), closed and renamed onto its file's name: a file appears only whole."""
+    for index, c in incoming:
+        f = writers.pop(index)
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        os.replace(os.path.join(write_dir, c.filename + _PART_SUFFIX), os.path.join(write_dir, c.filename))
 
 
 def paced_chunk_bytes(bytes_per_s: float) -> int:

@@ -18,7 +18,6 @@ from ..errors import CheckpointExistsError, CheckpointWriteError
 from ..format.attempts import Attempt, new_attempt_id
 from ..format.blob_macs import default_mac_algorithm
 from ..format.blobsums import ChecksummingFileSystem, StoredChecksums, StreamTimings
-from ..format.known_sums import KnownChecksums
 from ..format.manifest import CheckpointInfo, ChecksumsRecord, ExportRecord, dump_manifest
 from ..format.peers import NodeLayout
 from ..format.shards import CoveringSavePlanner
@@ -104,10 +103,7 @@ def _write_and_publish(
             _begin_on_every_node(attempt, group, layout)
         if req.export_formats:  # one process only (the Checkpointer refuses it distributed): whole tensors
             exports.update(write_exports(store, attempt.directory, req.export_formats, snapshot.state_dict, req.extra_state, ctx.signing_key))
-        streams = _save(
-            store, attempt.directory, snapshot.state_dict, write_manifest, snapshot.global_shapes, group, ctx.signing_key,
-            ctx.write_threads, snapshot.known,
-        )
+        streams = _save(ctx, store, attempt.directory, snapshot, write_manifest)
         if not wrote_manifest:  # a rank that does not write the manifest: its write ends here
             phases.lap(prefix + "write")
         if layout is not None:
@@ -115,22 +111,27 @@ def _write_and_publish(
             assert group is not None
             replicate_attempt(group, layout, store, attempt.directory, group.spec.replica_bytes_per_s, ctx.unpaced)
             phases.lap(prefix + "replicas")
-        publish_failure: BaseException | None = None
-        if is_leader:
-            try:
-                attempt.publish()  # the commit: every rank's shards are in place (DCP's finish ran after them)
-            except Exception as e:
-                if layout is None:
-                    raise
-                publish_failure = e
-        if layout is not None:
-            assert group is not None
-            agree_on_failure(group, publish_failure, f"publishing {store.checkpoint_url(req.name)} on every node")
+        _publish(attempt, group, layout)
     except BaseException:
         if is_leader:
             _abandon(attempt)
         raise
     return streams
+
+
+def _publish(attempt: Attempt, group: WriterGroup | None, layout: NodeLayout | None) -> None:
+    """The commit: the leader publishes ``attempt``; across nodes, a failure on any node's leader raises on every rank (a collective)."""
+    publish_failure: BaseException | None = None
+    if leads(group, layout):
+        try:
+            attempt.publish()  # the commit: every rank's shards are in place (DCP's finish ran after them)
+        except Exception as e:
+            if layout is None:
+                raise
+            publish_failure = e
+    if layout is not None:
+        assert group is not None
+        agree_on_failure(group, publish_failure, f"publishing {attempt.store.checkpoint_url(attempt.name)} on every node")
 
 
 def write_latest(store: CheckpointStore, req: p.PersistRequest) -> list[str]:
@@ -189,22 +190,16 @@ def _abandon(attempt: Attempt) -> None:
 
 
 def _save(
-    store: CheckpointStore,
-    name: str,
-    state_dict: dict[str, Any],
-    write_manifest: BeforeCommit,
-    global_shapes: dict[str, tuple[int, ...]],
-    group: WriterGroup | None,
-    signing_key: bytes | None = None,
-    write_threads: int = 1,
-    known: KnownChecksums | None = None,
+    ctx: PersistContext, store: CheckpointStore, name: str, snapshot: PreparedSnapshot, write_manifest: BeforeCommit
 ) -> StreamTimings | None:
-    """DCP's save of ``state_dict`` into ``name``; where the shards' time went, when the store's writer says.
+    """DCP's save of ``snapshot.state_dict`` into ``name``, with ``ctx``'s group and threads; where the shards' time went, when known.
 
-    ``signing_key``: every blob gets a MAC under it (``format/blob_macs.py``), and the
+    ``ctx.signing_key``: every blob gets a MAC under it (``format/blob_macs.py``), and the
     manifest's signature needs ``.metadata``'s bytes.
     """
     import torch.distributed.checkpoint as dcp
+
+    signing_key, write_threads, group = ctx.signing_key, ctx.write_threads, ctx.group
 
     # Only a signature needs .metadata's bytes, and only more than one thread a thread count;
     # a store subclass written for make_writer(name, before_commit) keeps working without them.
@@ -213,8 +208,8 @@ def _save(
         extra["thread_count"] = write_threads
     writer = store.make_writer(name, before_commit=write_manifest, **extra)
     fs = getattr(writer, "fs", None)
-    if known is not None and isinstance(fs, ChecksummingFileSystem):
-        fs.known_checksums = known
+    if isinstance(fs, ChecksummingFileSystem):
+        fs.known_checksums = snapshot.known
     if signing_key is not None:
         if not isinstance(fs, ChecksummingFileSystem):
             raise CheckpointWriteError(
@@ -222,13 +217,13 @@ def _save(
                 "cannot be signed; build it with CheckpointStore.make_writer's writer class"
             )
         fs.mac_key, fs.mac_algorithm = signing_key, default_mac_algorithm()
-    planner = CoveringSavePlanner(global_shapes)
+    planner = CoveringSavePlanner(snapshot.global_shapes)
     if group is None:
         with warnings.catch_warnings():
             # no_dist=True is deliberate: a single writer saves its own process's snapshot.
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-            dcp.save(state_dict, storage_writer=writer, planner=planner, no_dist=True)
+            dcp.save(snapshot.state_dict, storage_writer=writer, planner=planner, no_dist=True)
     else:
-        dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=group.group)
+        dcp.save(snapshot.state_dict, storage_writer=writer, planner=planner, process_group=group.group)
     timings = getattr(getattr(writer, "fs", None), "timings", None)
     return timings() if callable(timings) else None
