@@ -340,11 +340,11 @@ def _s3_run(mib: int, repeats: int, threads: list[int]) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from overlapckpt import Checkpointer
-    from overlapckpt.format.storage import _fsspec_dcp_classes
+    from overlapckpt.format.storage import fsspec_dcp_classes
 
     server, url = _moto_server()
     options = {"key": "testing", "secret": "testing", "endpoint_url": url, "client_kwargs": {"region_name": "us-east-1"}}
-    writer_cls, _ = _fsspec_dcp_classes()
+    writer_cls, _ = fsspec_dcp_classes()
     model, opt = _model(mib)
     out: dict[str, Any] = {"state_bytes": _state_bytes(model), "endpoint": "moto server, 127.0.0.1", "by_threads": {}}
     try:

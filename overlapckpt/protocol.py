@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .format.entries import TensorEntry
-from .format.manifest import CheckpointInfo, GroupArithmetic
+from .format.manifest import CheckpointInfo
+from .format.manifest_records import GroupArithmetic
 
 # How long a writer whose collective failed waits for a replacement writer to open the next
 # generation of the writers' group before it reports the failure as it is (writer/group.py;

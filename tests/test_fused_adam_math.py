@@ -18,7 +18,7 @@ from exact_float import f32, fma32
 from overlapckpt import cuda_adam_native, fused_adam_math
 from overlapckpt.adam_step_arguments import AdamGroupTensors, AdamHyperparameters, FusedAdamScalars
 from overlapckpt.format.entries import ROLE_OPTIM, ROLE_PARAM, TensorEntry
-from overlapckpt.format.manifest import GroupArithmetic
+from overlapckpt.format.manifest_records import GroupArithmetic
 from overlapckpt.fused_adam_math import CUDA_FP32_FMA, CUDA_FP32_FMA_L2_ROUNDED, step_like_cuda_fused_adam
 from overlapckpt.protocol import GradientStep, ReplayLog, ReplayTables
 from overlapckpt.writer.replay import replay_to_version

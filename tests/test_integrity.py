@@ -35,8 +35,9 @@ from overlapckpt import (
 from overlapckpt.cli import main
 from overlapckpt.errors import CheckpointWriteError
 from overlapckpt.format import verify as verify_module
-from overlapckpt.format.blobsums import ChecksummingStream, FileSegments, attach_checksums
+from overlapckpt.format.blobsums import attach_checksums
 from overlapckpt.format.checksum import ALGORITHM_ENV, CRC32, CRC32C, default_algorithm, updater
+from overlapckpt.format.checksumming_stream import ChecksummingStream, FileSegments
 from overlapckpt.format.extra_state import tensor_bytes
 from overlapckpt.format.known_sums import KNOWN_SUM_MIN_BYTES, KnownChecksums
 from overlapckpt.format.manifest import MANIFEST_NAME, dump_manifest, parse_manifest, tensor_checksum
@@ -177,10 +178,10 @@ def _shard_positions(root: Path, refs: dict[int, Any]) -> dict[str, tuple[int, i
 def hashing(request, monkeypatch) -> str:
     """Both ways a load hashes a tensor's blob: whole, then the decoded tensor again (small blobs), or in three
     spans combined, the data span's checksum being the tensor's (large blobs; here every blob)."""
-    from overlapckpt.format import blob_reader as verified_read
+    from overlapckpt.format import blob_checks
 
     if request.param == "spans":
-        monkeypatch.setattr(verified_read, "SPLIT_MIN_BYTES", 0)
+        monkeypatch.setattr(blob_checks, "SPLIT_MIN_BYTES", 0)
     return request.param
 
 

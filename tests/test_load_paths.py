@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from overlapckpt import Checkpointer, CorruptCheckpointError, load
-from overlapckpt.format import blob_reader
+from overlapckpt.format import blob_checks, blob_reader
 from overlapckpt.format.blob_reader import CHECK, PLACE
 from overlapckpt.format.storage import CheckpointStore
 from overlapckpt.format.verify import read_manifest
@@ -60,7 +60,7 @@ def root(written, tmp_path) -> Path:
 @pytest.fixture
 def direct(monkeypatch) -> None:
     """Every tensor blob takes the direct path (the tiny model's tensors are far under 1 MiB)."""
-    monkeypatch.setattr(blob_reader, "DIRECT_MIN_BYTES", 0)
+    monkeypatch.setattr(blob_checks, "DIRECT_MIN_BYTES", 0)
 
 
 def _fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -194,7 +194,7 @@ def test_the_check_pass_hashes_on_every_core_and_the_placing_pass_reads_on_half(
     monkeypatch.setattr(blob_reader, "READ_BATCH_BYTES", 1)  # a batch per blob: many batches
     hashed_on: set[str] = set()
     both_hashing = threading.Barrier(2, timeout=60)  # broken (and the test failed) if one thread hashes alone
-    checked_bytes = blob_reader._checked_bytes
+    checked_bytes = blob_checks.checked_bytes
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         name = threading.current_thread().name
@@ -203,20 +203,22 @@ def test_the_check_pass_hashes_on_every_core_and_the_placing_pass_reads_on_half(
             both_hashing.wait()
         return checked_bytes(*args, **kwargs)
 
-    monkeypatch.setattr(blob_reader, "_checked_bytes", recording)
+    monkeypatch.setattr(blob_reader, "checked_bytes", recording)  # the reader's own calls
+    monkeypatch.setattr(blob_checks, "checked_bytes", recording)  # and checked_tensor's
     model, opt = _fresh()
     store, manifest, target = _target(root, model, opt)
     read_into(store, STEP, target, options=ReadOptions(manifest=manifest, mode=CHECK))
     assert len(hashed_on) == 2 and all(n.startswith("overlapckpt-read") for n in hashed_on), hashed_on
-    monkeypatch.setattr(blob_reader, "_checked_bytes", checked_bytes)
+    monkeypatch.setattr(blob_reader, "checked_bytes", checked_bytes)
+    monkeypatch.setattr(blob_checks, "checked_bytes", checked_bytes)
     placed_on: set[str] = set()
-    place_direct = blob_reader._place_direct
+    place_direct = blob_reader.place_direct
 
     def recording_place(*args: Any, **kwargs: Any) -> Any:
         placed_on.add(threading.current_thread().name)
         return place_direct(*args, **kwargs)
 
-    monkeypatch.setattr(blob_reader, "_place_direct", recording_place)
+    monkeypatch.setattr(blob_reader, "place_direct", recording_place)
     read_into(store, STEP, target, options=ReadOptions(manifest=manifest, mode=PLACE))
     assert placed_on == {threading.current_thread().name}  # read_thread_count(): 2 cores // 2
 

@@ -16,7 +16,7 @@ from overlapckpt.beta_powers import BetaPowerTables, powers_on, table_length
 from overlapckpt.device_adam_step import FOR_LOOP, FOREACH, FOREACH_CAPTURABLE, FUSED, step_like_the_device
 from overlapckpt.foreach_adam_math import CUDA_FOREACH_CAPTURABLE_FP32_FMA, CUDA_FOREACH_FP32_FMA, step_like_cuda_foreach_adam
 from overlapckpt.format.entries import ROLE_OPTIM, ROLE_PARAM, TensorEntry
-from overlapckpt.format.manifest import GroupArithmetic
+from overlapckpt.format.manifest_records import GroupArithmetic
 from overlapckpt.fused_adam_math import CUDA_FP32_FMA, CUDA_FP32_FMA_L2_ROUNDED, step_like_cuda_fused_adam
 from overlapckpt.protocol import GradientStep, ReplayLog, ReplayTables
 from overlapckpt.train.consistency import replay_arithmetic as ra

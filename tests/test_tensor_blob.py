@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import filesystem
 
 from overlapckpt import Checkpointer, list_checkpoints
 from overlapckpt.format import tensor_blob
-from overlapckpt.format.blobsums import ChecksummingStream
+from overlapckpt.format.checksumming_stream import ChecksummingStream
 from overlapckpt.format.tensor_blob import SMALL_TENSOR_MAX_BYTES, VERIFY_SAMPLES, TensorBlobTemplates
 
 

@@ -26,7 +26,7 @@ from overlapckpt.format.peers import NodeLayout
 from overlapckpt.format.process_identity import this_process
 from overlapckpt.format.storage import CheckpointStore
 from overlapckpt.format.tiers import TIER_MARKER_NAME, default_local_dir
-from overlapckpt.format.verify import verify_checkpoint
+from overlapckpt.format.verify import VerifyShare, verify_checkpoint
 from overlapckpt.protocol import FileCopy
 from overlapckpt.restore.node_listings import NodeListings
 
@@ -447,8 +447,8 @@ def test_verify_checks_the_named_files_instead_of_a_share(tmp_path):
     name = os.path.basename(info.path)
     shards = sorted(f for f in os.listdir(info.path) if f.endswith(".distcp"))
     os.truncate(os.path.join(info.path, shards[0]), 8)
-    assert verify_checkpoint(store, name, read_blobs=False, files=frozenset()).ok  # the truncated shard is not named
-    report = verify_checkpoint(store, name, read_blobs=False, files=frozenset({shards[0]}))
+    assert verify_checkpoint(store, name, share=VerifyShare(files=frozenset()), read_blobs=False).ok  # the truncated shard is not named
+    report = verify_checkpoint(store, name, share=VerifyShare(files=frozenset({shards[0]})), read_blobs=False)
     assert report.files == 1 and not report.ok
     assert shards[0] in report.problems[0]
 

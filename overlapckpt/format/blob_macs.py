@@ -3,7 +3,7 @@
 CRC-32C finds accidents; anyone who can write a shard can also craft bytes that keep
 its CRC (4 bytes fixed up anywhere in a blob suffice). With a signing key, each blob
 DCP stores also gets a MAC under the key, computed on the way to storage in the
-same pass as its CRC (``blobsums.ChecksummingStream``) and listed in the manifest,
+same pass as its CRC (``checksumming_stream.ChecksummingStream``) and listed in the manifest,
 which the signature covers (``signing.py``). A reader with the key checks every
 blob's MAC as it reads it (``blob_reader.py``, ``verify.py``).
 

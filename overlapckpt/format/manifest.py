@@ -32,6 +32,16 @@ import torch
 from ..errors import CorruptCheckpointError
 from .checksum import hex32, updater
 from .key_layout import GET_STATE_DICT, KEY_LAYOUTS, TORCHTITAN
+from .manifest_records import (
+    ChecksumsRecord,
+    ExportRecord,
+    GroupArithmetic,
+    ItemRecord,
+    RankSection,
+    read_ancestors,
+    read_field,
+    read_ints,
+)
 
 # DCP's data files, by name: a .metadata or manifest that places bytes anywhere else
 # ("../../<another root>/...") is damaged or crafted, and is refused unread.
@@ -154,260 +164,7 @@ class CheckpointInfo:
         )
 
 
-# ---- the manifest's fields, typed ----------------------------------------------------
-#
-# Each record reads itself from the JSON (``from_json``, raising CorruptCheckpointError
-# that names the field) and writes itself back (``to_json``). The ledger and the stats
-# stay JSON objects here: their types belong to the training side, which the format
-# never imports; the CLI and ckpt.stats read them as dicts.
-
-
-def _field(raw: Any, key: str, kind: type | tuple[type, ...], where: str, default: Any = ...) -> Any:
-    if not isinstance(raw, dict):
-        raise CorruptCheckpointError(f"manifest {where} has a malformed field: an object was expected, not {type(raw).__name__}; the file is damaged")
-    if key not in raw:
-        if default is not ...:
-            return default
-        raise CorruptCheckpointError(f"manifest {where} lacks the field {key!r}; the file is damaged")
-    value = raw[key]
-    # bool is an int subclass: a true/false where a number belongs is damage too.
-    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,))):
-        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
-        raise CorruptCheckpointError(f"manifest {where} has a malformed field {key!r}: {value!r} is not {names}; the file is damaged")
-    return value
-
-
-def _ints(raw: Any, key: str, where: str) -> tuple[int, ...]:
-    values = _field(raw, key, list, where)
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise CorruptCheckpointError(f"manifest {where} has a malformed field {key!r}: {values!r} is not a list of integers; the file is damaged")
-    return tuple(values)
-
-
-_NUMBER = (int, float)
-# A lineage longer than this keeps its nearest runs: older ones' checkpoints were retired long before.
-MAX_ANCESTORS = 256
-
-
-def _ancestors(raw: Any, where: str) -> tuple[tuple[str, int], ...]:
-    values = _field(raw, "ancestors", list, where, [])
-    ok = len(values) <= MAX_ANCESTORS and all(
-        isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and isinstance(v[1], int) and not isinstance(v[1], bool)
-        for v in values
-    )
-    if not ok:
-        raise CorruptCheckpointError(
-            f"manifest {where} has a malformed field 'ancestors': {values!r:.200} is not a list of at most {MAX_ANCESTORS} "
-            "[run id, version] pairs; the file is damaged"
-        )
-    return tuple((str(v[0]), int(v[1])) for v in values)
-
-
-@dataclass(frozen=True)
-class ItemRecord:
-    """One tensor (or, in a rank's section, one part of a tensor)."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    crc32: int | None = None  # format 2: zlib's CRC-32 of the host snapshot
-    offset: tuple[int, ...] | None = None  # a rank's part: where it sits in the global tensor
-    # format 3: of the host snapshot, in the algorithm of the manifest's checksums (8 hex
-    # digits); absent for the global items of a distributed checkpoint (its parts have them)
-    checksum: str | None = None
-
-    @classmethod
-    def from_json(cls, raw: Any, where: str) -> ItemRecord:
-        return cls(
-            dtype=_field(raw, "dtype", str, where, ""),
-            shape=_ints(raw, "shape", where),
-            crc32=_field(raw, "crc32", int, where, None),
-            offset=_ints(raw, "offset", where) if isinstance(raw, dict) and "offset" in raw else None,
-            checksum=_field(raw, "checksum", str, where, None),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape)}
-        if self.crc32 is not None:
-            out["crc32"] = self.crc32
-        if self.checksum is not None:
-            out["checksum"] = self.checksum
-        if self.offset is not None:
-            out["offset"] = list(self.offset)
-        return out
-
-
-@dataclass(frozen=True)
-class BlobRecord:
-    key: str
-    offset: int
-    length: int
-    checksum: str  # 8 hex digits, of the algorithm ChecksumsRecord names
-    mac: str | None = None  # signed checkpoints: of the algorithm ChecksumsRecord's mac_algorithm names (blob_macs.py)
-
-
-@dataclass(frozen=True)
-class FileRecord:
-    nbytes: int
-    blobs: tuple[BlobRecord, ...]  # in offset order, tiling the file
-    mac_nonce: str | None = None  # signed checkpoints: the nonce its blobs' MAC keys derive from
-
-
-@dataclass(frozen=True)
-class ChecksumsRecord:
-    """The checksum of every stored byte: each shard's blobs, and ``.metadata``'s exact bytes."""
-
-    algorithm: str
-    metadata_name: str
-    metadata_nbytes: int
-    metadata_checksum: str
-    files: dict[str, FileRecord]
-    mac_algorithm: str | None = None  # signed checkpoints: every blob's MAC (blob_macs.py)
-
-    @classmethod
-    def from_json(cls, raw: Any, where: str) -> ChecksumsRecord:
-        metadata = _field(raw, "metadata", dict, where)
-        files = {}
-        for name, entry in _field(raw, "files", dict, where).items():
-            blobs = []
-            for blob in _field(entry, "blobs", list, f"{where} ({name})"):
-                at = f"{where} ({name})"
-                blobs.append(
-                    BlobRecord(
-                        _field(blob, "key", str, at), _field(blob, "offset", int, at), _field(blob, "length", int, at),
-                        _field(blob, "checksum", str, at), _field(blob, "mac", (str, type(None)), at, None),
-                    )
-                )
-            files[str(name)] = FileRecord(
-                nbytes=_field(entry, "nbytes", int, f"{where} ({name})"),
-                blobs=tuple(blobs),
-                mac_nonce=_field(entry, "mac_nonce", (str, type(None)), f"{where} ({name})", None),
-            )
-        return cls(
-            algorithm=_field(raw, "algorithm", str, where),
-            metadata_name=_field(metadata, "name", str, where),
-            metadata_nbytes=_field(metadata, "nbytes", int, where),
-            metadata_checksum=_field(metadata, "checksum", str, where),
-            files=files,
-            mac_algorithm=_field(raw, "mac_algorithm", (str, type(None)), where, None),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "algorithm": self.algorithm,
-            "files": {name: _file_json(f) for name, f in sorted(self.files.items())},
-            "metadata": {"name": self.metadata_name, "nbytes": self.metadata_nbytes, "checksum": self.metadata_checksum},
-        }
-        if self.mac_algorithm is not None:
-            out["mac_algorithm"] = self.mac_algorithm
-        return out
-
-
-def _file_json(f: FileRecord) -> dict[str, Any]:
-    blobs = []
-    for b in f.blobs:
-        blob: dict[str, Any] = {"key": b.key, "offset": b.offset, "length": b.length, "checksum": b.checksum}
-        if b.mac is not None:
-            blob["mac"] = b.mac
-        blobs.append(blob)
-    out: dict[str, Any] = {"nbytes": f.nbytes, "blobs": blobs}
-    if f.mac_nonce is not None:
-        out["mac_nonce"] = f.mac_nonce
-    return out
-
-
-@dataclass(frozen=True)
-class ExportRecord:
-    """A framework file written next to DCP's (writer/exports.py): its size and zlib CRC-32 (and MAC, signed)."""
-
-    nbytes: int
-    crc32: int
-    mac: str | None = None  # signed checkpoints: of the checksums' mac_algorithm, keyed from mac_nonce at offset 0
-    mac_nonce: str | None = None
-
-    @classmethod
-    def from_json(cls, raw: Any, where: str) -> ExportRecord:
-        return cls(
-            _field(raw, "nbytes", int, where),
-            _field(raw, "crc32", int, where),
-            _field(raw, "mac", (str, type(None)), where, None),
-            _field(raw, "mac_nonce", (str, type(None)), where, None),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"nbytes": self.nbytes, "crc32": self.crc32}
-        if self.mac is not None:
-            out["mac"], out["mac_nonce"] = self.mac, self.mac_nonce
-        return out
-
-
-@dataclass(frozen=True)
-class GroupArithmetic:
-    """How replay steps one optimizer param group on the CPU, and whether that is known to be the training's step bit for bit.
-
-    Written to the manifest of a replay-mode checkpoint, one per param group (``inspect``
-    shows them): the training side measures each group on its device when the Checkpointer
-    is built (``train/consistency/replay_arithmetic.py``), and the writer steps each group by
-    the arithmetic named here (``device_adam_step.py``).
-    """
-
-    group: int  # the index of the param group in optimizer.param_groups
-    device: str  # where its parameters step in training ("cpu", "cuda:0")
-    path: str  # the optimizer's implementation there: "fused", "foreach", "for-loop" or "own-step"
-    arithmetic: str | None  # an emulation's name (fused_adam_math, foreach_adam_math), or None: the CPU's own kernel
-    exact: bool  # replay reproduces the training's step bit for bit: by construction, or as the probe measured
-    evidence: str  # how that is known, in words
-
-    @classmethod
-    def from_json(cls, raw: Any, where: str) -> GroupArithmetic:
-        return cls(
-            _field(raw, "group", int, where),
-            _field(raw, "device", str, where),
-            _field(raw, "path", str, where),
-            _field(raw, "arithmetic", (str, type(None)), where),
-            _field(raw, "exact", bool, where),
-            _field(raw, "evidence", str, where),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {"group": self.group, "device": self.device, "path": self.path, "arithmetic": self.arithmetic,
-                "exact": self.exact, "evidence": self.evidence}
-
-    def describe(self) -> str:
-        how = self.arithmetic or "the CPU's own kernel"
-        return f"param group {self.group} ({self.path} on {self.device}): {how}, {'bit for bit' if self.exact else 'approximate'} ({self.evidence})"
-
-
-@dataclass(frozen=True)
-class RankSection:
-    """What one rank of a distributed checkpoint wrote: its parts, its per-rank state, its own ledger."""
-
-    rank: int
-    nbytes: int
-    items: dict[str, ItemRecord]
-    extra_state: dict[str, Any]  # tagged JSON (extra_state.py): stateful objects and RNG states
-    ledger: dict[str, Any] | None = None
-    stats: dict[str, Any] | None = None
-
-    @classmethod
-    def from_json(cls, raw: Any, where: str) -> RankSection:
-        return cls(
-            rank=_field(raw, "rank", int, where),
-            nbytes=_field(raw, "nbytes", int, where),
-            items={str(k): ItemRecord.from_json(v, f"{where} ({k})") for k, v in _field(raw, "items", dict, where).items()},
-            extra_state=_field(raw, "extra_state", dict, where, {}),
-            ledger=_field(raw, "ledger", (dict, type(None)), where, None),
-            stats=_field(raw, "stats", (dict, type(None)), where, None),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "nbytes": self.nbytes,
-            "items": {k: v.to_json() for k, v in self.items.items()},
-            "extra_state": self.extra_state,
-            "ledger": self.ledger,
-            "stats": self.stats,
-        }
+_NUMBER = (int, float)  # created_at: a UNIX time, which JSON may hold as an integer or a float
 
 
 @dataclass(frozen=True)
@@ -455,38 +212,40 @@ class Manifest:
 
     @classmethod
     def from_json(cls, raw: dict[str, Any], where: str) -> Manifest:
-        version = _field(raw, "format_version", int, where)
+        version = read_field(raw, "format_version", int, where)
         checksums = raw.get("checksums")
-        step = _field(raw, "step", int, where)
+        step = read_field(raw, "step", int, where)
         return cls(
             format_version=version,
             step=step,
-            requested_step=_field(raw, "requested_step", int, where, step),
-            mode=_field(raw, "mode", str, where),
-            window=_field(raw, "window", int, where),
-            nbytes=_field(raw, "nbytes", int, where),
-            created_at=float(_field(raw, "created_at", _NUMBER, where)),
-            torch_version=_field(raw, "torch_version", str, where, "unknown"),
-            items={str(k): ItemRecord.from_json(v, f"{where} ({k})") for k, v in _field(raw, "items", dict, where).items()},
-            world_size=_field(raw, "world_size", int, where, 1),
-            mesh_shape=_ints(raw, "mesh_shape", where) if "mesh_shape" in raw else (1,),
-            run_id=_field(raw, "run_id", (str, type(None)), where, None),
-            restored_from=_field(raw, "restored_from", (str, type(None)), where, None),
-            ancestors=_ancestors(raw, where),
+            requested_step=read_field(raw, "requested_step", int, where, step),
+            mode=read_field(raw, "mode", str, where),
+            window=read_field(raw, "window", int, where),
+            nbytes=read_field(raw, "nbytes", int, where),
+            created_at=float(read_field(raw, "created_at", _NUMBER, where)),
+            torch_version=read_field(raw, "torch_version", str, where, "unknown"),
+            items={str(k): ItemRecord.from_json(v, f"{where} ({k})") for k, v in read_field(raw, "items", dict, where).items()},
+            world_size=read_field(raw, "world_size", int, where, 1),
+            mesh_shape=read_ints(raw, "mesh_shape", where) if "mesh_shape" in raw else (1,),
+            run_id=read_field(raw, "run_id", (str, type(None)), where, None),
+            restored_from=read_field(raw, "restored_from", (str, type(None)), where, None),
+            ancestors=read_ancestors(raw, where),
             checksums=None if checksums is None else ChecksumsRecord.from_json(checksums, f"{where} (checksums)"),
             exports={
                 str(k): ExportRecord.from_json(v, where)
-                for k, v in _field(raw, "exports", dict, where, {}).items()
+                for k, v in read_field(raw, "exports", dict, where, {}).items()
             },
-            extra_state=_field(raw, "extra_state", dict, where, {}),
-            extra_state_index=tuple(str(k) for k in _field(raw, "extra_state_index", list, where, [])),
-            ranks=tuple(RankSection.from_json(r, f"{where} (rank section {i})") for i, r in enumerate(_field(raw, "ranks", list, where, []))),
-            ledger=_field(raw, "ledger", (dict, type(None)), where, None),
-            stats=_field(raw, "stats", (dict, type(None)), where, None),
-            key_layout=_known_layout(_field(raw, "key_layout", str, where, GET_STATE_DICT), where),
-            optimizer=_field(raw, "optimizer", (str, type(None)), where, None),
+            extra_state=read_field(raw, "extra_state", dict, where, {}),
+            extra_state_index=tuple(str(k) for k in read_field(raw, "extra_state_index", list, where, [])),
+            ranks=tuple(
+                RankSection.from_json(r, f"{where} (rank section {i})") for i, r in enumerate(read_field(raw, "ranks", list, where, []))
+            ),
+            ledger=read_field(raw, "ledger", (dict, type(None)), where, None),
+            stats=read_field(raw, "stats", (dict, type(None)), where, None),
+            key_layout=_known_layout(read_field(raw, "key_layout", str, where, GET_STATE_DICT), where),
+            optimizer=read_field(raw, "optimizer", (str, type(None)), where, None),
             replay_arithmetic=tuple(
-                GroupArithmetic.from_json(r, f"{where} (replay_arithmetic)") for r in _field(raw, "replay_arithmetic", list, where, [])
+                GroupArithmetic.from_json(r, f"{where} (replay_arithmetic)") for r in read_field(raw, "replay_arithmetic", list, where, [])
             ),
             raw=raw,
         )

@@ -26,25 +26,22 @@ first (``attempts.py``).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import posixpath
 import secrets
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, BinaryIO
 
 from fsspec.core import url_to_fs
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
-from torch.futures import Future
 
-from ..errors import CheckpointReadError, CheckpointWriteError, ConfigError, CorruptCheckpointError, OverlapCkptError, UnsafeFileError
+from ..errors import CheckpointReadError, ConfigError, CorruptCheckpointError, OverlapCkptError, UnsafeFileError
 from .blob_reader import verified_reader_class
-from .blobsums import ChecksummingFileSystem, FileSegments, StoredChecksums, attach_checksums, plain_results
-from .checksum import default_algorithm
+from .commit_writer import BeforeCommit, manifest_first_writer_class
 from .manifest import LATEST_NAME, MANIFEST_NAME, METADATA_NAME, step_of_name
 from .private_files import (
     PRIVATE_FILE_MODE,
@@ -116,96 +113,13 @@ def dcp_root_cause(e: BaseException) -> BaseException:
     return e
 
 
-def _fsspec_dcp_classes() -> tuple[type, type]:
-    # FsspecWriter/Reader moved between torch releases; look them up where this torch has them.
+def fsspec_dcp_classes() -> tuple[type, type]:
+    """DCP's (FsspecWriter, FsspecReader): they moved between torch releases, so they are looked up where this torch has them."""
     try:
         from torch.distributed.checkpoint import FsspecReader, FsspecWriter  # type: ignore[attr-defined]
     except ImportError:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
     return FsspecWriter, FsspecReader
-
-
-# Called with the checksums of every stored blob and of .metadata, before .metadata appears.
-BeforeCommit = Callable[[StoredChecksums], None]
-
-
-def _manifest_before_commit(base: type) -> type:
-    """A DCP storage writer that checksums what it stores and calls ``before_commit`` right before ``.metadata``.
-
-    See :mod:`overlapckpt.format.blobsums` for how the checksums are computed and how they
-    travel from every rank to the coordinator's ``finish()``.
-    """
-
-    class ManifestFirstWriter(base):
-        def __init__(self, *args: Any, before_commit: BeforeCommit, wants_metadata_bytes: bool = False, **kwargs: Any) -> None:
-            # Set before DCP's __init__, which assigns self.fs (wrapped by the property below).
-            self._wants_metadata_bytes = wants_metadata_bytes
-            self._algorithm = default_algorithm()
-            self._before_commit = before_commit
-            self._pending: StoredChecksums | None = None
-            self._committed = False
-            super().__init__(*args, **kwargs)
-
-        # Whatever FileSystem DCP (or a subclass, or a test) assigns is wrapped, so
-        # every file it writes is checksummed on the way out.
-        @property
-        def fs(self) -> ChecksummingFileSystem:
-            return self._checksumming_fs
-
-        @fs.setter
-        def fs(self, inner: Any) -> None:
-            self._checksumming_fs = ChecksummingFileSystem(inner, self._algorithm, self._commit_manifest)
-
-        def reset(self, checkpoint_id: Any = None) -> None:
-            super().reset(checkpoint_id)
-            self._checksumming_fs.files.clear()  # a reused writer never reports an older save's spans
-
-        def write_data(self, plan: Any, planner: Any) -> Future:
-            written = super().write_data(plan, planner)
-            written.wait()
-            fs = self._checksumming_fs
-            results = attach_checksums(written.value(), fs.files, self._algorithm, fs.mac_algorithm if fs.mac_key is not None else None)
-            out: Future = Future()
-            out.set_result(results)
-            return out
-
-        def finish(self, metadata: Any, results: Any) -> None:
-            # Only the coordinator gets here, with every rank's results.
-            fs = self._checksumming_fs
-            signs = fs.mac_key is not None
-            self._pending = StoredChecksums.from_results(results, self._algorithm, fs.mac_algorithm if signs else None)
-            self._committed = False
-            super().finish(metadata, plain_results(results))
-            if not self._committed:
-                raise CheckpointWriteError(
-                    "DCP finished without renaming its metadata into place, so no manifest was written; "
-                    "this torch's DCP writer is not supported (use torch >= 2.6)"
-                )
-
-        def _commit_manifest(self, metadata_name: str, written: FileSegments, source_path: str) -> None:
-            # DCP has written .metadata.tmp and is about to rename it to .metadata (the
-            # commit): the manifest must exist before, so every committed checkpoint is verifiable.
-            if self._pending is None:
-                raise CheckpointWriteError(f"{metadata_name} is being committed before finish() collected the checksums")
-            spans = list(written.spans.values())
-            if len(spans) > 1:
-                raise CheckpointWriteError(f"{metadata_name} was written in {len(spans)} spans; expected one")
-            metadata_bytes = b""
-            if self._wants_metadata_bytes:  # a signature covers .metadata's exact bytes: read back (small)
-                with self._checksumming_fs._inner.create_stream(source_path, "rb") as f:
-                    metadata_bytes = f.read()
-            checksums = dataclasses.replace(
-                self._pending,
-                metadata_name=metadata_name,
-                metadata_nbytes=written.nbytes,
-                metadata_checksum=spans[0] if spans else 0,
-                metadata_bytes=metadata_bytes,
-            )
-            self._before_commit(checksums)
-            self._committed = True
-
-    ManifestFirstWriter.__name__ = f"ManifestFirst{base.__name__}"
-    return ManifestFirstWriter
 
 
 class CheckpointStore:
@@ -431,11 +345,11 @@ class CheckpointStore:
         right before ``.metadata`` appears. ``thread_count``: DCP writes that many shard files at once."""
         if self.is_local:
             os.makedirs(self._join(name), exist_ok=True)
-            return _manifest_before_commit(FileSystemWriter)(
+            return manifest_first_writer_class(FileSystemWriter)(
                 self._join(name), before_commit=before_commit, wants_metadata_bytes=wants_metadata_bytes, thread_count=thread_count
             )
-        writer_cls, _ = _fsspec_dcp_classes()
-        return _manifest_before_commit(writer_cls)(
+        writer_cls, _ = fsspec_dcp_classes()
+        return manifest_first_writer_class(writer_cls)(
             self.checkpoint_url(name),
             before_commit=before_commit,
             wants_metadata_bytes=wants_metadata_bytes,
@@ -448,5 +362,5 @@ class CheckpointStore:
         whose blobs are checked as they are read once its ``expect()`` is called (``blob_reader.py``)."""
         if self.is_local:
             return _VerifiedLocalReader(self._join(name))
-        _, reader_cls = _fsspec_dcp_classes()
+        _, reader_cls = fsspec_dcp_classes()
         return verified_reader_class(safe_reader_class(reader_cls))(self.checkpoint_url(name), **self.storage_options)

@@ -3,7 +3,7 @@
 DCP's ``_write_item`` stores each tensor as ``torch.save(tensor, stream)``: a zip of seven
 records. For a small tensor the bytes are few but the call is not: about 160 us of
 pickling and zip framing, and 39 ``write`` calls into the checksumming stream
-(``blobsums.py``), about 60 us more. A model of 30,000 small tensors spent 6.7 s of its
+(``checksumming_stream.py``), about 60 us more. A model of 30,000 small tensors spent 6.7 s of its
 commit there (2-core VM).
 
 With torch.save's zip CRCs off (the writer turns them off: ``writer/process.py``), the
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .blobsums import ChecksummingStream
+from .checksumming_stream import ChecksummingStream
 from .tensor_decode import locate
 
 log = logging.getLogger("overlapckpt")

@@ -26,7 +26,8 @@ from typing import Any
 from ..errors import CorruptCheckpointError, SignatureError
 from .blob_macs import BlobMac, BlobMacs, same_mac
 from .checksum import hex32, updater
-from .manifest import DATA_FILE_RE, LEGACY_FORMAT_VERSION, MANIFEST_NAME, ExportRecord, Manifest, parse_manifest, step_of_name
+from .manifest import DATA_FILE_RE, LEGACY_FORMAT_VERSION, MANIFEST_NAME, Manifest, parse_manifest, step_of_name
+from .manifest_records import ChecksumsRecord, ExportRecord
 from .signing import check_signature
 from .storage import CheckpointStore, translate_read_errors
 
@@ -99,29 +100,49 @@ def check_name_matches(name: str, manifest: Manifest, where: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class VerifyShare:
+    """Which shard files one ``verify_checkpoint`` call reads: every ``world_size``-th from ``rank``, or exactly ``files``.
+
+    ``.metadata`` and the framework files are rank 0's either way.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    # These shard files instead of the rank's share: a node-local tier's directory holds only
+    # the files its ranks read (restore/plan.py).
+    files: Collection[str] | None = None
+
+    def picks(self, index: int, filename: str) -> bool:
+        """Whether the ``index``-th shard file (in name order), ``filename``, is this share's."""
+        return index % self.world_size == self.rank if self.files is None else filename in self.files
+
+
+WHOLE_CHECKPOINT = VerifyShare()  # one process reads every file
+
+
 def verify_checkpoint(
     store: CheckpointStore,
     name: str,
     manifest: Manifest | None = None,
-    share: tuple[int, int] = (0, 1),
+    share: VerifyShare = WHOLE_CHECKPOINT,
     signing_key: bytes | None = None,
     read_blobs: bool = True,
     on_progress: Callable[[int, int], None] | None = None,
-    files: Collection[str] | None = None,
 ) -> VerifyReport:
     """Verify every stored byte of checkpoint ``name`` against its manifest, blob by blob.
 
-    ``share=(rank, world_size)``: verify only this rank's share of the files (every
-    ``world_size``-th shard file, and ``.metadata`` on rank 0), so that the ranks of a
-    distributed load together read the checkpoint about once; their outcomes are
-    combined by the caller. ``signing_key``: check the signature too, with the same read
-    of ``.metadata`` (rank 0; the CLI verifies as one rank). ``read_blobs=False``: check
-    ``.metadata`` and each shard's kind and size only, not its blobs, and not the framework
-    files: what ``load`` checks before its one read, which checks each blob as it arrives
-    (``blob_reader.py``). ``on_progress(bytes_read, bytes_total)`` is called as the
-    shards are read (the CLI's progress line). ``files``: verify these shard files on this
-    rank instead of its share (a node-local tier's directory holds only the files its ranks
-    read, ``restore/plan.py``); ``.metadata`` is still rank 0's.
+    ``share``: verify only this rank's share of the files (every ``world_size``-th shard
+    file, and ``.metadata`` on rank 0), so that the ranks of a distributed load together
+    read the checkpoint about once; their outcomes are combined by the caller. Its
+    ``files``: verify these shard files on this rank instead of its share (a node-local
+    tier's directory holds only the files its ranks read, ``restore/plan.py``);
+    ``.metadata`` is still rank 0's. ``signing_key``: check the signature too, with the
+    same read of ``.metadata`` (rank 0; the CLI verifies as one rank). ``read_blobs=False``:
+    check ``.metadata`` and each shard's kind and size only, not its blobs, and not the
+    framework files: what ``load`` checks before its one read, which checks each blob as it
+    arrives (``blob_reader.py``). ``on_progress(bytes_read, bytes_total)`` is called as the
+    shards are read (the CLI's progress line).
 
     Raises CorruptCheckpointError when the manifest itself is damaged or cannot be
     verified, CheckpointReadError when storage cannot be read, and ConfigError when the
@@ -132,17 +153,49 @@ def verify_checkpoint(
     if manifest is None:
         manifest = read_manifest(store, name)
     report = VerifyReport(path=where, step=manifest.step)
+    sums = _verifiable_checksums(manifest, where)
+    report.algorithm = sums.algorithm
+    metadata: dict[str, Any] = {"name": sums.metadata_name, "nbytes": sums.metadata_nbytes, "checksum": sums.metadata_checksum}
+    shards = {f: (e.nbytes, [(b.key, b.offset, b.length, b.checksum) for b in e.blobs]) for f, e in sums.files.items()}
+    exports = {f: (e.nbytes, e.crc32) for f, e in manifest.exports.items()}
+    _check_listed_names(where, str(metadata["name"]), shards, exports)
+    mine = [(filename, entry) for index, (filename, entry) in enumerate(sorted(shards.items())) if share.picks(index, filename)]
+    total_nbytes = sum(nbytes for _, (nbytes, _) in mine)
+
+    def progress() -> None:
+        if on_progress is not None:
+            on_progress(report.nbytes, total_nbytes)
+
+    reading = _Reading(store, name, updater(report.algorithm), report, progress)
+    with translate_read_errors(where):
+        if share.rank == 0:
+            _verify_signed_metadata(reading, metadata, manifest, signing_key)
+        macs = _blob_macs(manifest, where, signing_key, report, share.rank == 0) if read_blobs else None
+        if share.rank == 0:
+            for filename in sorted(exports) if read_blobs else ():
+                _verify_export(store, name, filename, manifest.exports[filename], report, macs)
+        for filename, (nbytes, blobs) in mine:
+            if read_blobs:
+                _verify_file(reading, filename, nbytes, blobs, macs)
+            else:
+                _check_file_size(store, name, filename, nbytes, report)
+    return report
+
+
+def _verifiable_checksums(manifest: Manifest, where: str) -> ChecksumsRecord:
+    """The manifest's checksums of the stored bytes; CorruptCheckpointError for format 1, which has none."""
     sums = manifest.checksums
     if manifest.format_version == LEGACY_FORMAT_VERSION or sums is None:
         raise CorruptCheckpointError(
             f"{where} was written by overlapckpt format {LEGACY_FORMAT_VERSION}, whose manifest has no checksums of "
             "the stored bytes, so it cannot be verified; load it with verify=False"
         )
-    report.algorithm = sums.algorithm
-    metadata: dict[str, Any] = {"name": sums.metadata_name, "nbytes": sums.metadata_nbytes, "checksum": sums.metadata_checksum}
-    shards = {f: (e.nbytes, [(b.key, b.offset, b.length, b.checksum) for b in e.blobs]) for f, e in sums.files.items()}
-    exports = {f: (e.nbytes, e.crc32) for f, e in manifest.exports.items()}
-    for filename, pattern in [(str(metadata["name"]), METADATA_RE)] + [(f, DATA_FILE_RE) for f in shards]:
+    return sums
+
+
+def _check_listed_names(where: str, metadata_name: str, shards: Collection[str], exports: Collection[str]) -> None:
+    """Refuse, unread, a manifest that lists a file overlapckpt never writes (a DCP file or a framework file)."""
+    for filename, pattern in [(metadata_name, METADATA_RE)] + [(f, DATA_FILE_RE) for f in shards]:
         if not pattern.fullmatch(filename):
             raise CorruptCheckpointError(
                 f"{where}/{MANIFEST_NAME} lists the file {filename!r}, which is not a DCP file name: refused unread "
@@ -154,36 +207,27 @@ def verify_checkpoint(
                 f"{where}/{MANIFEST_NAME} lists the export {filename!r}, which is not a framework file overlapckpt writes: "
                 "refused unread (the manifest is damaged or crafted)"
             )
-    update = updater(report.algorithm)
-    rank, world = share
-    mine = [
-        (filename, entry) for index, (filename, entry) in enumerate(sorted(shards.items()))
-        if (index % world == rank if files is None else filename in files)
-    ]
-    total_nbytes = sum(nbytes for _, (nbytes, _) in mine)
 
-    def progress() -> None:
-        if on_progress is not None:
-            on_progress(report.nbytes, total_nbytes)
 
-    with translate_read_errors(where):
-        if rank == 0:
-            metadata_bytes = _verify_metadata(store, name, metadata, update, report)
-            if signing_key is not None and metadata_bytes is not None:
-                try:
-                    check_signature(manifest.raw, metadata_bytes, signing_key, where)
-                except SignatureError as e:
-                    report.problems.append(str(e))
-        macs = _blob_macs(manifest, where, signing_key, report, rank == 0) if read_blobs else None
-        if rank == 0:
-            for filename in sorted(exports) if read_blobs else ():
-                _verify_export(store, name, filename, manifest.exports[filename], report, macs)
-        for filename, (nbytes, blobs) in mine:
-            if read_blobs:
-                _verify_file(store, name, filename, nbytes, blobs, update, report, progress, macs)
-            else:
-                _check_file_size(store, name, filename, nbytes, report)
-    return report
+@dataclass(frozen=True)
+class _Reading:
+    """What every shard file's check in one ``verify_checkpoint`` call shares: where it reads, how it hashes, where it reports."""
+
+    store: CheckpointStore
+    name: str  # the checkpoint's directory under the store's root
+    update: Callable[[Any, int], int]  # the manifest's checksum algorithm, one chunk at a time
+    report: VerifyReport
+    progress: Callable[[], None]  # called after each chunk read
+
+
+def _verify_signed_metadata(reading: _Reading, expected: dict[str, Any], manifest: Manifest, signing_key: bytes | None) -> None:
+    """Rank 0's part: ``.metadata`` against the manifest, then, with a key, the signature over both, from the same read."""
+    metadata_bytes = _verify_metadata(reading.store, reading.name, expected, reading.update, reading.report)
+    if signing_key is not None and metadata_bytes is not None:
+        try:
+            check_signature(manifest.raw, metadata_bytes, signing_key, reading.report.path)
+        except SignatureError as e:
+            reading.report.problems.append(str(e))
 
 
 def _blob_macs(manifest: Manifest, where: str, signing_key: bytes | None, report: VerifyReport, reports: bool) -> BlobMacs | None:
@@ -256,17 +300,9 @@ def _verify_metadata(
     return raw
 
 
-def _verify_file(
-    store: CheckpointStore,
-    name: str,
-    filename: str,
-    nbytes: int,
-    blobs: list[tuple[str, int, int, str]],
-    update: Callable[[Any, int], int],
-    report: VerifyReport,
-    progress: Callable[[], None] = lambda: None,
-    macs: BlobMacs | None = None,
-) -> None:
+def _verify_file(reading: _Reading, filename: str, nbytes: int, blobs: list[tuple[str, int, int, str]], macs: BlobMacs | None) -> None:
+    """One shard: its kind and size, then every blob in offset order, each hashed in chunks (and MACed, with a key)."""
+    store, name, update, report, progress = reading.store, reading.name, reading.update, reading.report, reading.progress
     report.files += 1
     if not _regular_file(store, name, filename, report):
         return

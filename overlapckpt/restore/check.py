@@ -19,7 +19,7 @@ from ..format.extra_state import decode
 from ..format.manifest import METADATA_NAME, Manifest
 from ..format.signing import check_signature, resolve_key
 from ..format.storage import CheckpointStore, translate_read_errors
-from ..format.verify import describe_problems, read_manifest, verify_checkpoint
+from ..format.verify import VerifyShare, describe_problems, read_manifest, verify_checkpoint
 from ..optimizers import update_rule_name
 
 PER_RANK_STATE_CHOICES = ("restore", "skip")
@@ -99,10 +99,11 @@ def _checked_fields(
         # flipped bit, a truncated shard), not authenticity: whoever can write the files can
         # recompute CRCs. What keeps a crafted file from running code is the reading itself
         # (safe_unpickle.py), with or without verify.
-        report = verify_checkpoint(store, name, manifest, share, read_blobs=False, files=files)
+        verify_share = VerifyShare(rank=share[0], world_size=share[1], files=files)
+        report = verify_checkpoint(store, name, manifest, verify_share, read_blobs=False)
         if not report.ok:
             # The detailed account (which blob a truncation cuts): read everything, once, on failure only.
-            report = verify_checkpoint(store, name, manifest, share, files=files)
+            report = verify_checkpoint(store, name, manifest, verify_share)
             raise CorruptCheckpointError(
                 f"reading the checkpoint {where} failed verification: {describe_problems(report)}; restore from an "
                 "older checkpoint (list_checkpoints), or pass verify=False to inspect it"

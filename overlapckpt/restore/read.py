@@ -19,7 +19,8 @@ from ..errors import (
     SignatureError,
     UnsafeCheckpointError,
 )
-from ..format.blob_reader import ADOPT, PLACE, ExpectedSums, FileIdentity
+from ..format.blob_reader import ADOPT, PLACE, FileIdentity
+from ..format.expected_sums import ExpectedSums
 from ..format.manifest import Manifest
 from ..format.safe_unpickle import SafeLoadPlanner
 from ..format.storage import CheckpointStore, dcp_root_cause, is_storage_error, read_error, translate_read_errors

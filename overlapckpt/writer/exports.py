@@ -33,7 +33,7 @@ import torch
 from ..errors import ConfigError
 from ..format.blob_macs import default_mac_algorithm, mac_of, new_nonce
 from ..format.entries import optimizer_state_by_index
-from ..format.manifest import ExportRecord
+from ..format.manifest_records import ExportRecord
 from ..format.storage import CheckpointStore
 from ..protocol import EXPORT_FORMATS
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import CheckpointWriteError, RankDisagreementError
-from ..format.manifest import RankSection
+from ..format.manifest_records import RankSection
 from ..format.shards import forget_cached_plans
 from ..protocol import REGROUP_WAIT_S, WriterGroupSpec
 from .claims import ClaimBoard

@@ -17,12 +17,15 @@ from .. import protocol as p
 from ..errors import CheckpointExistsError, CheckpointWriteError
 from ..format.attempts import Attempt, new_attempt_id
 from ..format.blob_macs import default_mac_algorithm
-from ..format.blobsums import ChecksummingFileSystem, StoredChecksums, StreamTimings
-from ..format.manifest import CheckpointInfo, ChecksumsRecord, ExportRecord, dump_manifest
+from ..format.blobsums import ChecksummingFileSystem, StoredChecksums
+from ..format.checksumming_stream import StreamTimings
+from ..format.commit_writer import BeforeCommit
+from ..format.manifest import CheckpointInfo, dump_manifest
+from ..format.manifest_records import ChecksumsRecord, ExportRecord
 from ..format.peers import NodeLayout
 from ..format.shards import CoveringSavePlanner
 from ..format.signing import sign
-from ..format.storage import BeforeCommit, CheckpointStore
+from ..format.storage import CheckpointStore
 from ..format.tiers import LOCAL_TIER, ROOT_TIER
 from .exports import write_exports
 from .group import WriterGroup

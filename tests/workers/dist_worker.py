@@ -405,12 +405,12 @@ def read_manifest_json(path: str) -> dict[str, Any]:
 
 def verify_share(root: str) -> dict[str, Any]:
     """load(verify=True): the bytes this rank's checks read (the test sums them), then a flipped bit."""
-    import overlapckpt.format.blob_reader as verified_read
+    import overlapckpt.format.blob_checks as blob_checks
     import overlapckpt.restore.check as loading
 
     reports: list[dict[str, int]] = []
     blobs_read: list[tuple[str, int, int]] = []
-    real_verify, real_sums = loading.verify_checkpoint, verified_read._blob_sums
+    real_verify, real_sums = loading.verify_checkpoint, blob_checks._blob_sums
 
     def recording(*args: Any, **kwargs: Any) -> Any:  # the real pre-read check, its report kept for the test
         report = real_verify(*args, **kwargs)
@@ -423,7 +423,7 @@ def verify_share(root: str) -> dict[str, Any]:
         return real_sums(relative_path, info, expected)
 
     loading.verify_checkpoint = recording
-    verified_read._blob_sums = recording_sums
+    blob_checks._blob_sums = recording_sums
     try:
         info = list_checkpoints(root)[-1]
         model, opt = build("fsdp")
@@ -457,7 +457,7 @@ def verify_share(root: str) -> dict[str, Any]:
         return out
     finally:
         loading.verify_checkpoint = real_verify
-        verified_read._blob_sums = real_sums
+        blob_checks._blob_sums = real_sums
 
 
 def malformed_manifest(source_root: str, root: str) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ...errors import InternalError
-from ...format.manifest import GroupArithmetic
+from ...format.manifest_records import GroupArithmetic
 from ...optimizers import OptimizerGroup, describe_optimizer, update_rule_class
 from ...protocol import GradientStep, ReplayLog
 from ..copying.layout import StateLayout, optimizer_shape_signature

@@ -43,7 +43,7 @@ from ...device_adam_step import (
     step_like_the_device,
 )
 from ...float32_math import EMULATED_DTYPES
-from ...format.manifest import GroupArithmetic
+from ...format.manifest_records import GroupArithmetic
 from ...fused_adam_math import torch_fused_adam_class
 
 log = logging.getLogger("overlapckpt")

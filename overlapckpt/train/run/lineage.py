@@ -28,7 +28,8 @@ import secrets
 import warnings
 from dataclasses import dataclass, field
 
-from ...format.manifest import MAX_ANCESTORS, RUN_ID_HEX, STEP_NAMES, NameStyle, checkpoint_name, step_of_name
+from ...format.manifest import RUN_ID_HEX, STEP_NAMES, NameStyle, checkpoint_name, step_of_name
+from ...format.manifest_records import MAX_ANCESTORS
 from ..warnings_text import ROOT_AHEAD_WARNING
 
 log = logging.getLogger("overlapckpt.lineage")
