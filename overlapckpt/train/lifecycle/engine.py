@@ -19,11 +19,13 @@ Each mechanism has one owner: ``StepPoint`` (where the hooks sit), ``RequestQueu
 (pending, deferred and merged requests), ``WriterLink`` (the writer process and its
 replacement), ``StagingArea``, ``GradientLogger``, ``PersistDispatcher`` (sent
 snapshots and answers), ``PlanCache``, ``SlotPool``, ``SnapshotCopies`` and the
-copier (``transfer.py``). The engine orchestrates four collaborators, one concern each,
-built here with what each calls (``engine_parts.py``): starting snapshots
-(``starting.py``), sending them and reading the writer's answers (``completion.py``), the
-restart rules (``snapshot_restarts.py``) and the blocking calls (``blocking.py``); snapshot
-states are described in ``consistency/snapshot.py``.
+copier (the ``Copier`` protocol of ``copying/transfer.py``). The units are assembled in
+``engine_parts.py``. The engine is the one orchestrator of four collaborators, one concern
+each: starting snapshots (``starting.py``), sending them and reading the writer's answers
+(``completion.py``), the restart rules (``snapshot_restarts.py``) and the blocking calls
+(``blocking.py``). None calls back into another to start a snapshot: completion answers
+whether a dead writer was replaced, and the engine starts what is pending. Snapshot states
+are described in ``consistency/snapshot.py``.
 """
 
 from __future__ import annotations
