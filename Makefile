@@ -84,6 +84,7 @@ bench: install
 	$(PY) benchmarks/fused_replay_speed.py
 	$(PY) benchmarks/many_tensors.py --out benchmarks/results/many-tensors
 	-$(PY) benchmarks/tiers_nodes.py --out benchmarks/results/tiers-nodes  # needs root (network namespaces): skipped, saying why, elsewhere
+	$(PY) benchmarks/scale.py --worlds 2,4,8 --out benchmarks/results/scale --name make-bench  # docs/scale.md's run1 went to 16
 
 # 2 CPU ranks (gloo), DDP then FSDP2: overlapckpt against dcp.async_save, about 6 minutes on 2 cores.
 bench-dist: install
