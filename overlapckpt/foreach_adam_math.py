@@ -147,10 +147,9 @@ def foreach_step_in_torch(tensors: list[torch.Tensor], has_max: bool, scalars: F
     ``tensors`` are param, grad, exp_avg, exp_avg_sq (, max_exp_avg_sq with ``has_max``), of any
     ``EMULATED_DTYPES`` and any strides; each kernel of the table above in turn, its result stored in the tensor's dtype.
     """
-    wd, decay, weight, b2, one_minus_b2, eps_f, step_size, bias_correction2_sqrt = (_scalar(value) for value in (
-        scalars.weight_decay, scalars.decay, scalars.lerp_weight, scalars.beta2, scalars.one_minus_beta2, scalars.eps,
-        scalars.step_size, scalars.bias_correction2_sqrt,
-    ))
+    wd, decay, weight = _scalar(scalars.weight_decay), _scalar(scalars.decay), _scalar(scalars.lerp_weight)
+    b2, one_minus_b2, eps_f = _scalar(scalars.beta2), _scalar(scalars.one_minus_beta2), _scalar(scalars.eps)
+    step_size, bias_correction2_sqrt = _scalar(scalars.step_size), _scalar(scalars.bias_correction2_sqrt)
     param, grad, exp_avg, exp_avg_sq = tensors[:4]
     dtype = param.dtype
     views = [t.detach().reshape(-1) for t in tensors]

@@ -151,10 +151,10 @@ def fused_step_in_torch(tensors: list[torch.Tensor], has_max: bool, scalars: Fus
     ``tensors`` are param, grad, exp_avg, exp_avg_sq (, max_exp_avg_sq with ``has_max``), of any
     ``EMULATED_DTYPES`` and any strides; each computed in float32 as the kernel does.
     """
-    lr_wd, b1, b2, wd, eps_f, step_size, bias_correction2_sqrt = (_f32(value) for value in (
-        scalars.lr_times_weight_decay, scalars.beta1, scalars.beta2, scalars.weight_decay, scalars.eps, scalars.step_size,
-        scalars.bias_correction2_sqrt,
-    ))
+    lr_wd = _f32(scalars.lr_times_weight_decay)
+    b1, b2 = _f32(scalars.beta1), _f32(scalars.beta2)
+    wd, eps_f = _f32(scalars.weight_decay), _f32(scalars.eps)
+    step_size, bias_correction2_sqrt = _f32(scalars.step_size), _f32(scalars.bias_correction2_sqrt)
     param, grad = tensors[0], tensors[1]
     flats = [_flat(t) for t in tensors]
     if any(f is None for f in flats):  # a strided view: one pass over the whole tensor, copied back

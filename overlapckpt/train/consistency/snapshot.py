@@ -56,7 +56,6 @@ class SnapshotPlan:
     choice: WindowChoice | None  # window="auto": why this window (None: a fixed window)
 
 
-
 class SnapshotMode(str, enum.Enum):
     """How a snapshot reaches one consistent version; the value is what the manifest records."""
 

@@ -64,7 +64,7 @@ class WindowPolicy:
         choice = self._tuned(self.tuner, plans.layout() if layout is None else layout, plans, staging)
         return choice.window_steps, choice
 
-    def propose(self, layout: StateLayout, plans: PlanCache, staging: StagingArea) -> int | None:
+    def propose(self, plans: PlanCache, staging: StagingArea, layout: StateLayout) -> int | None:
         """Distributed ``window="auto"``: this rank's choice for the next checkpoint, for the writers to agree on."""
         if not (self.distributed and self.tuner is not None):
             return None

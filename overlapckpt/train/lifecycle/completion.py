@@ -2,9 +2,10 @@
 
 Nothing here blocks: ``progress`` runs in every hook, hands the snapshots whose copies
 have landed to the dispatcher (``dispatch.py`` builds and tracks their requests), then
-has it read whatever answers arrived. Errors are raised from ``raise_pending`` at the
-end of a hook, once the hook's own work is done; a dead writer is replaced there
-(``writer_client/link.py``) while the restart budget lasts.
+has it read whatever answers arrived. Errors are raised from ``settle`` at the end of a
+hook, once the hook's own work is done; a dead writer is replaced there
+(``writer_client/link.py``) while the restart budget lasts, and what the caller hands
+``settle`` starts on the new one.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class SnapshotCompletion:
             if snap.state == SnapshotState.LANDING and snap.all_enqueued and all(landed):
                 self.s.snapshots.remove(snap)
                 snap.staged_views = []  # its drains landed: nothing of it reads the staging region any more
-                proposal = self.p.windows.propose(snap.layout, self.p.plans, self.p.staging)
+                proposal = self.p.windows.propose(self.p.plans, self.p.staging, snap.layout)
                 stats = self.p.dispatcher.send(snap, proposed_next_window=proposal)
                 if snap.mode == SnapshotMode.STAGE:
                     self.p.staging.forget_landed_drains()
@@ -68,10 +69,9 @@ class SnapshotCompletion:
     def raise_pending(self) -> bool:
         """Raise the writer's error; True when it was a dead writer, now replaced (nothing raised).
 
-        The engine decides what follows a replacement: a request the death interrupted
-        starts at this same step (``engine.py``), unless the hook may start nothing (the
-        update point, a hook's wait for a slot); then the answers are read again and this
-        is called again, until no error is left.
+        What follows a replacement is ``settle``'s: what its caller hands it starts (a request
+        the death interrupted, at this same step), then the answers are read again and this is
+        called again, until no error is left.
         """
         error, self.p.dispatcher.error = self.p.dispatcher.error, None
         if error is None:
@@ -92,9 +92,10 @@ class SnapshotCompletion:
         has logged the step's gradients and fenced its copies already, so a replay snapshot
         started there would miss this step's gradients (a wrong checkpoint listed, found by
         fault seed 50), and any snapshot's first copies would race the update; the post-hook
-        starts it instead. In a hook's wait for a slot: the start that waits goes on once
-        the wait returns, at this same step (issue 17: starting it inside the wait would hold
-        the hook until a checkpoint commits that needs the other ranks' collectives).
+        starts it instead. In a hook's wait for a slot (``wait_for_free_slot``, and a distributed
+        run's ``wait_until_startable``): the start that waits goes on once the wait returns, at
+        this same step (issue 17: starting it inside the distributed wait would hold the hook
+        until a checkpoint commits that needs the other ranks' collectives).
         """
         while self.raise_pending():
             if start_due is not None:

@@ -23,8 +23,8 @@ copier (the ``Copier`` protocol of ``copying/transfer.py``). The units are assem
 ``engine_parts.py``. The engine is the one orchestrator of four collaborators, one concern
 each: starting snapshots (``starting.py``), sending them and reading the writer's answers
 (``completion.py``), the restart rules (``snapshot_restarts.py``) and the blocking calls
-(``blocking.py``). None calls back into another to start a snapshot: completion answers
-whether a dead writer was replaced, and the engine starts what is pending. Snapshot states
+(``blocking.py``). None holds another to start a snapshot: completion answers whether a
+dead writer was replaced, and starts on the new one only what the engine hands it. Snapshot states
 are described in ``consistency/snapshot.py``.
 """
 
@@ -267,7 +267,6 @@ class SnapshotEngine:
         s = self.state
         open_replay = any(snap.mode == SnapshotMode.REPLAY and snap.version is None and snap.reaches_root for snap in s.snapshots)
         return open_replay or self.starts.holds_version(s.step_count, reaching_root=True)
-
 
     def continue_from(self, step: int) -> None:
         """After a restore: the next update makes version ``step + 1``; of the versions, only ``step`` is held (restored)."""

@@ -14,8 +14,9 @@ others it calls:
 
 The calls go one way: a start may wait for a slot through ``SlotWaits`` (a narrow
 protocol ``BlockingCalls`` implements), and the blocking calls read the writer's answers
-through ``SnapshotCompletion``. Completion never starts anything: it answers whether a dead
-writer was replaced, and the engine, the one orchestrator, starts what is pending. The
+through ``SnapshotCompletion``. Completion holds no reference to the starts: it answers
+whether a dead writer was replaced, and starts on the new writer only what its caller hands
+it at that call (the engine: the pending requests; ``wait()``: what is due; else nothing). The
 state they all change is ``EngineState``: nothing shared lives anywhere else.
 """
 

@@ -181,7 +181,10 @@ class SnapshotStarts:
         if not must_drain and (len(self.p.slots.slots) < self.p.slots.max_inflight or any(not s.busy for s in self.p.slots.slots)):
             return
         started = time.perf_counter()
-        self.waits.drain(timeout_s=None)
+        # start_due=None: nothing starts inside this wait, not even on a replaced writer. The start that
+        # waits goes on once it returns, at this same step; starting it inside the wait would hold this
+        # hook until a checkpoint commits that needs the other ranks' collectives (issue 17).
+        self.waits.drain(timeout_s=None, start_due=None)
         self.s.slot_wait_s += time.perf_counter() - started  # in the next snapshot's stats
 
     def _start_snapshot(
