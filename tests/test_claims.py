@@ -4,6 +4,8 @@ size, and decided checkpoints leave no keys."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch.distributed as dist
 
@@ -16,10 +18,10 @@ KEY = new_store_key()
 
 
 class CountingStore:
-    """A real HashStore; each request to it is counted."""
+    """A real HashStore (``inner``: one several counting views share); each request through this view is counted."""
 
-    def __init__(self) -> None:
-        self.inner = dist.HashStore()
+    def __init__(self, inner: dist.Store | None = None) -> None:
+        self.inner = dist.HashStore() if inner is None else inner
         self.requests = 0
 
     def __getattr__(self, name):
@@ -109,7 +111,7 @@ def test_decided_checkpoints_leave_no_keys():
     assert boards[0].agree(CLAIM) == 0
     boards[0].forget(0)
     boards[1].forget(0)
-    assert not store.check(["claim/0/0"]) and not store.check(["claim/0/1"]) and not store.check(["posted/0"])
+    assert not any(store.check([key]) for key in ("claim/0/0", "claim/0/1", "posted/0", "verdict/0"))
 
 
 def test_a_claim_forged_outside_the_runs_prefix_has_no_effect():
@@ -166,3 +168,73 @@ def test_a_claim_with_tiers_of_the_wrong_type_is_malformed():
     board = ClaimBoard(sealed(store), rank=0, world_size=2, agreement_timeout_s=5)
     with pytest.raises(RankDisagreementError, match=r"rank 1's claim is malformed"):
         board.agree({**CLAIM, "tiers": "local,root"})
+
+
+def _agree_on_every_rank(world_size: int, claims: dict[int, dict], timeout_s: float = 10.0) -> tuple[list[int], list[object]]:
+    """Every rank's writer agrees at once, one thread each, over one store: each rank's store requests and its outcome."""
+    shared = dist.HashStore()
+    views = [CountingStore(shared) for _ in range(world_size)]
+    boards = [ClaimBoard(sealed(views[r]), rank=r, world_size=world_size, agreement_timeout_s=timeout_s) for r in range(world_size)]
+    outcomes: list[object] = [None] * world_size
+
+    def agree(rank: int) -> None:
+        try:
+            outcomes[rank] = boards[rank].agree(claims.get(rank, CLAIM))
+        except RankDisagreementError as e:
+            outcomes[rank] = e
+
+    threads = [threading.Thread(target=agree, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    return [v.requests for v in views], outcomes
+
+
+def test_a_checkpoint_costs_each_rank_the_same_requests_whatever_the_world_size_and_the_coordinator_one_per_rank():
+    """Before, every rank read every rank's claim (a check and a get each): 2N requests per rank, 2N^2 at the
+    store's server (benchmarks/results/scale/run1.txt: 593 at 16 ranks). Now only the coordinator reads them."""
+    requests = {}
+    for world_size in (2, 8):
+        per_rank, outcomes = _agree_on_every_rank(world_size, {})
+        assert outcomes == [0] * world_size  # agreed everywhere, as checkpoint #0
+        requests[world_size] = per_rank
+    others = {n: set(per_rank[1:]) for n, per_rank in requests.items()}
+    assert others[2] == others[8] and len(others[8]) == 1  # the same constant on every other rank, at 2 and at 8
+    assert requests[8][0] - requests[2][0] == 8 - 2  # the coordinator: one get per rank's claim more
+    assert sum(requests[8]) < 8 * 8  # O(N) at the server
+
+
+def test_every_rank_raises_the_coordinators_refusal_when_one_rank_claims_another_checkpoint():
+    other_checkpoint = {"name": "step-000000004", "version": 4, "requested": 4}
+    _, outcomes = _agree_on_every_rank(4, {2: other_checkpoint})
+    assert all(isinstance(o, RankDisagreementError) for o in outcomes)
+    assert len({str(o) for o in outcomes}) == 1  # the coordinator's verdict, word for word, on every rank
+    assert "the ranks disagree" in str(outcomes[0]) and "rank 2 requested it after step 4 (version 4)" in str(outcomes[0])
+
+
+def test_a_forged_verdict_is_a_named_refusal():
+    store = dist.HashStore()
+    store.set("verdict/0", '{"refused": null}')  # "agreed", but not sealed by this run's writers
+    board = ClaimBoard(sealed(store), rank=1, world_size=2, agreement_timeout_s=5)
+    with pytest.raises(RankDisagreementError, match=r"checkpoint #0: the verdict in the store is forged .*not written by overlapckpt"):
+        board.agree(CLAIM)
+
+
+def test_a_rank_whose_coordinator_never_claims_names_it_after_the_timeout():
+    store = dist.HashStore()
+    board = ClaimBoard(sealed(store), rank=1, world_size=2, agreement_timeout_s=0.2)
+    with pytest.raises(RankDisagreementError, match=r"checkpoint #0: ranks \[0\] requested no checkpoint .*rank 1 requested it after step 3"):
+        board.agree(CLAIM)
+
+
+def test_an_idle_coordinator_posts_the_verdict_so_the_others_fail_at_once():
+    store = dist.HashStore()
+    idle = ClaimBoard(sealed(store), rank=0, world_size=2, agreement_timeout_s=0.0)
+    sealed(store).set("claim/0/1", OTHER_CLAIM)
+    sealed(store).set("posted/0", "1")
+    assert isinstance(idle.missing_claim(), RankDisagreementError)
+    other = ClaimBoard(sealed(store), rank=1, world_size=2, agreement_timeout_s=3600)  # would wait an hour for a verdict
+    with pytest.raises(RankDisagreementError, match=r"the ranks disagree: rank 0 requested none, rank 1 requested it after step 3"):
+        other.agree(CLAIM)

@@ -2,12 +2,15 @@
 
 Per checkpoint (a sequence number, the same count on every rank), each writer posts
 its claim (name, version, requested step) under ``claim/<seq>/<rank>`` and marks
-``posted/<seq>``; it then waits for every rank's claim, up to the agreement timeout.
-An idle writer checks only ``posted/<seq>`` (one request per poll, whatever the world
-size), and reads the claims themselves only once that marker has stood for the
-agreement timeout: O(N) store requests per checkpoint, not per poll. Each rank deletes
-its own claim key once the checkpoint is decided (rank 0 the marker too), so keys do
-not pile up.
+``posted/<seq>``. The coordinating writer (rank 0) waits for every rank's claim, up to the
+agreement timeout, compares them and posts one verdict under ``verdict/<seq>``: agreed, or
+the refusal every rank raises. Every other writer waits for that verdict alone. So a rank
+makes O(1) store requests per checkpoint and the coordinator O(N): O(N) at the store's
+server, where every rank reading every claim made it O(N^2) (``benchmarks/scale.py``,
+``docs/scale.md``). An idle writer checks only ``posted/<seq>`` (one request per poll,
+whatever the world size), and reads the claims themselves only once that marker has stood
+for the agreement timeout. Each rank deletes its own claim key once the checkpoint is
+decided (rank 0 the marker and the verdict too), so keys do not pile up.
 
 Every value is sealed (``sealed_store.py``): a claim this run's writers did not write,
 or one that is not a JSON object of the expected fields, is a named refusal,
@@ -34,6 +37,8 @@ log = logging.getLogger("overlapckpt")
 
 _CLAIM_KEY = "claim/{sequence}/{rank}"
 _POSTED_KEY = "posted/{sequence}"
+_VERDICT_KEY = "verdict/{sequence}"
+COORDINATOR_RANK = 0  # the writer that compares the claims and posts the verdict
 _CLAIM_FIELDS = {"name": str, "version": int, "requested": int}
 # With a local tier: the tiers it goes to ("local,root"), so ranks that would write different tiers disagree here
 # instead of entering different collectives.
@@ -114,11 +119,12 @@ class ClaimBoard:
         self.store.set(self._key(sequence, self.rank), json.dumps(claim, sort_keys=True))
         self.store.set(_POSTED_KEY.format(sequence=sequence), str(self.rank))  # after the claim it announces
 
-    def _claims(self, sequence: int) -> dict[int, dict[str, Any]]:
+    def _claims(self, sequence: int, all_posted: bool = False) -> dict[int, dict[str, Any]]:
+        """The claims posted for ``sequence``, by rank (``all_posted``: every key is known to exist, so no check first)."""
         out = {}
         for r in range(self.world_size):
             key = self._key(sequence, r)
-            if self.store.check([key]):
+            if all_posted or self.store.check([key]):
                 text = self.store.get(key)
                 if text is None:
                     out[r] = {"forged": self.store.get_raw(key)[:_MAX_SHOWN_BYTES].decode("utf-8", "replace")}
@@ -132,34 +138,72 @@ class ClaimBoard:
         self.sequence += 1
         self._unmatched_since = None
         self._post(sequence, claim)
-        keys = [self._key(sequence, r) for r in range(self.world_size)]
-        try:
-            self._wait(keys, sequence)
-        except WritersRegroupedError:
-            raise
-        except Exception as e:  # the store's timeout error type differs between torch releases
-            claims = self._claims(sequence)
-            missing = [r for r in range(self.world_size) if r not in claims]
-            raise RankDisagreementError(
-                f"checkpoint #{sequence}: ranks {missing} requested no checkpoint (or their writer died) within "
-                f"agreement_timeout_s={self.agreement_timeout_s} of {describe(claims)}; nothing was committed. "
-                "Every rank must request the same checkpoints (request() after the same step, or the same every=)"
-            ) from e
-        claims = self._claims(sequence)
-        mine = parse_claim(json.dumps(claim, sort_keys=True))
-        if any(c != mine for c in claims.values()):
-            raise RankDisagreementError(
-                f"checkpoint #{sequence}: the ranks disagree: {describe(claims)}; nothing was committed. Every rank "
-                "must request the same checkpoints (request() after the same step, or the same every=)"
-            )
+        if self.rank == COORDINATOR_RANK:
+            refusal = self._decide(sequence, claim)
+            self._post_verdict(sequence, refusal)
+        else:
+            refusal = self._verdict(sequence)
+        if refusal is not None:
+            raise RankDisagreementError(refusal)
         return sequence
 
-    def _wait(self, keys: list[str], sequence: int) -> None:
-        """Every rank's claim, or the store's timeout error; WritersRegroupedError if a writer was replaced meanwhile."""
+    def _decide(self, sequence: int, claim: dict[str, Any]) -> str | None:
+        """The coordinator's verdict on every rank's claim: None when all match its own, else the refusal's text."""
+        try:
+            self._wait([self._key(sequence, r) for r in range(self.world_size)], sequence, self.agreement_timeout_s)
+        except WritersRegroupedError:
+            raise
+        except Exception:  # the store's timeout error type differs between torch releases
+            return self._missing_claims(sequence, self._claims(sequence))
+        claims = self._claims(sequence, all_posted=True)
+        mine = parse_claim(json.dumps(claim, sort_keys=True))
+        return _disagreement(sequence, claims) if any(c != mine for c in claims.values()) else None
+
+    def _post_verdict(self, sequence: int, refusal: str | None) -> None:
+        self.store.set(_VERDICT_KEY.format(sequence=sequence), json.dumps({"refused": refusal}))
+
+    def _verdict(self, sequence: int) -> str | None:
+        """The coordinator's verdict: None (agreed) or the refusal's text.
+
+        Waited for up to twice the agreement timeout: the coordinator may reach this checkpoint
+        up to one timeout after this rank, and then wait one timeout for the last claim.
+        """
+        key = _VERDICT_KEY.format(sequence=sequence)
+        try:
+            self._wait([key], sequence, 2 * self.agreement_timeout_s)
+        except WritersRegroupedError:
+            raise
+        except Exception as e:  # the coordinator's writer died or never came: say what the claims show
+            raise RankDisagreementError(self._missing_claims(sequence, self._claims(sequence), verdict_missing=True)) from e
+        text = self.store.get(key)
+        if text is None:
+            raise RankDisagreementError(
+                f"checkpoint #{sequence}: the verdict in the store is forged (not sealed by this run's writers, so written "
+                "by another client of the store, not written by overlapckpt); nothing was committed"
+            )
+        verdict = json.loads(text)  # sealed by this run's coordinating writer
+        refusal = verdict.get("refused") if isinstance(verdict, dict) else None
+        return refusal if isinstance(refusal, str) else None
+
+    def _missing_claims(self, sequence: int, claims: dict[int, dict[str, Any]], verdict_missing: bool = False) -> str:
+        missing = [r for r in range(self.world_size) if r not in claims]
+        if not missing and verdict_missing:
+            return (
+                f"checkpoint #{sequence}: the coordinating writer (rank {COORDINATOR_RANK}) posted no verdict within "
+                f"2 x agreement_timeout_s={self.agreement_timeout_s} of {describe(claims)} (its writer died?); nothing was committed"
+            )
+        return (
+            f"checkpoint #{sequence}: ranks {missing} requested no checkpoint (or their writer died) within "
+            f"agreement_timeout_s={self.agreement_timeout_s} of {describe(claims)}; nothing was committed. "
+            "Every rank must request the same checkpoints (request() after the same step, or the same every=)"
+        )
+
+    def _wait(self, keys: list[str], sequence: int, timeout_s: float) -> None:
+        """Every key posted, or the store's timeout error; WritersRegroupedError if a writer was replaced meanwhile."""
         if self.moved is None:
-            self.store.wait(keys, timedelta(seconds=self.agreement_timeout_s))
+            self.store.wait(keys, timedelta(seconds=timeout_s))
             return
-        deadline = time.monotonic() + self.agreement_timeout_s
+        deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
             try:
@@ -177,8 +221,9 @@ class ClaimBoard:
     def forget(self, sequence: int) -> None:
         """The checkpoint is decided on every rank: remove this rank's keys for it."""
         self.store.delete_key(self._key(sequence, self.rank))
-        if self.rank == 0:
+        if self.rank == COORDINATOR_RANK:
             self.store.delete_key(_POSTED_KEY.format(sequence=sequence))
+            self.store.delete_key(_VERDICT_KEY.format(sequence=sequence))
 
     def missing_claim(self) -> RankDisagreementError | None:
         """For an idle writer: a checkpoint another rank claimed that this rank has not, past the timeout."""
@@ -203,6 +248,8 @@ class ClaimBoard:
             self._unmatched_since = None  # looked at again one timeout later, never per poll
             return None
         self._post(sequence, {"requested": None})  # the others fail at once
+        if self.rank == COORDINATOR_RANK:  # the others wait for its verdict, not for the claims
+            self._post_verdict(sequence, _disagreement(sequence, self._claims(sequence)))
         self.sequence += 1
         self._unmatched_since = None
         return RankDisagreementError(
@@ -210,3 +257,10 @@ class ClaimBoard:
             f"agreement_timeout_s={self.agreement_timeout_s}; nothing was committed. Every rank must request "
             "the same checkpoints"
         )
+
+
+def _disagreement(sequence: int, claims: dict[int, dict[str, Any]]) -> str:
+    return (
+        f"checkpoint #{sequence}: the ranks disagree: {describe(claims)}; nothing was committed. Every rank "
+        "must request the same checkpoints (request() after the same step, or the same every=)"
+    )

@@ -11,10 +11,12 @@ Per checkpoint, in this order:
 
 1. **Agree** (through the store, not a collective, so a rank that never asked for
    the checkpoint cannot hang the others): each writer posts its claim (checkpoint
-   number, version, requested step) under the checkpoint's sequence number and
-   waits, up to ``agreement_timeout_s``, for every other rank's claim. Differing
-   claims, or a rank that posts none in time, raise ``RankDisagreementError`` on
-   every rank, naming each rank's steps; nothing is written.
+   number, version, requested step) under the checkpoint's sequence number; the
+   coordinator (rank 0) waits, up to ``agreement_timeout_s``, for every rank's claim
+   and posts one verdict, which every other writer waits for (O(1) store requests per
+   rank, O(N) at the store). Differing claims, or a rank that posts none in time,
+   raise ``RankDisagreementError`` on every rank, naming each rank's steps; nothing
+   is written.
    An idle writer notices another rank's claim it has not matched
    (``missing_claim``) and, after the same timeout, posts a refusal and reports it.
    The claim protocol is in ``claims.py``.
