@@ -108,7 +108,7 @@ def test_decided_checkpoints_leave_no_keys():
     boards = [ClaimBoard(sealed(store), rank=r, world_size=2, agreement_timeout_s=5) for r in range(2)]
     sealed(store).set("claim/0/1", OTHER_CLAIM)
     sealed(store).set("posted/0", "1")
-    assert boards[0].agree(CLAIM) == 0
+    assert boards[0].agree(CLAIM).sequence == 0
     boards[0].forget(0)
     boards[1].forget(0)
     assert not any(store.check([key]) for key in ("claim/0/0", "claim/0/1", "posted/0", "verdict/0"))
@@ -126,7 +126,7 @@ def test_a_claim_forged_outside_the_runs_prefix_has_no_effect():
         sealed(elsewhere).set("posted/0", "1")
     assert boards[1].missing_claim() is None  # the idle writer sees no claim of this run
     sealed(run).set("claim/0/1", OTHER_CLAIM)
-    assert boards[0].agree(CLAIM) == 0  # the run's own claims agree; the forged ones are not seen
+    assert boards[0].agree(CLAIM).sequence == 0  # the run's own claims agree; the forged ones are not seen
 
 
 @pytest.mark.parametrize("replaced_when_dead", [True, False])
@@ -179,7 +179,7 @@ def _agree_on_every_rank(world_size: int, claims: dict[int, dict], timeout_s: fl
 
     def agree(rank: int) -> None:
         try:
-            outcomes[rank] = boards[rank].agree(claims.get(rank, CLAIM))
+            outcomes[rank] = boards[rank].agree(claims.get(rank, CLAIM)).sequence
         except RankDisagreementError as e:
             outcomes[rank] = e
 

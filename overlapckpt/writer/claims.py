@@ -4,9 +4,11 @@ Per checkpoint (a sequence number, the same count on every rank), each writer po
 its claim (name, version, requested step) under ``claim/<seq>/<rank>`` and marks
 ``posted/<seq>``. The coordinating writer (rank 0) waits for every rank's claim, up to the
 agreement timeout, compares them and posts one verdict under ``verdict/<seq>``: agreed, or
-the refusal every rank raises. Every other writer waits for that verdict alone. So a rank
-makes O(1) store requests per checkpoint and the coordinator O(N): O(N) at the store's
-server, where every rank reading every claim made it O(N^2) (``benchmarks/scale.py``,
+the refusal every rank raises. Every other writer waits for that verdict alone. A claim
+also carries this rank's own shapes digest, left out of the comparison; the verdict says
+whether every rank may reuse its union of the ranks' shape tables (``shape_union.py``).
+So a rank makes O(1) store requests per checkpoint and the coordinator O(N): O(N) at the
+store's server, where every rank reading every claim made it O(N^2) (``benchmarks/scale.py``,
 ``docs/scale.md``). An idle writer checks only ``posted/<seq>`` (one request per poll,
 whatever the world size), and reads the claims themselves only once that marker has stood
 for the agreement timeout. Each rank deletes its own claim key once the checkpoint is
@@ -28,10 +30,12 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 
 from ..errors import RankDisagreementError, WritersRegroupedError
+from .shape_union import union_reusable
 
 log = logging.getLogger("overlapckpt")
 
@@ -43,9 +47,21 @@ _CLAIM_FIELDS = {"name": str, "version": int, "requested": int}
 # With a local tier: the tiers it goes to ("local,root"), so ranks that would write different tiers disagree here
 # instead of entering different collectives.
 _OPTIONAL_CLAIM_FIELDS = {"tiers": str}
+# This rank's own fact, not part of what the ranks must agree on: its shape table's digest and the
+# gather its cached union came from (shape_union.py). The coordinator's verdict says whether every
+# rank may reuse its union.
+_SHAPES_FIELD = "shapes"
 _MAX_SHOWN_BYTES = 120
 # While waiting for the other ranks' claims, look this often whether a writer was replaced.
 _MOVED_POLL_S = 0.25
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What the ranks agreed on a checkpoint: its sequence number, and whether every rank may reuse its shape union."""
+
+    sequence: int
+    shapes_unchanged: bool = False
 
 
 class KeyValueStore(Protocol):
@@ -72,7 +88,7 @@ def parse_claim(text: str) -> dict[str, Any]:
         return {"malformed": text[:_MAX_SHOWN_BYTES]}
     if claim == {"requested": None}:
         return claim  # a refusal: that rank requested no checkpoint in time
-    fields = {**_CLAIM_FIELDS, **_OPTIONAL_CLAIM_FIELDS}
+    fields = {**_CLAIM_FIELDS, **_OPTIONAL_CLAIM_FIELDS, _SHAPES_FIELD: str}
     if not isinstance(claim, dict) or not set(_CLAIM_FIELDS) <= set(claim) <= set(fields) or any(
         not isinstance(claim[k], fields[k]) or isinstance(claim[k], bool) for k in claim
     ):
@@ -132,41 +148,44 @@ class ClaimBoard:
                     out[r] = parse_claim(text)
         return out
 
-    def agree(self, claim: dict[str, Any]) -> int:
-        """Post this rank's claim for the next checkpoint; its sequence number, or RankDisagreementError."""
+    def agree(self, claim: dict[str, Any]) -> Agreement:
+        """Post this rank's claim for the next checkpoint; what was agreed, or RankDisagreementError."""
         sequence = self.sequence
         self.sequence += 1
         self._unmatched_since = None
         self._post(sequence, claim)
         if self.rank == COORDINATOR_RANK:
-            refusal = self._decide(sequence, claim)
-            self._post_verdict(sequence, refusal)
+            verdict = self._decide(sequence, claim)
+            self._post_verdict(sequence, verdict)
         else:
-            refusal = self._verdict(sequence)
-        if refusal is not None:
-            raise RankDisagreementError(refusal)
-        return sequence
+            verdict = self._verdict(sequence)
+        if verdict.refusal is not None:
+            raise RankDisagreementError(verdict.refusal)
+        return Agreement(sequence, verdict.shapes_unchanged)
 
-    def _decide(self, sequence: int, claim: dict[str, Any]) -> str | None:
-        """The coordinator's verdict on every rank's claim: None when all match its own, else the refusal's text."""
+    def _decide(self, sequence: int, claim: dict[str, Any]) -> _Verdict:
+        """The coordinator's verdict on every rank's claim: agreed when all match its own, else the refusal's text."""
         try:
             self._wait([self._key(sequence, r) for r in range(self.world_size)], sequence, self.agreement_timeout_s)
         except WritersRegroupedError:
             raise
         except Exception:  # the store's timeout error type differs between torch releases
-            return self._missing_claims(sequence, self._claims(sequence))
+            return _Verdict(self._missing_claims(sequence, self._claims(sequence)))
         claims = self._claims(sequence, all_posted=True)
-        mine = parse_claim(json.dumps(claim, sort_keys=True))
-        return _disagreement(sequence, claims) if any(c != mine for c in claims.values()) else None
+        mine = _agreed_part(parse_claim(json.dumps(claim, sort_keys=True)))
+        if any(_agreed_part(c) != mine for c in claims.values()):
+            return _Verdict(_disagreement(sequence, claims))
+        return _Verdict(None, union_reusable([str(claims[r].get(_SHAPES_FIELD, "")) for r in range(self.world_size)]))
 
-    def _post_verdict(self, sequence: int, refusal: str | None) -> None:
-        self.store.set(_VERDICT_KEY.format(sequence=sequence), json.dumps({"refused": refusal}))
+    def _post_verdict(self, sequence: int, verdict: _Verdict) -> None:
+        text = json.dumps({"refused": verdict.refusal, "shapes_unchanged": verdict.shapes_unchanged})
+        self.store.set(_VERDICT_KEY.format(sequence=sequence), text)
 
-    def _verdict(self, sequence: int) -> str | None:
-        """The coordinator's verdict: None (agreed) or the refusal's text.
+    def _verdict(self, sequence: int) -> _Verdict:
+        """The coordinator's verdict, waited for up to twice the agreement timeout.
 
-        Waited for up to twice the agreement timeout: the coordinator may reach this checkpoint
-        up to one timeout after this rank, and then wait one timeout for the last claim.
+        The coordinator may reach this checkpoint up to one timeout after this rank, and
+        then wait one timeout for the last claim.
         """
         key = _VERDICT_KEY.format(sequence=sequence)
         try:
@@ -182,8 +201,10 @@ class ClaimBoard:
                 "by another client of the store, not written by overlapckpt); nothing was committed"
             )
         verdict = json.loads(text)  # sealed by this run's coordinating writer
-        refusal = verdict.get("refused") if isinstance(verdict, dict) else None
-        return refusal if isinstance(refusal, str) else None
+        if not isinstance(verdict, dict):
+            return _Verdict(None)
+        refusal = verdict.get("refused")
+        return _Verdict(refusal if isinstance(refusal, str) else None, verdict.get("shapes_unchanged") is True)
 
     def _missing_claims(self, sequence: int, claims: dict[int, dict[str, Any]], verdict_missing: bool = False) -> str:
         missing = [r for r in range(self.world_size) if r not in claims]
@@ -249,7 +270,7 @@ class ClaimBoard:
             return None
         self._post(sequence, {"requested": None})  # the others fail at once
         if self.rank == COORDINATOR_RANK:  # the others wait for its verdict, not for the claims
-            self._post_verdict(sequence, _disagreement(sequence, self._claims(sequence)))
+            self._post_verdict(sequence, _Verdict(_disagreement(sequence, self._claims(sequence))))
         self.sequence += 1
         self._unmatched_since = None
         return RankDisagreementError(
@@ -264,3 +285,14 @@ def _disagreement(sequence: int, claims: dict[int, dict[str, Any]]) -> str:
         f"checkpoint #{sequence}: the ranks disagree: {describe(claims)}; nothing was committed. Every rank "
         "must request the same checkpoints (request() after the same step, or the same every=)"
     )
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    refusal: str | None  # None: the ranks agreed
+    shapes_unchanged: bool = False  # every rank may reuse its shape union (shape_union.py)
+
+
+def _agreed_part(claim: dict[str, Any]) -> dict[str, Any]:
+    """What every rank must claim alike: the claim less this rank's own shapes digest."""
+    return {k: v for k, v in claim.items() if k != _SHAPES_FIELD}

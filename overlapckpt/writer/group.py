@@ -20,11 +20,14 @@ Per checkpoint, in this order:
    An idle writer notices another rank's claim it has not matched
    (``missing_claim``) and, after the same timeout, posts a refusal and reports it.
    The claim protocol is in ``claims.py``.
-2. **Gather** each rank's manifest section (ledger, item checksums, stateful
+2. **Learn every rank's tensors** (pipeline stages hold different ones): an
+   all-gather of each rank's shape table, only when the verdict says some rank's
+   table, or its cached union, changed since (``shape_union.py``): once per plan.
+3. **Gather** each rank's manifest section (ledger, item checksums, stateful
    objects, RNG) on the coordinator (rank 0).
-3. **Save** through DCP with the group: DCP builds the global ``.metadata``, and the
+4. **Save** through DCP with the group: DCP builds the global ``.metadata``, and the
    coordinator writes the one manifest, then ``.metadata`` (the global commit).
-4. **Window**: for ``window="auto"``, every rank proposes a window for the next
+5. **Window**: for ``window="auto"``, every rank proposes a window for the next
    checkpoint from its own measurements; the widest proposal is handed to every
    engine, so all ranks use the same one.
 """
@@ -39,12 +42,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..errors import CheckpointWriteError, RankDisagreementError
+from ..errors import RankDisagreementError
 from ..format.manifest_records import RankSection
 from ..format.shards import forget_cached_plans
 from ..protocol import REGROUP_WAIT_S, WriterGroupSpec
-from .claims import ClaimBoard
+from .claims import Agreement, ClaimBoard
 from .sealed_store import SealedStore
+from .shape_union import ShapeUnionCache
 
 log = logging.getLogger("overlapckpt")
 
@@ -115,6 +119,7 @@ class WriterGroup:
 
     def _join(self) -> None:
         self.claims = self._claim_board()
+        self.shapes = ShapeUnionCache()  # a new group gathers its union again
         # The first generation's writers start together; a later one's join while others
         # are still failing out of the old group (WriterGroupSpec.regroup_join_timeout_s).
         # Gloo's rendezvous waits on the store under the store's timeout, and connects under the group's.
@@ -208,7 +213,7 @@ class WriterGroup:
     def is_coordinator(self) -> bool:
         return self.rank == 0
 
-    def agree(self, claim: dict[str, Any]) -> int:
+    def agree(self, claim: dict[str, Any]) -> Agreement:
         """Every rank claims the same checkpoint, or RankDisagreementError on every rank (``claims.py``)."""
         return self.claims.agree(claim)
 
@@ -225,19 +230,18 @@ class WriterGroup:
         dist.gather_object(section, out, dst=0, group=self.group)
         return out
 
-    def union_of_shapes(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-        """Every rank's tensors by global shape, on every rank (pipeline stages hold different ones)."""
+    def shapes_claim(self, local: dict[str, tuple[int, ...]]) -> str:
+        """What this rank's claim says of its tensors (``shape_union.py``)."""
+        return self.shapes.claim_field(local)
+
+    def union_of_shapes(self, local: dict[str, tuple[int, ...]], reusable: bool) -> dict[str, tuple[int, ...]]:
+        """Every rank's tensors by global shape, on every rank: gathered (a collective) unless the verdict says ``reusable``."""
+        return self.shapes.union(local, reusable, self._gather_tables)
+
+    def _gather_tables(self, local: dict[str, tuple[int, ...]]) -> list[dict[str, tuple[int, ...]]]:
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, shapes, group=self.group)
-        union: dict[str, tuple[int, ...]] = {}
-        for rank, theirs in enumerate(gathered):
-            for key, shape in theirs.items():
-                if union.setdefault(key, tuple(shape)) != tuple(shape):
-                    raise CheckpointWriteError(
-                        f"tensor {key!r} has global shape {union[key]} on one rank and {tuple(shape)} on rank {rank}; every "
-                        "rank must checkpoint the same model"
-                    )
-        return union
+        dist.all_gather_object(gathered, local, group=self.group)
+        return gathered
 
     def share_from_coordinator(self, value: Any) -> Any:
         """The coordinator's ``value`` on every rank (a collective)."""

@@ -104,9 +104,10 @@ def _agree_on_checkpoint(
     claim = {"name": req.name, "version": req.step, "requested": req.requested_step}
     if req.tiers != (ROOT_TIER,):  # ranks that would write different tiers would enter different collectives
         claim["tiers"] = ",".join(req.tiers)
-    sequence = group.agree(claim)
+    claim["shapes"] = group.shapes_claim(global_shapes)  # this rank's own: not compared (claims.py)
+    agreement = group.agree(claim)
     # The manifest and the coverage check need every rank's tensors: pipeline stages hold different ones.
-    return sequence, group.union_of_shapes(global_shapes)
+    return agreement.sequence, group.union_of_shapes(global_shapes, reusable=agreement.shapes_unchanged)
 
 
 def _replayed_views(
