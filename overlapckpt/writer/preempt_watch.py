@@ -44,12 +44,13 @@ from ..control_page import AGREED, AGREED_SIGNAL, FORGED, HOLD, NO_AGREEMENT, SI
 from ..protocol import WriterGroupSpec
 from .group import run_keys_prefix
 from .sealed_store import SealedStore
+from .store_polling import PREEMPTION_POLL_S, PREEMPTION_REQUESTS_PER_POLL, poll_interval_s
 
 logger = logging.getLogger("overlapckpt")
 
-# How often the thread looks at its page and at the store: a store check is one round
-# trip, a page read a memory access; 10 ms is far below any grace period.
-POLL_S = 0.01
+# How often the thread looks at its page (a memory access); the store, one round trip, as
+# often up to the world size its server can take, then less often (store_polling.py).
+POLL_S = PREEMPTION_POLL_S
 # The agreed step is this many boundaries past the largest step posted (see step 3).
 AGREEMENT_MARGIN_STEPS = 2
 # After a store error while no signal has come: wait this long, then connect again.
@@ -82,6 +83,8 @@ class PreemptionWatch:
 
     def _run(self) -> None:
         posted = False
+        store_poll_s = poll_interval_s(self.world_size, PREEMPTION_POLL_S, PREEMPTION_REQUESTS_PER_POLL)
+        next_store_poll = 0.0
         try:
             while True:
                 local = self.page.read(SIGNAL)
@@ -89,7 +92,10 @@ class PreemptionWatch:
                     if local and not posted:
                         self.store.set("signal", str(local))  # several ranks may post: any one is the preemption
                         posted = True
-                    signum = local or self._posted_signal()
+                    signum = local
+                    if not signum and time.monotonic() >= next_store_poll:
+                        next_store_poll = time.monotonic() + store_poll_s
+                        signum = self._posted_signal()
                 except Exception as e:  # noqa: BLE001 - a store error: not a preemption
                     if local:
                         raise  # signalled and the store cannot be reached: give up below, as step 4 says

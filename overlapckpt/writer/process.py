@@ -38,9 +38,8 @@ from .persist_context import PersistContext
 from .preempt_watch import PreemptionWatch
 from .replay import warm_up
 from .replicas import fetch_into_tier
+from .store_polling import IDLE_POLL_S, IDLE_REQUESTS_PER_POLL, poll_interval_s
 
-# How often an idle writer of a distributed run looks for checkpoints other ranks claimed.
-_IDLE_CHECK_S = 0.5
 # What a store request raises when the store cannot be reached (DistNetworkError, DistStoreError,
 # and before torch 2.3 a bare RuntimeError), or a sealed counter was forged.
 _STORE_ERRORS = (RuntimeError, OSError, ForgedStoreValueError)
@@ -265,8 +264,11 @@ def idle_poll(conn: Connection, group: WriterGroup) -> None:
 def _serve_requests(conn: Connection, fd_sock: socket.socket, state: _WriterState) -> None:
     while True:
         try:
-            if state.group is not None and not conn.poll(_IDLE_CHECK_S):
-                idle_poll(conn, state.group)
+            # An idle writer of a distributed run looks for a new generation and other ranks' claims this
+            # often: every half second, less often past the world size the store's server can take.
+            group = state.group
+            if group is not None and not conn.poll(poll_interval_s(group.world_size, IDLE_POLL_S, IDLE_REQUESTS_PER_POLL)):
+                idle_poll(conn, group)
                 continue
             req = _recv(conn)
         except (EOFError, ConnectionResetError):  # the training process is gone: nothing left to serve
