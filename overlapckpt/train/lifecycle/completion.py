@@ -66,7 +66,7 @@ class SnapshotCompletion:
                     self.p.staging.forget_landed_drains()
                 self.p.windows.observe_copies(stats.copied_nbytes, stats.copy_s)
 
-    def raise_pending(self) -> bool:
+    def _raise_pending(self) -> bool:
         """Raise the writer's error; True when it was a dead writer, now replaced (nothing raised).
 
         What follows a replacement is ``settle``'s: what its caller hands it starts (a request
@@ -97,7 +97,7 @@ class SnapshotCompletion:
         this same step (issue 17: starting it inside the distributed wait would hold the hook
         until a checkpoint commits that needs the other ranks' collectives).
         """
-        while self.raise_pending():
+        while self._raise_pending():
             if start_due is not None:
                 start_due()
             self.progress()
