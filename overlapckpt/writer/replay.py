@@ -54,47 +54,41 @@ def replay_to_version(
     entries: list[TensorEntry], tensors: list[torch.Tensor], log: ReplayLog, tables: ReplayTables, grad_buffer: torch.Tensor
 ) -> None:
     """Apply the logged steps to each group's tensors in place."""
-    optimizer_cls = _import(log.optimizer_class)
-    check_arithmetic_names(log.arithmetic_names())
-    targets = _collect_targets(entries, tensors)
+    arithmetic_names = log.arithmetic_names()
+    check_arithmetic_names(arithmetic_names)
+    replay = _Replay(
+        optimizer_cls=_import(log.optimizer_class), params={}, state={},
+        arithmetic_names=arithmetic_names, powers=BetaPowerTables(log.beta_powers),
+    )
+    for e, t in zip(entries, tensors):  # the slot's parameters and optimizer state, by the FQN their entries name
+        if e.role == ROLE_PARAM and e.param_fqn is not None:
+            replay.params[e.param_fqn] = t
+        elif e.role == ROLE_OPTIM and e.param_fqn is not None:
+            replay.state.setdefault(e.param_fqn, {})[e.path[-1]] = t
     for group_index, version in enumerate(log.group_versions):
         if version is None:
             continue
         steps = [s for s in log.steps if s.step > version and group_index in s.groups]
         fqns = [fqn for fqn, j in tables.copy_group_of.items() if j == group_index]
         if steps and fqns:
-            _replay_group(optimizer_cls, log, tables, fqns, targets, steps, grad_buffer)
+            _replay_group(replay, log, tables, fqns, steps, grad_buffer)
 
 
 @dataclass(frozen=True)
-class _ReplayTargets:
-    """The snapshot's host tensors that replay steps in place (in the shared slot), by parameter FQN."""
+class _Replay:
+    """What every copy group's replay uses, made once per snapshot: the decoded power tables keep their cache."""
 
-    params: dict[str, torch.Tensor]
+    optimizer_cls: type
+    params: dict[str, torch.Tensor]  # the slot's host tensors, stepped in place, by parameter FQN
     state: dict[str, dict[str, torch.Tensor]]  # each parameter's optimizer state, by state name (exp_avg, step, ...)
-
-
-def _collect_targets(entries: list[TensorEntry], tensors: list[torch.Tensor]) -> _ReplayTargets:
-    """The slot's parameters and optimizer state among ``tensors``, by the FQN their entries name."""
-    targets = _ReplayTargets(params={}, state={})
-    for e, t in zip(entries, tensors):
-        if e.role == ROLE_PARAM and e.param_fqn is not None:
-            targets.params[e.param_fqn] = t
-        elif e.role == ROLE_OPTIM and e.param_fqn is not None:
-            targets.state.setdefault(e.param_fqn, {})[e.path[-1]] = t
-    return targets
+    arithmetic_names: list[str | None]  # per param group, the arithmetic measured on its device
+    powers: BetaPowerTables  # the device's own beta powers, when the log carries them
 
 
 def _replay_group(
-    optimizer_cls: type,
-    log: ReplayLog,
-    tables: ReplayTables,
-    fqns: list[str],
-    targets: _ReplayTargets,
-    steps: list[Any],
-    grad_buffer: torch.Tensor,
+    replay: _Replay, log: ReplayLog, tables: ReplayTables, fqns: list[str], steps: list[Any], grad_buffer: torch.Tensor
 ) -> None:
-    params, state = targets.params, targets.state
+    params, state = replay.params, replay.state
     groups_fqns: dict[int, list[str]] = {}
     for fqn in fqns:
         groups_fqns.setdefault(tables.param_group_of[fqn], []).append(fqn)
@@ -103,10 +97,9 @@ def _replay_group(
         {**replay_hyperparameters(first.hyperparameters[g]), "params": [params[f] for f in names]}
         for g, names in sorted(groups_fqns.items())
     ]
-    optimizer = optimizer_cls(param_groups)
-    names_by_group = log.arithmetic_names()
+    optimizer = replay.optimizer_cls(param_groups)
+    names_by_group = replay.arithmetic_names
     arithmetics = [names_by_group[g] if g < len(names_by_group) else None for g in sorted(groups_fqns)]
-    powers = BetaPowerTables(log.beta_powers)
     for fqn in fqns:
         if fqn in state:
             optimizer.state[params[fqn]] = dict(state[fqn])
@@ -121,6 +114,6 @@ def _replay_group(
                     p.grad = None
                 else:
                     p.grad = view_bytes(grad_buffer, tables.grad_offsets[(i, f)], p.dtype, tuple(p.shape))
-        step_like_the_device(optimizer, arithmetics, powers)
+        step_like_the_device(optimizer, arithmetics, replay.powers)
     for p in params.values():
         p.grad = None
