@@ -43,8 +43,8 @@ from ..hostbuf import exact_view
 from .group import WriterGroup
 from .persist_context import PersistContext, PhaseClock, PreparedSnapshot
 from .replicas import node_layout
-from .retention import Retired, retire_old
-from .tier_write import leads, write_latest, write_tier
+from .retention import Retired
+from .tier_write import after_commit, leads, write_tier
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -263,11 +263,7 @@ def _committed_already(
     warnings: list[str] = []
     removed: list[str] = []
     if leads:
-        warnings = write_latest(store, req)
-        removed, retention_warnings = retire_old(
-            store, req, req.local_keep if tier == LOCAL_TIER else req.keep, purge_later, local_tier=tier == LOCAL_TIER
-        )
-        warnings += retention_warnings
+        removed, warnings = after_commit(store, tier, req, purge_later)
     return p.CommittedResponse(
         request_id=req.request_id,
         info=CheckpointInfo.from_manifest(manifest, where, tier),

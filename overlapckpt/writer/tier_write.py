@@ -51,10 +51,7 @@ def write_tier(
     removed: list[str] = []
     warnings_: list[str] = []
     if leads(ctx.group, layout):  # committed: a failure from here on is a warning
-        keep = req.local_keep if tier == LOCAL_TIER else req.keep
-        warnings_ = write_latest(store, req)
-        removed, retention_warnings = retire_old(store, req, keep, purge_later, local_tier=tier == LOCAL_TIER)
-        warnings_ += retention_warnings
+        removed, warnings_ = after_commit(store, tier, req, purge_later)
     snapshot.phases.lap(prefix + "commit")
     path = store.checkpoint_url(req.name)
     stream_phases = {} if streams is None else {prefix + k: v for k, v in streams.as_phases().items()}
@@ -135,6 +132,17 @@ def _publish(attempt: Attempt, group: WriterGroup | None, layout: NodeLayout | N
     if layout is not None:
         assert group is not None
         agree_on_failure(group, publish_failure, f"publishing {attempt.store.checkpoint_url(attempt.name)} on every node")
+
+
+def after_commit(store: CheckpointStore, tier: str, req: p.PersistRequest, purge_later: Retired) -> tuple[list[str], list[str]]:
+    """On the rank that leads the tier, once ``req``'s checkpoint is committed there: ``latest`` and the tier's retention.
+
+    The names retention removed, and the warnings (a failure from here on never fails the persist).
+    """
+    warnings_ = write_latest(store, req)
+    keep = req.local_keep if tier == LOCAL_TIER else req.keep
+    removed, retention_warnings = retire_old(store, req, keep, purge_later, local_tier=tier == LOCAL_TIER)
+    return removed, warnings_ + retention_warnings
 
 
 def write_latest(store: CheckpointStore, req: p.PersistRequest) -> list[str]:
