@@ -12,7 +12,7 @@ from overlapckpt.errors import CheckpointWriteError
 from overlapckpt.protocol import new_store_key
 from overlapckpt.writer.claims import ClaimBoard
 from overlapckpt.writer.sealed_store import SealedStore
-from overlapckpt.writer.shape_union import ShapeUnionCache, merged
+from overlapckpt.writer.shape_union import ShapeUnionCache, merged, shapes_digest
 
 KEY = new_store_key()
 CLAIM = {"name": "step-000000003", "version": 3, "requested": 3}
@@ -33,11 +33,11 @@ class Ranks:
         gathered = threading.Barrier(len(self.boards))  # the all-gather: every rank or none
         lock = threading.Lock()
 
-        def gather(local: dict[str, tuple[int, ...]]) -> list[dict[str, tuple[int, ...]]]:
+        def gather(local: tuple[str, dict[str, tuple[int, ...]]]) -> list[tuple[str, dict[str, tuple[int, ...]]]]:
             with lock:
                 self.gathers += 1
             gathered.wait(timeout=30)
-            return tables
+            return [(shapes_digest(table), table) for table in tables]  # what every rank's all-gather returns
 
         def run(rank: int) -> None:
             claim = {**CLAIM, "shapes": self.caches[rank].claim_field(tables[rank])}

@@ -50,7 +50,7 @@ _OPTIONAL_CLAIM_FIELDS = {"tiers": str}
 # This rank's own fact, not part of what the ranks must agree on: its shape table's digest and the
 # gather its cached union came from (shape_union.py). The coordinator's verdict says whether every
 # rank may reuse its union.
-_SHAPES_FIELD = "shapes"
+SHAPES_FIELD = "shapes"
 _MAX_SHOWN_BYTES = 120
 # While waiting for the other ranks' claims, look this often whether a writer was replaced.
 _MOVED_POLL_S = 0.25
@@ -88,7 +88,7 @@ def parse_claim(text: str) -> dict[str, Any]:
         return {"malformed": text[:_MAX_SHOWN_BYTES]}
     if claim == {"requested": None}:
         return claim  # a refusal: that rank requested no checkpoint in time
-    fields = {**_CLAIM_FIELDS, **_OPTIONAL_CLAIM_FIELDS, _SHAPES_FIELD: str}
+    fields = {**_CLAIM_FIELDS, **_OPTIONAL_CLAIM_FIELDS, SHAPES_FIELD: str}
     if not isinstance(claim, dict) or not set(_CLAIM_FIELDS) <= set(claim) <= set(fields) or any(
         not isinstance(claim[k], fields[k]) or isinstance(claim[k], bool) for k in claim
     ):
@@ -175,7 +175,7 @@ class ClaimBoard:
         mine = _agreed_part(parse_claim(json.dumps(claim, sort_keys=True)))
         if any(_agreed_part(c) != mine for c in claims.values()):
             return _Verdict(_disagreement(sequence, claims))
-        return _Verdict(None, union_reusable([str(claims[r].get(_SHAPES_FIELD, "")) for r in range(self.world_size)]))
+        return _Verdict(None, union_reusable([str(claims[r].get(SHAPES_FIELD, "")) for r in range(self.world_size)]))
 
     def _post_verdict(self, sequence: int, verdict: _Verdict) -> None:
         text = json.dumps({"refused": verdict.refusal, "shapes_unchanged": verdict.shapes_unchanged})
@@ -200,9 +200,11 @@ class ClaimBoard:
                 f"checkpoint #{sequence}: the verdict in the store is forged (not sealed by this run's writers, so written "
                 "by another client of the store, not written by overlapckpt); nothing was committed"
             )
-        verdict = json.loads(text)  # sealed by this run's coordinating writer
+        verdict = json.loads(text)  # sealed by this run's coordinating writer, which writes an object
         if not isinstance(verdict, dict):
-            return _Verdict(None)
+            raise RankDisagreementError(
+                f"checkpoint #{sequence}: the verdict in the store is malformed ({text[:_MAX_SHOWN_BYTES]!r}); nothing was committed"
+            )
         refusal = verdict.get("refused")
         return _Verdict(refusal if isinstance(refusal, str) else None, verdict.get("shapes_unchanged") is True)
 
@@ -270,7 +272,7 @@ class ClaimBoard:
             return None
         self._post(sequence, {"requested": None})  # the others fail at once
         if self.rank == COORDINATOR_RANK:  # the others wait for its verdict, not for the claims
-            self._post_verdict(sequence, _Verdict(_disagreement(sequence, self._claims(sequence))))
+            self._post_verdict(sequence, _Verdict(_disagreement(sequence, {**claims, self.rank: {"requested": None}})))
         self.sequence += 1
         self._unmatched_since = None
         return RankDisagreementError(
@@ -295,4 +297,4 @@ class _Verdict:
 
 def _agreed_part(claim: dict[str, Any]) -> dict[str, Any]:
     """What every rank must claim alike: the claim less this rank's own shapes digest."""
-    return {k: v for k, v in claim.items() if k != _SHAPES_FIELD}
+    return {k: v for k, v in claim.items() if k != SHAPES_FIELD}

@@ -46,9 +46,9 @@ from ..errors import RankDisagreementError
 from ..format.manifest_records import RankSection
 from ..format.shards import forget_cached_plans
 from ..protocol import REGROUP_WAIT_S, WriterGroupSpec
-from .claims import Agreement, ClaimBoard
+from .claims import COORDINATOR_RANK, Agreement, ClaimBoard
 from .sealed_store import SealedStore
-from .shape_union import ShapeUnionCache
+from .shape_union import DigestedShapes, ShapeUnionCache
 
 log = logging.getLogger("overlapckpt")
 
@@ -211,7 +211,7 @@ class WriterGroup:
 
     @property
     def is_coordinator(self) -> bool:
-        return self.rank == 0
+        return self.rank == COORDINATOR_RANK
 
     def agree(self, claim: dict[str, Any]) -> Agreement:
         """Every rank claims the same checkpoint, or RankDisagreementError on every rank (``claims.py``)."""
@@ -238,7 +238,7 @@ class WriterGroup:
         """Every rank's tensors by global shape, on every rank: gathered (a collective) unless the verdict says ``reusable``."""
         return self.shapes.union(local, reusable, self._gather_tables)
 
-    def _gather_tables(self, local: dict[str, tuple[int, ...]]) -> list[dict[str, tuple[int, ...]]]:
+    def _gather_tables(self, local: DigestedShapes) -> list[DigestedShapes]:
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, local, group=self.group)
         return gathered

@@ -40,6 +40,7 @@ from ..format.shards import LocalShard
 from ..format.storage import CheckpointStore
 from ..format.tiers import LOCAL_TIER, ROOT_TIER
 from ..hostbuf import exact_view
+from .claims import SHAPES_FIELD
 from .group import WriterGroup
 from .persist_context import PersistContext, PhaseClock, PreparedSnapshot
 from .replicas import node_layout
@@ -104,7 +105,7 @@ def _agree_on_checkpoint(
     claim = {"name": req.name, "version": req.step, "requested": req.requested_step}
     if req.tiers != (ROOT_TIER,):  # ranks that would write different tiers would enter different collectives
         claim["tiers"] = ",".join(req.tiers)
-    claim["shapes"] = group.shapes_claim(global_shapes)  # this rank's own: not compared (claims.py)
+    claim[SHAPES_FIELD] = group.shapes_claim(global_shapes)  # this rank's own: not compared (claims.py)
     agreement = group.agree(claim)
     # The manifest and the coverage check need every rank's tensors: pipeline stages hold different ones.
     return agreement.sequence, group.union_of_shapes(global_shapes, reusable=agreement.shapes_unchanged)

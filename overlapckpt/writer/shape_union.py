@@ -20,6 +20,7 @@ from collections.abc import Callable
 from ..errors import CheckpointWriteError, InternalError
 
 Shapes = dict[str, tuple[int, ...]]
+DigestedShapes = tuple[str, Shapes]  # a rank's table and its shapes_digest, as the gather carries them
 
 
 def shapes_digest(shapes: Shapes) -> str:
@@ -74,17 +75,23 @@ class ShapeUnionCache:
         self._local_digest = ""
 
     def claim_field(self, local: Shapes) -> str:
+        return claim_field(self._digest_of(local), self._gather)
+
+    def _digest_of(self, local: Shapes) -> str:
         if local is not self._local:
             self._local, self._local_digest = local, shapes_digest(local)
-        return claim_field(self._local_digest, self._gather)
+        return self._local_digest
 
-    def union(self, local: Shapes, reusable: bool, gather: Callable[[Shapes], list[Shapes]]) -> Shapes:
-        """The union: the cached one when the verdict says so, else every rank's table gathered (a collective)."""
+    def union(self, local: Shapes, reusable: bool, gather: Callable[[DigestedShapes], list[DigestedShapes]]) -> Shapes:
+        """The union: the cached one when the verdict says so, else every rank's table gathered (a collective).
+
+        Each rank's table travels with its digest, so no rank hashes the others' tables again.
+        """
         if reusable:
             if self._union is None:  # the verdict said every rank holds one: this rank's claim said it does
                 raise InternalError("the writers' verdict reused a shape union this writer does not hold")
             return self._union
-        gathered = gather(local)
-        self._union = merged(gathered)
-        self._gather = gather_digest([shapes_digest(t) for t in gathered])
+        gathered = gather((self._digest_of(local), local))
+        self._union = merged([table for _, table in gathered])
+        self._gather = gather_digest([digest for digest, _ in gathered])
         return self._union
