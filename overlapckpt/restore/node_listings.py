@@ -31,6 +31,9 @@ Listing = dict[str, tuple[int, str, dict[str, int], dict[str, int]]]
 def tier_listing(local_dir: str, world: int, root: str) -> Listing:
     """What this node's tier holds of checkpoints written at ``world`` ranks (those whose manifest reads).
 
+    Its warnings' stacklevel (6) names the frame ``from_newest_tier``'s own warnings name (two above
+    it), through ``local_candidate`` and ``_pooled_listings`` (``restore/tiers.py``).
+
     Nothing, with a warning naming why, when the directory is not this job's tier of ``root``
     (``format/tiers.py``: a symlink, another user's, writable by others, or another root's).
     Each file is ``lstat``ed on its own: only regular files count as held, so a dangling or
@@ -38,7 +41,7 @@ def tier_listing(local_dir: str, world: int, root: str) -> Listing:
     """
     refusal = tier_refusal(local_dir, root)
     if refusal is not None:
-        warnings.warn(f"overlapckpt: the node-local tier {local_dir} is not read: {refusal}; restoring from the root {root}", stacklevel=5)
+        warnings.warn(f"overlapckpt: the node-local tier {local_dir} is not read: {refusal}; restoring from the root {root}", stacklevel=6)
         return {}
     if not os.path.isdir(local_dir):
         return {}
@@ -48,7 +51,7 @@ def tier_listing(local_dir: str, world: int, root: str) -> Listing:
         try:
             manifest = read_manifest(store, name)
         except (CorruptCheckpointError, CheckpointReadError) as e:
-            warnings.warn(f"overlapckpt: the local tier's {store.checkpoint_url(name)} is skipped: {e}", stacklevel=5)
+            warnings.warn(f"overlapckpt: the local tier's {store.checkpoint_url(name)} is skipped: {e}", stacklevel=6)
             continue
         if manifest.world_size != world or manifest.checksums is None:
             log.info(
@@ -62,7 +65,7 @@ def tier_listing(local_dir: str, world: int, root: str) -> Listing:
         if needed[manifest.checksums.metadata_name] > SMALL_FILE_MAX_BYTES:
             warnings.warn(
                 f"overlapckpt: the local tier's {store.checkpoint_url(name)} is skipped: its manifest gives .metadata "
-                f"{needed[manifest.checksums.metadata_name]} bytes, above the {SMALL_FILE_MAX_BYTES} a .metadata may hold", stacklevel=5,
+                f"{needed[manifest.checksums.metadata_name]} bytes, above the {SMALL_FILE_MAX_BYTES} a .metadata may hold", stacklevel=6,
             )
             continue
         out[name] = (manifest.step, manifest.run_id or "", _regular_files(os.path.join(local_dir, name)), needed)

@@ -295,6 +295,7 @@ def _root_version(path: str, storage_options: dict[str, Any] | None) -> int | No
     except CheckpointNotFoundError:
         return None
     except (CheckpointReadError, CorruptCheckpointError) as e:
-        # stacklevel: the caller of from_newest_tier, through local_candidate and _pooled_listings.
+        # stacklevel: the frame from_newest_tier's own warnings name (two above it), through local_candidate
+        # and _pooled_listings.
         warnings.warn(f"overlapckpt: the root {path} cannot be read ({e}); restoring from the local tier", stacklevel=6)
         return None
