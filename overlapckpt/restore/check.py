@@ -15,11 +15,12 @@ from ..errors import (
     OverlapCkptError,
 )
 from ..format.entries import check_shapes, flatten_tensors
+from ..format.expected_sums import verification_refusal
 from ..format.extra_state import decode
 from ..format.manifest import METADATA_NAME, Manifest
 from ..format.signing import check_signature, resolve_key
 from ..format.storage import CheckpointStore, translate_read_errors
-from ..format.verify import VerifyShare, describe_problems, read_manifest, verify_checkpoint
+from ..format.verify import VerifyShare, describe_problems, verify_checkpoint
 from ..optimizers import update_rule_name
 
 PER_RANK_STATE_CHOICES = ("restore", "skip")
@@ -43,25 +44,21 @@ def check_signed(store: CheckpointStore, name: str, manifest: Manifest, signing_
 class ManifestChecks:
     """What ``checked_manifest`` checks on this rank before anything is read."""
 
-    share: tuple[int, int]  # (this rank, the world size): which 1/N of the files this rank checks
+    share: VerifyShare  # which files this rank checks (1/N of them, or a local tier's directory's), and the world size
     per_rank_state: str  # "restore": the world size must be the one that wrote it; "skip": any
     verify: bool  # .metadata's bytes and every shard's kind and size, before reading
-    files: frozenset[str] | None = None  # the files this rank reads (a local tier's directory): checked instead of its share
 
 
 def checked_manifest(
     store: CheckpointStore,
     name: str,
+    manifest: Manifest,
     checks: ManifestChecks,
     target: dict[str, Any] | Callable[[str], dict[str, Any]],
 ) -> Manifest:
-    """The manifest of ``name``, once everything that can be checked before reading has passed.
-
-    ``checks.files``: the files this rank reads (a local tier's directory, which holds only those):
-    checked instead of its ``checks.share`` of all the files.
-    """
+    """``manifest`` (``name``'s, as the caller read it and checked its signature), once everything that can
+    be checked before reading has passed: the very bytes whose signature held, not a second read."""
     where = store.checkpoint_url(name)
-    manifest = read_manifest(store, name)
     try:
         return _checked_fields(store, name, manifest, checks, target, where)
     except OverlapCkptError:
@@ -80,10 +77,9 @@ def _checked_fields(
     target: dict[str, Any] | Callable[[str], dict[str, Any]],
     where: str,
 ) -> Manifest:
-    share, files = checks.share, checks.files
     if callable(target):
         target = target(manifest.key_layout)
-    world = share[1]
+    world = checks.share.world_size
     saved_world = manifest.world_size
     if checks.per_rank_state == "restore" and saved_world != world:
         raise CheckpointMismatchError(
@@ -99,15 +95,11 @@ def _checked_fields(
         # flipped bit, a truncated shard), not authenticity: whoever can write the files can
         # recompute CRCs. What keeps a crafted file from running code is the reading itself
         # (safe_unpickle.py), with or without verify.
-        verify_share = VerifyShare(rank=share[0], world_size=share[1], files=files)
-        report = verify_checkpoint(store, name, manifest, verify_share, read_blobs=False)
+        report = verify_checkpoint(store, name, manifest, checks.share, read_blobs=False)
         if not report.ok:
             # The detailed account (which blob a truncation cuts): read everything, once, on failure only.
-            report = verify_checkpoint(store, name, manifest, verify_share)
-            raise CorruptCheckpointError(
-                f"reading the checkpoint {where} failed verification: {describe_problems(report)}; restore from an "
-                "older checkpoint (list_checkpoints), or pass verify=False to inspect it"
-            )
+            report = verify_checkpoint(store, name, manifest, checks.share)
+            raise verification_refusal(where, describe_problems(report))
     expected = {k: v.shape for k, v in manifest.items.items()}
     check_shapes(expected, flatten_tensors(target))
     return manifest

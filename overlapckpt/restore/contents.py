@@ -25,7 +25,7 @@ from ..format.blob_reader import check_data_file, check_span
 from ..format.key_layout import GET_STATE_DICT
 from ..format.manifest import CheckpointInfo
 from ..format.storage import CheckpointStore, translate_read_errors
-from ..format.verify import read_manifest
+from ..format.verify import WHOLE_CHECKPOINT, read_manifest
 from .check import ManifestChecks, check_signed, checked_manifest, per_rank_extra_state
 from .locate import checkpoint_at
 from .read import ReadOptions, read_into
@@ -61,10 +61,11 @@ def read_checkpoint(
     store, name = checkpoint_at(path, step, storage_options)
     where = store.checkpoint_url(name)
     # With a key, authenticity first: nothing of .metadata is decoded before its signature holds.
-    key = check_signed(store, name, read_manifest(store, name), signing_key)
+    manifest = read_manifest(store, name)
+    key = check_signed(store, name, manifest, signing_key)
     verify = verify or key is not None  # with a key every blob's MAC is checked (format/blob_macs.py)
     host = _template(store, name)
-    manifest = checked_manifest(store, name, ManifestChecks((0, 1), "skip", verify), host)
+    manifest = checked_manifest(store, name, manifest, ManifestChecks(WHOLE_CHECKPOINT, "skip", verify), host)
     if manifest.key_layout != GET_STATE_DICT:
         raise ConfigError(
             f"{where} names its state in the {manifest.key_layout!r} key layout, and read_checkpoint returns the "

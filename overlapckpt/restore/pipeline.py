@@ -20,7 +20,7 @@ from ..errors import (
 from ..format.blob_reader import ADOPT, CHECK, PLACE
 from ..format.manifest import CheckpointInfo
 from ..format.tiers import LOCAL_TIER, ROOT_TIER
-from ..format.verify import read_manifest
+from ..format.verify import VerifyShare, read_manifest
 from ..optimizers import each_optimizer, torch_optimizers, unwrap_optimizer
 from ..restore_marks import mark_restored
 from ..settings import check_optimizer_matches_model
@@ -282,12 +282,14 @@ def _check_before_reading(
         return checked.target
 
     # With a key, authenticity first: nothing of .metadata is decoded before its signature holds.
-    checked.key = check_signed(store, name, read_manifest(store, name), options.signing_key)
+    manifest = read_manifest(store, name)
+    checked.key = check_signed(store, name, manifest, options.signing_key)
     # With a key every blob read is checked against its MAC, verify or not: the key's promise
     # is that nothing unauthenticated is loaded.
     checked.verify = options.verify or checked.key is not None
-    checks = ManifestChecks(rank_and_world, options.per_rank_state, checked.verify, files)
-    checked.manifest = manifest = checked_manifest(store, name, checks, target_for)
+    share = VerifyShare(rank=rank_and_world[0], world_size=rank_and_world[1], files=files)
+    checks = ManifestChecks(share, options.per_rank_state, checked.verify)
+    checked.manifest = manifest = checked_manifest(store, name, manifest, checks, target_for)
     if targets.optimizer is not None:
         check_optimizer_matches(manifest, unwrap_optimizer(targets.optimizer), store.checkpoint_url(name))
     check_items_stored(manifest, checked.target, store.checkpoint_url(name))
