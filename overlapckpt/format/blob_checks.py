@@ -220,17 +220,21 @@ class _ListedBlob:
     checksum: str | None
 
 
-def _check_data_sums(
-    blob: _ListedBlob, expected: ExpectedSums, ends: BlobEnds, record: TensorRecord, data_sums: dict[str, int], index: Any,
+def _check_placed(
+    blob: _ListedBlob, expected: ExpectedSums, ends: BlobEnds, record: TensorRecord, data: memoryview, index: Any,
     snapshot: TensorSum | None,
 ) -> None:
-    """The blob against the manifest (its framing's sums combined with the data's), then the data against the snapshot."""
+    """Data placed in the target: the blob against the manifest (its framing's sums combined with the data's), then
+    the data against the snapshot, then the blob's MAC."""
     algorithm = expected.algorithm
+    names = {algorithm} | ({snapshot.algorithm} if snapshot is not None else set())
+    data_sums = {name: updater(name)(data, 0) for name in names}
     before, after = _framing(ends, record)
     if hex32(_blob_checksum(algorithm, before, data_sums[algorithm], record.data_end - record.data_start, after)) != blob.checksum:
         raise _mismatch(blob.relative_path, blob.info, blob.key, expected)
     if snapshot is not None and hex32(data_sums[snapshot.algorithm]) != snapshot.checksum:
         raise _serialization_fault(expected, index.fqn)
+    expected.check_mac(blob.relative_path, blob.info, blob.key, before, data, after)
 
 
 def place_direct(
@@ -268,12 +272,8 @@ def place_direct(
         raise _cut_short(relative_path, info, record.data_start + got, key, expected)
     if expected is not None:
         snapshot = _snapshot_of(expected, read_item.storage_index, saved.shape)
-        names = {expected.algorithm} | ({snapshot.algorithm} if snapshot is not None else set())
-        sums = {name: updater(name)(data, 0) for name in names}
         listed = _ListedBlob(relative_path, info, key, checksum)
-        _check_data_sums(listed, expected, ends, record, sums, read_item.storage_index, snapshot)
-        before, after = _framing(ends, record)
-        expected.check_mac(relative_path, info, key, before, data, after)
+        _check_placed(listed, expected, ends, record, data, read_item.storage_index, snapshot)
     with lock:
         planner.commit_tensor(read_item, target)
     return True
