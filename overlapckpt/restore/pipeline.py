@@ -203,9 +203,8 @@ def _read_newest(
         check_signed(store, name, manifest, options.signing_key)
         return files_in_load_plan(store, name, manifest, named_as(manifest.key_layout, *live), rank == 0)
 
-    directory = None if options.local_dir is None else str(options.local_dir)  # a str already (_from_tiers)
     scope = RestoreScope(path, options.step, options.storage_options, group, world)
-    return from_newest_tier(scope, directory, read, fetch, files_read, report)
+    return from_newest_tier(scope, options.local_dir, read, fetch, files_read, report)
 
 
 @dataclass

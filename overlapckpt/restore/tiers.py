@@ -109,7 +109,7 @@ class RestoreScope:
 
 def from_newest_tier(
     scope: RestoreScope,
-    local_dir: str | None,
+    local_dir: str | os.PathLike[str] | None,
     read: Callable[[Source], Read],
     fetch: Fetch | None = None,
     files_read: FilesRead | None = None,
