@@ -12,7 +12,7 @@ from typing import Any
 from .cli_output import Progress, readable_size, say, utc_time
 from .errors import CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError, OverlapCkptError
 from .format.lease import live_holder
-from .format.manifest import step_of_name
+from .format.manifest import CheckpointInfo, step_of_name
 from .format.signing import resolve_key
 from .format.storage import CheckpointStore
 from .format.tiers import LOCAL_TIER, ROOT_TIER, default_local_dir
@@ -123,17 +123,17 @@ def _chosen(store: CheckpointStore, args: argparse.Namespace, skip_damaged: bool
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    listed: list[tuple[str, Any]] = []
+    listed: list[CheckpointInfo] = []
     if args.tier in ("all", ROOT_TIER):
         _existing_store(args)
-        listed += [(ROOT_TIER, dataclasses.replace(i, tier=ROOT_TIER)) for i in list_checkpoints(args.root, _storage_options(args.option))]
+        listed += [dataclasses.replace(i, tier=ROOT_TIER) for i in list_checkpoints(args.root, _storage_options(args.option))]
     local = args.local_dir or default_local_dir(args.root)
     if args.tier == LOCAL_TIER or (args.tier == "all" and os.path.isdir(local)):
         if not os.path.isdir(local):
             raise CheckpointNotFoundError(f"no local tier at {local}; pass --local-dir (the Checkpointer's local_dir)")
-        listed += [(LOCAL_TIER, dataclasses.replace(i, tier=LOCAL_TIER)) for i in list_checkpoints(local)]
+        listed += [dataclasses.replace(i, tier=LOCAL_TIER) for i in list_checkpoints(local)]
     if args.json:
-        rows = [{"tier": tier, **dataclasses.asdict(i)} for tier, i in listed]  # "tier" first, as the table shows it
+        rows = [{"tier": i.tier, **dataclasses.asdict(i)} for i in listed]  # "tier" first, as the table shows it
         for line in json.dumps(rows, indent=1).splitlines():
             say(line)  # json escapes control characters itself; printable() leaves the lines as they are
         return 0
@@ -141,14 +141,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
         say(f"no committed checkpoint under {args.root}" + (f" nor in the local tier {local}" if args.tier == "all" else ""))
         return 0
     # The tier column only where a local tier is listed: a root's listing reads as it always did.
-    tiered = any(tier == LOCAL_TIER for tier, _ in listed)
+    tiered = any(i.tier == LOCAL_TIER for i in listed)
     say(
         ("tier  " if tiered else "") + f"{'step':>10} {'requested':>10} {'mode':>7} {'window':>6} {'ranks':>5} {'size':>10}  {'run':8}  "
         f"{'continued from':24}  committed                path"
     )
-    for tier, i in listed:
+    for i in listed:
         say(
-            (f"{tier:5} " if tiered else "") + f"{i.step:>10} {i.requested_step:>10} {i.mode:>7} {i.window:>6} {i.world_size:>5} "
+            (f"{i.tier:5} " if tiered else "") + f"{i.step:>10} {i.requested_step:>10} {i.mode:>7} {i.window:>6} {i.world_size:>5} "
             f"{readable_size(i.nbytes):>10}  {(i.run_id or '-')[:8]:8}  {i.restored_from or '-':24}  {utc_time(i.created_at)}  {i.path}"
         )
     return 0
