@@ -27,6 +27,7 @@ class CpuDevice(WorkerStreams):
 
     pins_host_memory = False  # host memory is what the copies read and write: nothing to page-lock
     clone_is_cheap = False  # a clone costs what a copy costs: replay copies the gradients, fenced
+    packs_small_copies = False  # host to host, packing would copy the small tensors twice
 
     def __init__(self) -> None:
         super().__init__("async")

@@ -37,6 +37,9 @@ class StreamDevice(Protocol):
     pins_host_memory: bool
     # A clone on the training stream costs less than a fenced copy (HBM against PCIe).
     clone_is_cheap: bool
+    # Small copies are gathered into one scratch span and sent in one transfer (packed_copy.py):
+    # it saves a GPU's DMA launches; between host buffers it is a second memcpy for nothing.
+    packs_small_copies: bool
 
     def is_resident(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lives in device memory (copied through a stream), not in host memory."""

@@ -56,6 +56,7 @@ class EmulatedDevice(WorkerStreams):
     """The emulated CUDA device (see the module docstring)."""
 
     pins_host_memory = True
+    packs_small_copies = True  # as CUDA does: the tests run the packed route's fences
     locks_pages = False  # registration is checked and recorded; no page is locked
 
     def __init__(

@@ -79,7 +79,7 @@ class StreamCopier:
         host_indices = [k for k in range(len(sources)) if k not in on_device]
         dev_src = [sources[k].detach() for k in device_indices]
         dev_dst = [destinations[k] for k in device_indices]
-        packed, rest = plan_packed_copy(dev_src, dev_dst)
+        packed, rest = plan_packed_copy(dev_src, dev_dst) if dev.packs_small_copies else (None, list(range(len(dev_src))))
         scratch = None
         scratch_views: list[torch.Tensor] = []
         packed_indices: tuple[int, ...] = ()
