@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .device import TensorRun
 from .worker_streams import WorkerStreams
 
 
@@ -45,7 +46,9 @@ class CpuDevice(WorkerStreams):
         if not sources:
             return
         # The op holds the tensors themselves: their memory is not freed, nor reused, before it has run.
-        dsts, srcs = list(destinations), list(sources)
+        # A route's TensorRun is never changed after it is made (device.py): held as it is; a plain
+        # list, which its caller may edit, is copied.
+        dsts, srcs = _held(destinations), _held(sources)
 
         def run() -> None:
             torch._foreach_copy_(dsts, srcs)
@@ -96,3 +99,8 @@ class CpuDevice(WorkerStreams):
         except OSError:
             pass
         return os.sysconf("SC_AVPHYS_PAGES") * page, total
+
+
+def _held(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """What a queued op keeps of ``tensors``: a route's run itself, else a copy of the list."""
+    return tensors if isinstance(tensors, TensorRun) else list(tensors)
