@@ -129,6 +129,9 @@ class Checkpointer:
     the boundary at which stateful objects and RNG states are captured.
     """
 
+    # The device's own copier and phase timer; ``overlapckpt.seams.Checkpointer`` sets those a test passes.
+    _seams = Seams()
+
     def __init__(
         self,
         model: nn.Module,
@@ -234,7 +237,7 @@ class Checkpointer:
         self.exit_timeout_s = settings.writer.exit_timeout_s
         self._closed = False
         live = LiveObjects(model, optimizer, stateful, process_group, on_commit, self._signing_key)
-        built = build(settings, live, seams=self._device_seams(), save_now=self._save_now)
+        built = build(settings, live, seams=self._seams, save_now=self._save_now)
         self._built = built
         self._store, self._lineage, self._engine = built.store, built.lineage, built.engine
         self._distributed, self._preemption, self._control_page, self._lease = (
@@ -251,10 +254,6 @@ class Checkpointer:
         if resumed is not None:
             self._continue_after_load(resumed)
             log.info("continuing from %s: the next optimizer step makes version %d", resumed.path, resumed.step + 1)
-
-    def _device_seams(self) -> Seams:
-        """The device's own copier and phase timer; ``overlapckpt.seams.Checkpointer`` returns those a test passed."""
-        return Seams()
 
     # ---- training loop ---------------------------------------------------------------
 

@@ -24,14 +24,9 @@ from .train.lifecycle.engine import SnapshotEngine
 class Checkpointer(checkpointer.Checkpointer):
     """``overlapckpt.Checkpointer``, with ``copier=`` and ``phase_timer=`` as well."""
 
-    _seams = Seams()  # from_settings(): the device's own
-
     def __init__(self, *args: Any, copier: Copier | None = None, phase_timer: PhaseTimer | None = None, **kwargs: Any) -> None:
-        self._seams = Seams(copier=copier, phase_timer=phase_timer)  # read by _device_seams while the parent builds
+        self._seams = Seams(copier=copier, phase_timer=phase_timer)  # read by the parent's constructor as it builds
         super().__init__(*args, **kwargs)
-
-    def _device_seams(self) -> Seams:
-        return self._seams
 
 
 def engine_of(ckpt: checkpointer.Checkpointer) -> SnapshotEngine:
