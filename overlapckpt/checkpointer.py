@@ -27,6 +27,7 @@ from .restore.pipeline import LoadOptions, LoadTargets, load_fetching_replicas
 from .restore.tiers import RestoreReport
 from .restore_marks import take_restore_mark
 from .settings import (
+    AUTO_INFLIGHT,
     DEFAULT_LOCAL_KEEP,
     DEFAULT_LOCAL_REPLICAS,
     DEFAULT_MAX_WINDOW,
@@ -74,6 +75,10 @@ class Checkpointer:
             GPU memory) or ``"stage"`` (version s, exact, needs staging memory on the device).
         stage_budget_bytes: the most device memory stage mode may use (None: what the window needs).
         max_inflight: snapshots in flight at once; each holds one host slot of the state's size.
+            ``"auto"``: two (double buffering, so a persist slower than ``every`` steps does not
+            cut the next window) where one slot is at most 256 MiB in one process; else one.
+            A distributed run gets one: the ranks' state sizes differ and every rank must
+            start a checkpoint at the same step (pass ``max_inflight=2`` on every rank for two).
         store_class: a ``CheckpointStore`` subclass the writer process uses to reach storage.
         max_window: with ``window="auto"``, the widest window it may choose.
         max_writer_restarts: a writer process that dies is replaced by a new one, which persists the
@@ -145,7 +150,7 @@ class Checkpointer:
         *,
         consistency: str = "replay",
         stage_budget_bytes: int | None = None,
-        max_inflight: int = 1,
+        max_inflight: int | str = AUTO_INFLIGHT,
         store_class: type[CheckpointStore] = CheckpointStore,
         max_window: int = DEFAULT_MAX_WINDOW,
         max_writer_restarts: int = DEFAULT_MAX_WRITER_RESTARTS,

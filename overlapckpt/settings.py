@@ -30,6 +30,7 @@ from .protocol import EXPORT_FORMATS
 
 AUTO_WINDOW = "auto"
 DEFAULT_MAX_WINDOW = 8  # window="auto" chooses at most this window
+AUTO_INFLIGHT = "auto"  # max_inflight="auto": the slot count follows the state's size (train/copying/slots.py)
 DEFAULT_LOCAL_KEEP = 2  # local-tier checkpoints kept: a few, as the tier is node memory
 DEFAULT_LOCAL_REPLICAS = 1  # partner ranks on other nodes holding a copy of each local-tier shard
 # A writer's replica traffic: 256 MiB/s is 2 Gb/s of a node's front-end link per rank sending,
@@ -68,7 +69,8 @@ class CadenceSettings:
 
     every: int | None = None
     keep: int | None = None
-    max_inflight: int = 1
+    # "auto": two slots (double buffering) for a small state in one process, else one (train/copying/slots.py).
+    max_inflight: int | str = AUTO_INFLIGHT
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,11 @@ class CheckpointerSettings:
             raise ConfigError(
                 f"max_writer_restarts={wr.max_writer_restarts!r} is invalid; pass an integer >= 0 (0: a dead writer is raised at once)"
             )
-        check_positive_int("max_inflight", c.max_inflight, "snapshots in flight at once; each costs one state of host memory", allow_none=False)
+        if c.max_inflight != AUTO_INFLIGHT:
+            check_positive_int(
+                "max_inflight", c.max_inflight,
+                f"snapshots in flight at once, each costing one state of host memory; or {AUTO_INFLIGHT!r}", allow_none=False,
+            )
         if st.key_layout not in KEY_LAYOUTS:
             raise ConfigError(
                 f"key_layout={st.key_layout!r} is invalid; use {KEY_LAYOUTS[0]!r} (torch's get_state_dict names) or "

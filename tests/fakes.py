@@ -80,6 +80,29 @@ class BlockingStore(CheckpointStore):
         return writer
 
 
+WRITE_GATE_ENV = "OVERLAPCKPT_TEST_WRITE_GATE"  # a FIFO: GatedWriteStore's first write waits until the test writes a byte to it
+
+
+class GatedWriteStore(CheckpointStore):
+    """The first write of checkpoint ONLY_NAME waits until the test opens the gate (a byte written to the FIFO the env names).
+
+    Its persist, and so its host slot, stays busy for as long as the test chooses.
+    """
+
+    def make_writer(self, name, before_commit):
+        writer = super().make_writer(name, before_commit)
+        if checkpoint_of_directory(name) == os.environ.get(ONLY_NAME_ENV):
+            gate = [os.environ[WRITE_GATE_ENV]]
+
+            def wait_for_the_gate(path: str) -> None:
+                if gate:  # the writer's other threads write on; the commit waits for this one
+                    with open(gate.pop(), "rb") as fifo:
+                        fifo.read(1)
+
+            writer.fs = _HookedFileSystem(wait_for_the_gate)
+        return writer
+
+
 BLOCK_ONCE_MARKER_ENV = "OVERLAPCKPT_TEST_BLOCK_ONCE_MARKER"  # a path: BlockingOnceStore hangs only while it is absent
 
 

@@ -31,6 +31,8 @@ from helpers import TinyNet, make_run, train_step
         ({"window": "auto", "max_window": 0}, r"max_window=0 is invalid; pass an integer >= 1"),
         ({"keep": 0}, r"keep=0 is invalid; pass an integer >= 1"),
         ({"writer_threads": 0}, r"writer_threads=0 is invalid; pass an integer >= 1 \(the writer process's threads"),
+        ({"max_inflight": 0}, r"max_inflight=0 is invalid; pass an integer >= 1 \(snapshots in flight at once, .*; or 'auto'\)"),
+        ({"max_inflight": "two"}, r"max_inflight='two' is invalid; pass an integer >= 1 \(.*; or 'auto'\)"),
         ({"every": 0}, r"every=0 is invalid"),
         ({"window": 2, "consistency": "exact"}, r"consistency='exact' is invalid; use 'replay' or 'stage'"),
     ],

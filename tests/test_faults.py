@@ -232,7 +232,8 @@ def test_a_writer_death_seen_right_before_an_update_starts_no_snapshot_there(tmp
         train_step(twin_model, twin_opt, twin_sched, twin_sampler)
         twin[it] = (copy.deepcopy(twin_model.state_dict()), copy.deepcopy(twin_opt.state_dict()))
     model, opt, sched, sampler = run()
-    ckpt = Checkpointer(model, opt, tmp_path / "ckpts", window=3, consistency="replay", copier=CpuCopier())
+    # One slot: the second request is deferred behind the replay its writer hangs in.
+    ckpt = Checkpointer(model, opt, tmp_path / "ckpts", window=3, consistency="replay", copier=CpuCopier(), max_inflight=1)
     with pytest.warns(UserWarning, match=r"the writer process died .* a new one was started"):
         try:
             for it in range(1, 11):

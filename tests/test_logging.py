@@ -13,7 +13,8 @@ def test_commit_info_merged_request_warning_and_on_commit(tmp_path, caplog):
     figures: list[dict] = []
     model, opt, sched, sampler = make_run()
     with caplog.at_level(logging.INFO, logger="overlapckpt"):
-        with Checkpointer(model, opt, tmp_path, window=3, consistency="replay", on_commit=figures.append) as ckpt:
+        # One slot: the second request is deferred and merged (two slots would start it at once).
+        with Checkpointer(model, opt, tmp_path, window=3, consistency="replay", on_commit=figures.append, max_inflight=1) as ckpt:
             for it in range(1, 7):
                 train_step(model, opt, sched, sampler)
                 ckpt.step()
@@ -50,7 +51,7 @@ def test_a_deferred_request_at_a_version_already_held_is_answered_by_it(tmp_path
     """wait() right at the version an open window reaches: the deferred requests must not duplicate it."""
     model, opt, sched, sampler = make_run()
     with caplog.at_level(logging.WARNING, logger="overlapckpt"):
-        with Checkpointer(model, opt, tmp_path, window=3, consistency="replay") as ckpt:
+        with Checkpointer(model, opt, tmp_path, window=3, consistency="replay", max_inflight=1) as ckpt:  # one slot: deferred
             for it in range(1, 6):
                 train_step(model, opt, sched, sampler)
                 ckpt.step()

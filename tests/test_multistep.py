@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import threading
 
 import pytest
 import torch
 
 from overlapckpt import Checkpointer, ConfigError, load
 from overlapckpt.errors import UnsupportedOptimizerError
+from overlapckpt.seams import engine_of
+from overlapckpt.train.copying.slots import AUTO_SECOND_SLOT_MAX_BYTES, auto_slot_count
 
+from fakes import ONLY_NAME_ENV, WRITE_GATE_ENV, GatedWriteStore
 from helpers import assert_state_equal, make_run, scaled_train_step, snapshot, train_step
 
 REQUEST_AT = 3
@@ -332,3 +337,54 @@ def test_scheduled_checkpoints_hold_the_steps_asked_for(tmp_path, window, consis
         fresh, fresh_opt, _, _ = make_run(seed=42)
         load(str(tmp_path), fresh, fresh_opt, step=version)
         assert_state_equal(*twin[version], fresh, fresh_opt)
+
+
+def _open_gate(fifo: str, timeout_s: float = 120.0) -> None:
+    """Write the byte GatedWriteStore's writer waits for; the open blocks until the writer reads, so on a thread, with a timeout."""
+    opened = threading.Thread(target=lambda: open(fifo, "wb").write(b"x"), daemon=True)
+    opened.start()
+    opened.join(timeout_s)
+    assert not opened.is_alive(), f"the writer never reached the gate {fifo} within {timeout_s} s"
+
+
+# With one slot, step 8's window opens at 7 or 8, as step 6's persist has committed by then or not: not compared.
+@pytest.mark.parametrize(("max_inflight", "opened_at"), [("auto", [1, 3, 5, 7]), (1, [1, 4, 5])])
+def test_a_persist_slower_than_every_does_not_cut_the_next_window_of_a_small_state(tmp_path, monkeypatch, max_inflight, opened_at):
+    """max_inflight="auto" (the default) keeps a second host slot for a small state. with every=2 and window=4,
+    each replay window opens a step before its version (W=2). Step 2's persist is held (its first write waits for
+    the test's gate): step 4's window opens at step 3 in the second slot. Before: one slot, so it waited at step 4
+    and was cut to window 1 (started at 4), as max_inflight=1 still does, and on a tiny model with short steps
+    every later checkpoint fell back to window 1."""
+    gate = str(tmp_path / "gate")
+    os.mkfifo(gate)
+    monkeypatch.setenv(WRITE_GATE_ENV, gate)
+    monkeypatch.setenv(ONLY_NAME_ENV, "step-000000002")
+    root = tmp_path / "root"
+    steps = 8
+    twin = _twin("adamw", steps, None)
+    model, opt, sched, sampler = make_run()
+    with Checkpointer(
+        model, opt, root, window=4, every=2, max_inflight=max_inflight, store_class=GatedWriteStore, stateful={"sched": sched}
+    ) as ckpt:
+        for it in range(1, steps + 1):
+            if it == 4:
+                _open_gate(gate)  # step 2's persist was held through step 3's hook
+            train_step(model, opt, sched, sampler)
+            ckpt.step()
+            if it % 4 == 0:
+                ckpt.wait(timeout_s=120)  # both slots free again: only the held persist decides the test
+        slots = len(engine_of(ckpt).parts.slots.slots)
+    assert slots == (2 if max_inflight == "auto" else 1)
+    manifests = [json.loads((root / f"step-{v:09d}" / "overlapckpt.json").read_text()) for v in (2, 4, 6, 8)]
+    assert [m["ledger"]["started_step"] for m in manifests][: len(opened_at)] == opened_at
+    for version in (2, 4, 6, 8):
+        fresh, fresh_opt, _, _ = make_run(seed=42)
+        load(str(root), fresh, fresh_opt, step=version)
+        assert_state_equal(*twin[version], fresh, fresh_opt)
+
+
+def test_auto_inflight_keeps_a_second_slot_only_for_a_small_state_in_one_process():
+    assert auto_slot_count(1 << 20, 1 << 20, distributed=False) == 2
+    assert auto_slot_count(AUTO_SECOND_SLOT_MAX_BYTES - 4096, 4096, distributed=False) == 2
+    assert auto_slot_count(AUTO_SECOND_SLOT_MAX_BYTES, 1, distributed=False) == 1  # a second copy of a large state: the user's call
+    assert auto_slot_count(1 << 20, 0, distributed=True) == 1  # ranks' sizes differ; every rank must start at the same step

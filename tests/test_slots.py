@@ -43,7 +43,7 @@ def test_host_buffers_are_registered_in_the_ranks_own_device_context(tmp_path):
             step()
             ckpt.step()
         (info,) = ckpt.wait(timeout_s=120)
-        assert len(dev.registered) == 2  # the slot and replay's gradient buffer, page-locked
+        assert len(dev.registered) == 4  # two slots ("auto", a small state), each with replay's gradient buffer, page-locked
     assert info.step == 2
     assert dev.contexts == {1}
     assert dev.registered == {}  # close() unregistered them

@@ -83,8 +83,8 @@ class OverlapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc, val
         consistency: str = "replay"
         """With window > 1: 'replay' (rolled forward on the CPU, no GPU memory) or 'stage' (exact, GPU memory)."""
 
-        max_inflight: int = 1
-        """Checkpoints in flight at once; each holds one host copy of this rank's state."""
+        max_inflight: int | str = "auto"
+        """Checkpoints in flight at once; each holds one host copy of this rank's state ('auto': one in a distributed run)."""
 
         writer_threads: int | None = None
         """The writer process's threads (None: a quarter of the cores, 1 to 4)."""

@@ -3,6 +3,8 @@
 A slot holds one snapshot's bytes, laid out by its plan, and in replay mode a
 second buffer for the gradients its window logs. At most ``max_inflight`` slots
 exist; a request that finds none free waits (the engine counts a deferral).
+``max_inflight="auto"`` sizes the pool when the state's size is known
+(``auto_slot_count``): two slots for a small state in one process, else one.
 
 Allocation is slow: reserving the pages of a large shared file, faulting them into
 this process's page tables and, on CUDA, page-locking them (``cudaHostRegister``)
@@ -43,6 +45,23 @@ from .transfer import Copier, CopyRoute, CopyTicket
 
 # A background allocation that takes longer than this is stuck (a full /dev/shm blocks no call, it fails).
 _PREALLOCATE_TIMEOUT_S = 600.0
+# max_inflight="auto" keeps a second slot where one slot (snapshot and logged gradients) is at most this.
+# A small state's persist (a tiny model's: about 20 ms, its fsync included) can outlast `every` short
+# steps; with one slot the next replay window then opens late and is cut to 1. Two slots of this size
+# cost little host memory; above it, a second copy of the state is the user's call (max_inflight=2).
+AUTO_SECOND_SLOT_MAX_BYTES = 256 << 20
+
+
+def auto_slot_count(slot_nbytes: int, grad_nbytes: int, distributed: bool) -> int:
+    """How many slots ``max_inflight="auto"`` keeps for a state whose slot takes these bytes.
+
+    One in a distributed run: the ranks' states differ in size (pipeline stages, uneven
+    shards), and a rank with fewer slots would wait for one at a step where the others
+    start, so the ranks would hold different versions.
+    """
+    if distributed:
+        return 1
+    return 2 if slot_nbytes + grad_nbytes <= AUTO_SECOND_SLOT_MAX_BYTES else 1
 
 
 @dataclass(eq=False)
@@ -119,13 +138,16 @@ def _touch_pages(buffer: SharedHostBuffer) -> None:
 class SlotPool:
     """Host slots for in-flight snapshots, and their link to the writer's mappings."""
 
-    def __init__(self, link: WriterLink, copier: Copier, max_inflight: int) -> None:
+    def __init__(self, link: WriterLink, copier: Copier, max_inflight: int | None, distributed: bool = False) -> None:
+        """``max_inflight``: the most slots; None sizes the pool at each ``preallocate`` (``auto_slot_count``)."""
         self.link = link
         link.on_replaced(self._hand_to)
         self.copier = copier
         # Page-locked for DMA (in the device's own context): only where the copier copies by DMA into it.
         self.pin: HostPinner | None = copier.device if copier.pins_host_memory else None
-        self.max_inflight = max_inflight
+        self.sized_by_state = max_inflight is None
+        self.distributed = distributed
+        self.max_inflight = 1 if max_inflight is None else max_inflight
         self.slots: list[HostSlot] = []
         self._next_buffer_id = 0
         self._thread: threading.Thread | None = None
@@ -141,6 +163,8 @@ class SlotPool:
             return
         self.finish_preallocation()
         self.prepared_sizes = (slot_nbytes, grad_nbytes)
+        if self.sized_by_state:
+            self.max_inflight = auto_slot_count(slot_nbytes, grad_nbytes, self.distributed)
         count = self.max_inflight - sum(1 for s in self.slots if s.busy)
         for slot in [s for s in self.slots if not s.busy]:
             self.release_slot(slot)

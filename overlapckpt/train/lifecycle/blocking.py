@@ -74,8 +74,11 @@ class BlockingCalls:
                     continue  # the deadline check above raises the named error
             self.completion.settle(start_due)
 
-    def wait_for_free_slot(self) -> float:
-        """A scheduled checkpoint at its version's step, every slot busy: wait for one, without a host-device sync; the seconds.
+    def wait_for_free_slot(self) -> float | None:
+        """A scheduled checkpoint at its version's step, every slot busy: wait for one, without a host-device sync.
+
+        The seconds this hook blocked; None when it did not: the writer's answer that frees a
+        slot had already arrived, and reading it was enough.
 
         Open windows (an unscheduled request's) close now, as ``wait()`` closes them. Then
         the hook polls: the copies' events by query, the writer's answers by a wait on its
@@ -87,11 +90,13 @@ class BlockingCalls:
             self.p.copies.close_window(snap, self.s.step_count, self.s.hook_serial)
             if snap.state == SnapshotState.AT_BOUNDARY:
                 self.s.close_boundary(snap, provisional=False)
+        blocked = False
         while not self.p.slots.may_have_free_slot():
             self.completion.progress()
             self.completion.settle(start_due=None)  # the start that waits goes on once this returns
             if self.p.slots.may_have_free_slot():
                 break
+            blocked = True
             if self.p.dispatcher.in_flight or self.p.link.writer.awaiting_responses:
                 try:
                     self.p.dispatcher.wait_one(SLOT_POLL_S)
@@ -100,7 +105,7 @@ class BlockingCalls:
             else:
                 # Copies still landing: nothing to block on without synchronizing; look again shortly.
                 time.sleep(SLOT_POLL_S)
-        return time.perf_counter() - started
+        return time.perf_counter() - started if blocked else None
 
     def abandon(self, timeout_s: float) -> list[CheckpointInfo]:
         """Leaving on an error: commit what is complete in host memory within ``timeout_s``, drop the rest.

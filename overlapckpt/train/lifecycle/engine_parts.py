@@ -33,7 +33,7 @@ from torch import nn
 
 from ...errors import WriterDiedError
 from ...optimizers import update_rule_name
-from ...settings import CheckpointerSettings
+from ...settings import AUTO_INFLIGHT, CheckpointerSettings
 from ..consistency.autowindow import PhaseTimer
 from ..consistency.gradlog import GradientLogger
 from ..consistency.replay_guard import ReplayMutationGuard
@@ -156,7 +156,8 @@ def assemble_parts(
     # that finds no free slot waits for one instead of starting later on some ranks.
     distributed = units.scope.world_size > 1
     windows = WindowPolicy(win.window, mode, win.max_window, units.gap_timer, gradients_fenced=not copier.clone_is_cheap, distributed=distributed)
-    slots = SlotPool(link, copier, max_inflight=cadence.max_inflight)
+    inflight = None if cadence.max_inflight == AUTO_INFLIGHT else int(cadence.max_inflight)
+    slots = SlotPool(link, copier, max_inflight=inflight, distributed=distributed)
     staging = StagingArea(copier, win.stage_budget_bytes)
     gradients = GradientLogger(optimizer, copier)
     if mode is SnapshotMode.REPLAY:

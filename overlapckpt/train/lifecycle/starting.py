@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 class SlotWaits(Protocol):
     """The waits a start may do inside a hook for a host slot (``BlockingCalls`` does them)."""
 
-    def wait_for_free_slot(self) -> float:
-        """Wait for a free slot without a host-device sync; the seconds waited."""
+    def wait_for_free_slot(self) -> float | None:
+        """Wait for a free slot without a host-device sync; the seconds blocked, None if the answers already in freed one."""
         ...
 
     def drain(self, timeout_s: float | None, start_due: Callable[[], None] | None = None) -> None:
@@ -94,13 +94,14 @@ class SnapshotStarts:
             # The last step that can still hold the version asked for: wait for a slot here
             # (a stall, in the snapshot's waited_for_slot_s) rather than land off the schedule.
             waited_s = self.waits.wait_for_free_slot()
-            self.s.slot_wait_s += waited_s
-            log.warning(
-                "the checkpoint scheduled for step %d waited %.3f s in optimizer.step() for the previous one to commit "
-                "(every=%s is shorter than a persist takes): pass a larger every or max_inflight (one host copy of the "
-                "state each)",
-                self.s.step_count, waited_s, self.p.schedule.every,
-            )
+            if waited_s is not None:  # None: the commit had arrived already, and the hook did not wait for it
+                self.s.slot_wait_s += waited_s
+                log.warning(
+                    "the checkpoint scheduled for step %d waited %.3f s in optimizer.step() for the previous one to commit "
+                    "(every=%s is shorter than a persist takes, with max_inflight=%d): pass a larger every or max_inflight "
+                    "(one host copy of the state each)",
+                    self.s.step_count, waited_s, self.p.schedule.every, self.p.slots.max_inflight,
+                )
         slot = None
         if self.p.slots.may_have_free_slot():  # before any layout work: a fingerprint walks every tensor
             layout = self.p.plans.layout()
