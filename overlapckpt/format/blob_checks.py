@@ -22,12 +22,15 @@ from .checksum import hex32, updater
 from .crc_combine import combine
 from .direct_read import DIRECT_MIN_BYTES, fill, mark_written, read_ends, takes_data_as_is, tensor_bytes
 from .expected_sums import ExpectedSums, TensorSum, verification_refusal
+from .known_framing import KNOWN_FRAMING_MAX_BYTES, StoredAs, known_framings
 from .manifest import tensor_checksum
 from .tensor_decode import BlobEnds, TensorRecord, ViewReader, decode_in_place, decode_meta, locate, locate_from_ends
 
 # A tensor's bytes at least this long are hashed once, with the checksums of the spans
 # combined (~0.2 ms a blob); shorter ones are cheaper to hash twice.
 SPLIT_MIN_BYTES = 4 << 20
+# A blob is compared with a known framing up to this long (its data up to the framing's limit, and the frame).
+KNOWN_BLOB_MAX_BYTES = KNOWN_FRAMING_MAX_BYTES + (64 << 10)
 
 _thread_buffers = threading.local()
 
@@ -108,7 +111,13 @@ def _read_fresh(stream: Any, length: int) -> bytearray:
 
 
 def checked_tensor(
-    stream: Any, relative_path: str, info: Any, index: Any, expected: ExpectedSums | None, fresh: bool
+    stream: Any,
+    relative_path: str,
+    info: Any,
+    index: Any,
+    expected: ExpectedSums | None,
+    fresh: bool,
+    stored_as: StoredAs | None = None,
 ) -> torch.Tensor:
     """One tensor blob, read once and checked (its stored bytes, then the tensor against the snapshot), then decoded.
 
@@ -119,21 +128,28 @@ def checked_tensor(
     data, the framing after), combined into the blob's checksum (``crc_combine.py``);
     the data span's own checksum is the tensor's, compared with the host snapshot's.
     Small blobs, and any that are not torch.save's plain form, are hashed whole, decoded
-    by ``torch.load`` where needed, and the tensor hashed again.
+    by ``torch.load`` where needed, and the tensor hashed again. ``stored_as``: the dtype
+    and shape ``.metadata`` gives the blob's chunk, whose framing a small blob is compared
+    with before any parsing (``known_framing.py``).
     """
     stream.seek(int(info.offset))
     length = int(info.length)
     buffer: Any = _read_fresh(stream, length) if fresh else _read_into_thread_buffer(stream, length)
     if len(buffer) < length:
         raise _cut_short(relative_path, info, len(buffer), _blob_sums(relative_path, info, expected)[0], expected)
-    return checked_bytes(buffer, relative_path, info, index, expected)
+    return checked_bytes(buffer, relative_path, info, index, expected, stored_as)
 
 
-def checked_bytes(buffer: Any, relative_path: str, info: Any, index: Any, expected: ExpectedSums | None) -> torch.Tensor:
+def checked_bytes(
+    buffer: Any, relative_path: str, info: Any, index: Any, expected: ExpectedSums | None, stored_as: StoredAs | None = None
+) -> torch.Tensor:
     """``checked_tensor`` on a blob's bytes in memory (``buffer``: writable, as long as the blob); the tensor views them."""
     key, checksum = _blob_sums(relative_path, info, expected)
     view = memoryview(buffer)
-    record = locate(view)  # the zip's directory only: nothing is unpickled before the checksum matched
+    # A small blob in the framing torch.save gives the tensor .metadata names: compared, not parsed.
+    known = known_framings.tensor(buffer, *stored_as) if stored_as is not None and len(view) <= KNOWN_BLOB_MAX_BYTES else None
+    # Else the zip's directory only: nothing is unpickled before the checksum matched.
+    record = locate(view) if known is None else None
     data_sum: str | None = None
     if expected is not None:
         update = updater(expected.algorithm)
@@ -148,7 +164,10 @@ def checked_bytes(buffer: Any, relative_path: str, info: Any, index: Any, expect
             raise _mismatch(relative_path, info, key, expected)
         expected.check_mac(relative_path, info, key, view)
     del view
-    tensor = decode_in_place(buffer, record) if record is not None else None
+    if known is not None:
+        tensor: torch.Tensor | None = known[0]
+    else:
+        tensor = decode_in_place(buffer, record) if record is not None else None
     in_place = tensor is not None
     if tensor is None:
         # Weights only, as DCP's own reader: no code from the checkpoint runs.

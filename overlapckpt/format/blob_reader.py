@@ -49,6 +49,7 @@ from ..cores import usable_cores
 from ..errors import CorruptCheckpointError
 from .blob_checks import checked_blob, checked_bytes, checked_tensor, place_direct
 from .expected_sums import ExpectedSums
+from .known_framing import stored_chunk
 from .manifest import DATA_FILE_RE
 from .safe_unpickle import load_byte_item
 
@@ -186,9 +187,11 @@ class VerifiedReading:
                 expected = None  # these very bytes were checked by the CHECK pass
             file_nbytes = stream.seek(0, io.SEEK_END)
             mapped = map_for_checking(stream, file_nbytes) if mode == CHECK else None
+            metadata = getattr(planner, "metadata", None)  # DCP's planner holds the .metadata it planned from
             for info, reads in batch:
                 check_span(relative_path, info, file_nbytes)
                 in_map = None if mapped is None else mapped[int(info.offset) : int(info.offset) + int(info.length)]
+                index = reads[0].storage_index
                 if reads[0].type == LoadItemType.BYTE_IO:
                     blob = checked_blob(stream, relative_path, info, expected, in_map)
                     if mode == CHECK:
@@ -198,19 +201,22 @@ class VerifiedReading:
                             load_byte_item(io.BytesIO(blob), read_item.dest_index.fqn)
                     else:
                         _decode_bytes(blob, reads, planner, lock)
-                elif in_map is not None:  # CHECK, of a local file
-                    checked_bytes(in_map, relative_path, info, reads[0].storage_index, expected)
+                    continue
+                # The dtype and shape .metadata gives the chunk: which framing a small blob is compared with.
+                stored_as = None if metadata is None else stored_chunk(metadata, index)
+                if in_map is not None:  # CHECK, of a local file
+                    checked_bytes(in_map, relative_path, info, index, expected, stored_as)
                 elif mode == CHECK:
-                    checked_tensor(stream, relative_path, info, reads[0].storage_index, expected, fresh=False)
+                    checked_tensor(stream, relative_path, info, index, expected, fresh=False, stored_as=stored_as)
                 elif mode == ADOPT:
-                    tensor = checked_tensor(stream, relative_path, info, reads[0].storage_index, expected, fresh=True)
+                    tensor = checked_tensor(stream, relative_path, info, index, expected, fresh=True, stored_as=stored_as)
                     _place(tensor, reads, planner, lock, adopt=True)
                 else:
                     with lock:  # counted before any byte of them is written: a failure may leave them partly written
                         self.tensors_placed += len(reads)
                     if not place_direct(stream, relative_path, info, reads, planner, lock, expected):
                         # A view of this thread's buffer: copied into every target before its next read.
-                        tensor = checked_tensor(stream, relative_path, info, reads[0].storage_index, expected, fresh=False)
+                        tensor = checked_tensor(stream, relative_path, info, index, expected, fresh=False, stored_as=stored_as)
                         _place(tensor, reads, planner, lock, adopt=False)
 
 

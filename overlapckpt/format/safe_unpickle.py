@@ -18,8 +18,12 @@ reads every checkpoint overlapckpt writes: the files are plain DCP.
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import io
 import pickle
+import threading
+from collections import OrderedDict
 from typing import IO, Any
 
 import torch
@@ -30,6 +34,12 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from ..errors import UnsafeCheckpointError
 from .pickle_bounds import check_pickle_bounds
+
+# Metadata unpickled lately, by (length, SHA-256) of its bytes: one load reads its .metadata twice.
+# Two, so that a load beside another (a second root, a tier) keeps its own; each costs its Metadata.
+PARSED_METADATA_ENTRIES = 2
+_parsed: OrderedDict[tuple[int, bytes], Metadata] = OrderedDict()
+_parsed_lock = threading.Lock()
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 # Every global DCP's Metadata pickles, found by unpickling real checkpoints (plain, DTensor
@@ -92,8 +102,26 @@ def load_metadata(file: IO[bytes], where: str) -> Metadata:
     """DCP's ``Metadata`` from ``file`` (``where`` names it in errors), never running code from it.
 
     Its opcodes are scanned first (``pickle_bounds.py``): nothing it claims sizes an allocation.
+    The same bytes read again (a verified load reads ``.metadata`` in its check pass and again
+    in its placing pass) are not unpickled again: a copy of what they gave is returned, its
+    ``storage_meta`` its own (the one field a reader sets; nothing changes the rest).
     """
     data = file.read()
+    digest = (len(data), hashlib.sha256(data).digest())
+    with _parsed_lock:
+        parsed = _parsed.get(digest)
+    if parsed is None:
+        parsed = _unpickled_metadata(data, where)
+        with _parsed_lock:
+            _parsed[digest] = parsed
+            while len(_parsed) > PARSED_METADATA_ENTRIES:
+                _parsed.popitem(last=False)
+    metadata = copy.copy(parsed)
+    metadata.storage_meta = copy.copy(parsed.storage_meta)
+    return metadata
+
+
+def _unpickled_metadata(data: bytes, where: str) -> Metadata:
     check_pickle_bounds(data, where)
     try:
         metadata = MetadataUnpickler(io.BytesIO(data), where).load()
