@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import subprocess
 import sys
 import threading
@@ -508,7 +509,7 @@ def test_a_nodes_value_in_the_listing_gather_grows_by_a_bit_per_file_and_names_n
 
 
 def test_the_ranks_send_only_what_their_node_lacks_and_a_replaced_node_gets_only_that(tmp_path):
-    """Two nodes of one rank each (gloo, node keys of their own): node 0 holds the checkpoint, node 1 only its own shard.
+    """Two nodes of one rank each (gloo, node keys of their own): node 0 holds the checkpoint, node 1 was replaced (holds nothing).
 
     Before: every rank all-gathered the whole set of files its load reads, names included.
     """
@@ -523,6 +524,18 @@ def test_the_ranks_send_only_what_their_node_lacks_and_a_replaced_node_gets_only
         ]
         assert r["files"] == sorted({".metadata", MANIFEST_NAME, "__0_0.distcp", f"__{r['rank']}_0.distcp"})
         assert r["listing_names"] == []  # no file name in the listing gather
+
+
+def test_a_fetched_manifest_that_is_not_the_agreed_one_sends_every_rank_to_the_root(tmp_path):
+    """The file names come from each node's own manifest: one whose SHA-256 is not the agreed one is refused on every rank."""
+    results = launch_ranks(TIER_WORKER, "forged_manifest", 2, str(tmp_path), timeout_s=240)
+    for r in results:
+        assert r["copies"] == [[0, 1, ".metadata"], [0, 1, MANIFEST_NAME]]  # the head fetch only: nothing is fetched by its names
+        assert r["source"] is None
+        (warning,) = r["warnings"]
+        assert re.search(
+            r"cannot be planned on rank 1 \(CorruptCheckpointError: .*manifest has SHA-256 .*, not the .* the nodes agreed on", warning
+        ), warning
 
 
 def test_verify_checks_the_named_files_instead_of_a_share(tmp_path):
