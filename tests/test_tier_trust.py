@@ -35,7 +35,7 @@ from overlapckpt.format.storage import CheckpointStore
 from overlapckpt.format.tensor_decode import locate
 from overlapckpt.format.tiers import TIER_MARKER_NAME, default_local_dir
 from overlapckpt.format.verify import verify_checkpoint
-from overlapckpt.restore.node_listings import NodeListings, tier_listing
+from overlapckpt.restore.node_listings import NodeListings, TierDigest, agreed_file_table, tier_listing
 
 from helpers import assert_state_equal, make_run, snapshot, train_step, twin_states
 
@@ -148,10 +148,10 @@ def test_01_a_restart_after_a_rollback_resumes_the_branch_latest_names_and_the_t
 def test_01_among_equal_versions_the_run_latest_names_wins_whatever_the_run_ids(tmp_path):
     """The choice among the tiers' equal versions: the run on latest's lineage, even where the other's id sorts higher."""
     abandoned, current = "f" * 32, "0" * 32
-    files = {MANIFEST_NAME: 10}
+    # Each: .metadata and the manifest (its only files), both held, 10 bytes each.
     listing = {
-        f"step-000000006-{abandoned[:8]}": (6, abandoned, dict(files), {MANIFEST_NAME: -1}),
-        f"step-000000006-{current[:8]}": (6, current, dict(files), {MANIFEST_NAME: -1}),
+        f"step-000000006-{abandoned[:8]}": TierDigest(6, abandoned, b"a" * 32, 2, b"\x03", 10, 10),
+        f"step-000000006-{current[:8]}": TierDigest(6, current, b"c" * 32, 2, b"\x03", 10, 10),
     }
     tiers = NodeListings.from_gathered([("node", listing)], lineage={current: 2**62, abandoned: 2})
     assert tiers.newest_complete(None, None) == (f"step-000000006-{current[:8]}", 6)
@@ -522,7 +522,8 @@ def test_11_the_fetch_copies_no_link_and_only_the_signed_manifests_sizes(tmp_pat
     os.unlink(os.path.join(newest, ".metadata"))
     os.symlink(secret, os.path.join(newest, ".metadata"))
     listing = tier_listing(local, 1, root)
-    assert ".metadata" not in listing[name][2]
+    table = agreed_file_table(local, name, listing[name])
+    assert not listing[name].held() >> table.index[".metadata"] & 1
     tiers = NodeListings.from_gathered([("a", listing), ("b", {})])
     assert tiers.newest_complete(4, None) is None or tiers.newest_complete(4, None)[0] != name
     os.unlink(os.path.join(newest, ".metadata"))
@@ -531,7 +532,12 @@ def test_11_the_fetch_copies_no_link_and_only_the_signed_manifests_sizes(tmp_pat
     listing = tier_listing(local, 1, root)
     tiers = NodeListings.from_gathered([("a", listing), ("b", {})])
     choice = tiers.newest_complete(4, None)
-    planned = tiers.copies(name, {"a": None, "b": None}) if choice is not None and choice[0] == name else []
+    if choice is not None and choice[0] == name:
+        planned = tiers.head_copies(name)
+        tiers.received(name, planned)
+        planned += tiers.copies(name, agreed_file_table(local, name, listing[name]), {"a": None, "b": None})
+    else:
+        planned = []
     assert all(copy.nbytes < 1 << 30 for copy in planned), planned
 
 

@@ -10,6 +10,8 @@ import dataclasses
 import json
 import logging
 import os
+import pickle
+import re
 import subprocess
 import sys
 import threading
@@ -17,6 +19,7 @@ import time
 
 import pytest
 import torch
+from fake_tiers import METADATA_NBYTES, manifest_bytes, write_tier_checkpoint
 
 from overlapckpt import Checkpointer, LoadTargets, list_checkpoints, load
 from overlapckpt.errors import ConfigError, CorruptCheckpointError
@@ -25,14 +28,15 @@ from overlapckpt.format.manifest import MANIFEST_NAME
 from overlapckpt.format.peers import NodeLayout
 from overlapckpt.format.process_identity import this_process
 from overlapckpt.format.storage import CheckpointStore
-from overlapckpt.format.tiers import TIER_MARKER_NAME, default_local_dir
-from overlapckpt.format.verify import VerifyShare, verify_checkpoint
+from overlapckpt.format.tiers import TIER_MARKER_NAME, default_local_dir, tier_store
+from overlapckpt.format.verify import VerifyShare, read_manifest, verify_checkpoint
 from overlapckpt.protocol import FileCopy
-from overlapckpt.restore.node_listings import NodeListings
+from overlapckpt.restore.node_listings import FileTable, NodeListings, TierDigest, agreed_file_table, tier_listing
 
-from helpers import assert_state_equal, make_run, train_step, twin_states
+from helpers import assert_state_equal, launch_ranks, make_run, train_step, twin_states
 
 STEPS = 12
+TIER_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "tier_digests_worker.py")
 _TWINS: dict[int, dict] = {}
 
 
@@ -394,10 +398,22 @@ def test_a_preemption_during_a_paced_senders_wait_ends_it():
     assert len(asked) == 3
 
 
+def _table(files: dict[str, int]) -> FileTable:
+    """The file table of checkpoint "ckpt": its data ``files`` (name: bytes), a .metadata of 10 bytes, the manifest."""
+    data = sorted(files)
+    return FileTable((*data, ".metadata", MANIFEST_NAME), (*(files[f] for f in data), 10, -1))
+
+
+def _digest(version: int, held: set[str], files: dict[str, int], sha256: bytes = b"m" * 32) -> TierDigest:
+    """One node's digest of a checkpoint of ``files``: it holds ``held`` (a manifest of 1 byte)."""
+    table = _table(files)
+    bits = sum(1 << table.index[f] for f in held)
+    return TierDigest(version, "run", sha256, len(table.names), bits.to_bytes((len(table.names) + 7) // 8, "little"), 10, 1)
+
+
 def _listing(version: int, held: set[str], files: dict[str, int]) -> dict:
     """One node's listing of checkpoint "ckpt": it holds ``held`` of the checkpoint's ``files`` (name: bytes)."""
-    needed = {**files, ".metadata": 10, MANIFEST_NAME: -1}
-    return {"ckpt": (version, "run", {f: needed[f] if needed[f] >= 0 else 1 for f in held}, needed)}
+    return {"ckpt": _digest(version, held, files)}
 
 
 def test_a_restore_fetches_each_node_the_files_its_ranks_read_and_refuses_names_the_manifest_lacks():
@@ -410,33 +426,116 @@ def test_a_restore_fetches_each_node_the_files_its_ranks_read_and_refuses_names_
         ("n2", _listing(6, head | {"__2_0.distcp", "__1_0.distcp"}, files)),
     ])
     assert nodes.newest_complete(None, None) == ("ckpt", 6)
-    # First the files every rank reads, each from one of the nodes holding it, in turn.
-    first = nodes.copies("ckpt", {n: frozenset(head) for n in nodes.listings})
+    # First the files every rank reads, each from one of the nodes holding it, in turn: named and
+    # sized from the digests alone (node 1 has no manifest to read names from yet).
+    first = nodes.head_copies("ckpt")
     assert first == [FileCopy(0, 1, ".metadata", 10), FileCopy(2, 1, MANIFEST_NAME, 1)]
     nodes.received("ckpt", first)
-    # Then each rank's own shard and rank 0's file (which holds the items every rank reads).
-    wanted = {f"n{r}": frozenset(head | {f"__{r}_0.distcp", "__0_0.distcp"}) for r in range(3)}
-    assert nodes.copies("ckpt", wanted) == [
+    # Then each rank's own shard and rank 0's file (which holds the items every rank reads), named
+    # by the file table each node reads from its own manifest.
+    table = _table(files)
+    wanted = {f"n{r}": table.indices("ckpt", head | {f"__{r}_0.distcp", "__0_0.distcp"}) for r in range(3)}
+    assert nodes.copies("ckpt", table, wanted) == [
         FileCopy(0, 1, "__0_0.distcp", 100), FileCopy(2, 1, "__1_0.distcp", 200), FileCopy(0, 2, "__0_0.distcp", 100)
     ]
+    # What each node's ranks send instead of their whole sets: only the files their node lacks.
+    assert [nodes.lacking(f"n{r}", "ckpt", wanted[f"n{r}"]) for r in range(3)] == [(), (0, 1), (0,)]
     # Without load plans (a reader of whole checkpoints), every node is completed.
-    whole = nodes.copies("ckpt", {n: None for n in nodes.listings})
+    whole = nodes.copies("ckpt", table, {n: None for n in nodes.listings})
     assert sorted((c.target, c.filename) for c in whole) == [
         (0, "__1_0.distcp"), (1, "__0_0.distcp"), (1, "__1_0.distcp"), (1, "__2_0.distcp"), (2, "__0_0.distcp")
     ]
     # A name from a load plan that the manifest does not list is never copied.
     with pytest.raises(CorruptCheckpointError, match=r"\['\.\./\.\./etc/passwd'\], which its manifest does not list"):
-        nodes.copies("ckpt", {"n1": frozenset({"../../etc/passwd"})})
+        table.indices("ckpt", frozenset({"../../etc/passwd"}))
 
 
 def test_a_shard_on_no_node_makes_the_version_incomplete_and_an_older_one_is_taken():
     files = {"__0_0.distcp": 100, "__1_0.distcp": 200}
     head = {".metadata", MANIFEST_NAME}
-    newer = _listing(8, head | {"__0_0.distcp"}, files)
-    older = _listing(6, head | set(files), files)
-    nodes = NodeListings.from_gathered([("n0", {"v8": newer["ckpt"], "v6": older["ckpt"]}), ("n1", {"v8": newer["ckpt"]})])
+    newer = _digest(8, head | {"__0_0.distcp"}, files)
+    older = _digest(6, head | set(files), files)
+    nodes = NodeListings.from_gathered([("n0", {"v8": newer, "v6": older}), ("n1", {"v8": newer})])
     assert nodes.newest_complete(None, None) == ("v6", 6)
     assert nodes.newest_complete(None, 7) is None  # the root's version 7 is newer than any complete one
+
+
+def test_a_node_holding_another_manifest_under_the_name_is_refused(tmp_path, caplog):
+    """Nodes agree on a checkpoint by its manifest's SHA-256: the same name, version and run with other bytes is refused."""
+    files = {"__0_0.distcp": 100, "__1_0.distcp": 200}
+    head = {".metadata", MANIFEST_NAME}
+    ours, other = _digest(8, head | {"__0_0.distcp"}, files), _digest(8, head | {"__1_0.distcp"}, files, sha256=b"o" * 32)
+    older = _digest(6, head | set(files), files)
+    assert (ours.version, ours.run_id) == (other.version, other.run_id)  # what the nodes compared before
+    agreeing = NodeListings.from_gathered([("n0", {"v8": ours, "v6": older}), ("n1", {"v8": dataclasses.replace(other, manifest_sha256=b"m" * 32)})])
+    assert agreeing.newest_complete(None, None) == ("v8", 8)
+    nodes = NodeListings.from_gathered([("n0", {"v8": ours, "v6": older}), ("n1", {"v8": other})])
+    with caplog.at_level(logging.INFO, logger="overlapckpt.restore"):
+        assert nodes.newest_complete(None, None) == ("v6", 6)
+    assert "checkpoint v8 is another run's on some node: not restored from the local tiers" in caplog.text
+    # On a node: its own copy of the manifest is read and refused unless it is the agreed one.
+    local, root = str(tmp_path / "local"), str(tmp_path / "root")
+    os.makedirs(root)
+    name = write_tier_checkpoint(local, root, 6, files, 2)
+    (digest,) = tier_listing(local, 2, root).values()
+    assert agreed_file_table(local, name, digest) == FileTable(
+        ("__0_0.distcp", "__1_0.distcp", ".metadata", MANIFEST_NAME), (100, 200, METADATA_NBYTES, -1)
+    )
+    with open(os.path.join(local, name, MANIFEST_NAME), "wb") as f:  # the same step, run and files, written at another time
+        f.write(manifest_bytes(6, "0123456789abcdef" * 2, files, 2, created_at=1.0))
+    with pytest.raises(CorruptCheckpointError, match="not the .* the nodes agreed on: this node holds another checkpoint under its name"):
+        agreed_file_table(local, name, digest)
+
+
+@pytest.mark.parametrize("ranks", [8, 1024])
+def test_a_nodes_value_in_the_listing_gather_grows_by_a_bit_per_file_and_names_no_file(tmp_path, ranks):
+    """Before: each checkpoint's listing named every file twice (1,024 ranks: 38,907 pickled bytes per node per checkpoint)."""
+    values = {}
+    for prefix in ("", "a-long-prefix-that-a-file-name-never-needs-" * 4):
+        files = {f"__{r}_0.distcp{prefix}": 1 for r in range(ranks)}
+        local, root = str(tmp_path / f"local{len(prefix)}"), str(tmp_path / f"root{len(prefix)}")
+        os.makedirs(root)
+        name = write_tier_checkpoint(local, root, 6, files, ranks, held={"__1_0.distcp" + prefix})
+        listing = tier_listing(local, ranks, root)
+        digest = listing[name]
+        table = FileTable.of_manifest(read_manifest(tier_store(local), name))
+        assert [table.names[i] for i in range(digest.files) if digest.held() >> i & 1] == ["__1_0.distcp" + prefix, ".metadata", MANIFEST_NAME]
+        pickled = pickle.dumps({name: digest})
+        assert not [f for f in table.names if f.encode() in pickled]
+        assert len(pickled) <= 200 + (ranks + 2 + 7) // 8  # the name, the class, the SHA-256, the run, four integers; a bit per file
+        values[prefix] = pickle.dumps({name: dataclasses.replace(digest, manifest_nbytes=0)})
+    short, long = values.values()
+    assert len(short) == len(long)  # the names' lengths count nowhere but in the manifest's size, an integer
+
+
+def test_the_ranks_send_only_what_their_node_lacks_and_a_replaced_node_gets_only_that(tmp_path):
+    """Two nodes of one rank each (gloo, node keys of their own): node 0 holds the checkpoint, node 1 was replaced (holds nothing).
+
+    Before: every rank all-gathered the whole set of files its load reads, names included.
+    """
+    results = launch_ranks(TIER_WORKER, "lacking", 2, str(tmp_path), timeout_s=240)
+    # What each rank sent once the head fetch gave node 1 the manifest: node 0's rank nothing,
+    # node 1's the indices of the two shards (in the manifest's order) its rank reads.
+    assert [r["sent"] for r in results] == [["node-0", [], None, None], ["node-1", [0, 1], None, None]]
+    for r in results:
+        assert r["copies"] == [
+            [0, 1, ".metadata", METADATA_NBYTES], [0, 1, MANIFEST_NAME, r["manifest_nbytes"]],
+            [0, 1, "__0_0.distcp", 100], [0, 1, "__1_0.distcp", 200],
+        ]
+        assert r["files"] == sorted({".metadata", MANIFEST_NAME, "__0_0.distcp", f"__{r['rank']}_0.distcp"})
+        assert r["listing_names"] == []  # no file name in the listing gather
+
+
+def test_a_fetched_manifest_that_is_not_the_agreed_one_sends_every_rank_to_the_root(tmp_path):
+    """The file names come from each node's own manifest: one whose SHA-256 is not the agreed one is refused on every rank."""
+    results = launch_ranks(TIER_WORKER, "forged_manifest", 2, str(tmp_path), timeout_s=240)
+    for r in results:
+        assert r["copies"] == [[0, 1, ".metadata"], [0, 1, MANIFEST_NAME]]  # the head fetch only: nothing is fetched by its names
+        assert r["source"] is None
+        (warning,) = r["warnings"]
+        assert re.search(
+            r"cannot be planned on rank 1 \(CorruptCheckpointError: .*manifest has SHA-256 .*, not the .* the nodes agreed on", warning
+        ), warning
 
 
 def test_verify_checks_the_named_files_instead_of_a_share(tmp_path):

@@ -66,6 +66,11 @@ def read_manifest(store: CheckpointStore, name: str) -> Manifest:
     CorruptCheckpointError if it is missing, damaged or unparsable; CheckpointReadError
     if storage could not be read.
     """
+    return read_manifest_and_bytes(store, name)[0]
+
+
+def read_manifest_and_bytes(store: CheckpointStore, name: str) -> tuple[Manifest, bytes]:
+    """``read_manifest``'s manifest, with the exact bytes it was parsed from: a digest of them names that manifest."""
     where = store.checkpoint_url(name)
     with translate_read_errors(where):
         try:
@@ -76,7 +81,7 @@ def read_manifest(store: CheckpointStore, name: str) -> Manifest:
             ) from e
     manifest = parse_manifest(raw, f"{where}/{MANIFEST_NAME}")
     check_name_matches(name, manifest, where)
-    return manifest
+    return manifest, raw
 
 
 def check_name_matches(name: str, manifest: Manifest, where: str) -> None:

@@ -2,13 +2,17 @@
 
 ``load(..., local_dir=...)`` and ``Checkpointer.restore()`` consider, in order, this
 node's tier, then the partners' replicas on other nodes, then the root. Across nodes
-the ranks pool every node's listing and take the newest version of this world size
-whose every file some node holds, when it is at least as new as the root's. A node
+the ranks pool every node's digest of its tier (``restore/node_listings.py``: per
+checkpoint, its manifest's SHA-256 and a bitmap of the files the node holds, never their
+names) and take the newest version of this world size whose every file some node holds,
+when it is at least as new as the root's. A node
 that lacks files its ranks read (it was replaced, its tmpfs gone; or, on more than two
 nodes, it holds only its own and its partners' shards) gets them from a node that holds
 them, through the writers (``writer/replicas.py``, ``Checkpointer.restore()`` only):
 ``.metadata`` and the manifest first, then the files each rank's DCP load plan names
-(``plan.py``), never the whole checkpoint where the ranks read part of it.
+(``plan.py``), never the whole checkpoint where the ranks read part of it. Each rank reads
+the file names from its node's own copy of the manifest, once the nodes agree on it by its
+SHA-256, and the ranks gather only what each node lacks: no file list crosses the network.
 The load then verifies what it reads as any load does, and a refused one (a corrupt
 replica, a missing file) falls back to the root with a warning naming it. Every choice,
 and why, is logged.
@@ -20,7 +24,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -31,7 +35,7 @@ from ..format.storage import CheckpointStore
 from ..format.verify import read_manifest
 from ..protocol import FileCopy
 from .locate import checkpoint_at
-from .node_listings import NodeListings, tier_lineage, tier_listing
+from .node_listings import FileTable, NodeListings, agreed_file_table, tier_lineage, tier_listing
 
 log = logging.getLogger("overlapckpt.restore")
 # What makes a local-tier checkpoint unusable, so the next source is tried. A mismatch too:
@@ -182,26 +186,41 @@ def local_candidate(
         return None
     name, version = choice
     where = CheckpointStore(local_dir).checkpoint_url(name)
-    if files_read is None or group is None:  # one process reads every file: it has them all
-        if not _fetched(tiers, name, version, {node: None for node in tiers.listings}, fetch, path, report):
-            return None
+    # One process reads every file: its own tier holds them all (it was chosen as complete, and
+    # no other node could hold one). Many processes that read whole checkpoints: so may every node.
+    if group is None or (files_read is None and not tiers.missing(name)):
         log.info("restoring version %d from the local tier: %s", version, where)
         return Source(where, is_root=False)
-    # .metadata and the manifest first: a rank's load plan is read from them.
-    if not _fetched(tiers, name, version, {node: HEAD_FILES for node in tiers.listings}, fetch, path, report):
+    if fetch is None and files_read is None:
+        _say_unfetchable(version, tiers.missing(name), path)
         return None
-    reads, plans = _gathered_load_plans(where, files_read, group)
-    failed = [(rank, why) for rank, (_, _, why) in enumerate(plans) if why is not None]
-    if failed:
+    # .metadata and the manifest first: each rank reads the file table from the manifest, and its
+    # load plan from .metadata.
+    if not _fetched(tiers, name, version, lambda: tiers.head_copies(name), fetch, path, report):
+        return None
+    reads, table, plans = _gathered_lacking(tiers, name, local_dir, where, files_read, group)
+    failed = [(rank, why) for rank, (_, _, why, _) in enumerate(plans) if why is not None]
+    if failed or table is None:  # this rank without its table sent its failure: failed names it
         rank, why = failed[0]
         warnings.warn(f"overlapckpt: the local tier's {where} cannot be planned on rank {rank} ({why}); restoring from the root {path}", stacklevel=4)
         return None
-    wanted: dict[str, frozenset[str] | None] = {}
-    for key, files, _ in plans:
-        wanted[key] = frozenset(files) | (wanted.get(key) or frozenset())
-    if not _fetched(tiers, name, version, wanted, fetch, path, report):
+    agreed: FileTable = table  # every rank's: the same manifest, by its SHA-256
+    refused = [refusal for _, _, _, refusal in plans if refusal is not None]
+    wanted: dict[str, frozenset[int]] = {}
+    for key, lacking, _, _ in plans:
+        wanted[key] = frozenset(lacking) | wanted.get(key, frozenset())
+
+    def copies() -> list[FileCopy]:
+        if refused:  # a name a load plan gave that the manifest lacks, on some rank: every rank refuses alike
+            raise CorruptCheckpointError(refused[0])
+        return tiers.copies(name, agreed, wanted)
+
+    if not _fetched(tiers, name, version, copies, fetch, path, report, agreed):
         return None
-    log.info("restoring version %d from the local tier: %s (this rank reads %d of its files)", version, where, len(reads or ()))
+    if reads is None:
+        log.info("restoring version %d from the local tier: %s", version, where)
+    else:
+        log.info("restoring version %d from the local tier: %s (this rank reads %d of its files)", version, where, len(reads))
     return Source(where, is_root=False, files=reads)
 
 
@@ -219,8 +238,8 @@ def _pooled_listings(scope: RestoreScope, local_dir: str) -> tuple[NodeListings,
     root_version = _root_version(path, storage_options) if step is None and rank == 0 else None
     keys: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(keys, (node_key(), root_version), group=group)
-    # Only each node's lowest rank lists its tier: the others' listings would be the same, and
-    # every rank receives every listing (a manifest names every file of the checkpoint).
+    # Only each node's lowest rank lists its tier: the others' digests would be the same, and every
+    # rank receives every node's (a digest per checkpoint: its size grows with the files by a bit each).
     leads = [key for key, _ in keys].index(keys[rank][0]) == rank
     listings: list[Any] = [None] * len(keys)
     listing = tier_listing(local_dir, world, path) if leads else {}
@@ -232,44 +251,67 @@ def _pooled_listings(scope: RestoreScope, local_dir: str) -> tuple[NodeListings,
     return tiers, keys[0][1]
 
 
-def _gathered_load_plans(where: str, files_read: FilesRead, group: Any) -> tuple[frozenset[str] | None, list[Any]]:
-    """The files this rank's load reads from ``where`` (None if it cannot be planned), and every rank's (node, files, failure)."""
-    reads: frozenset[str] | None = None
-    failure: str | None = None
-    try:
-        reads = HEAD_FILES | files_read(where)
-    except Exception as e:  # noqa: BLE001 - gathered below and agreed on by every rank, which then reads the root
-        failure = f"{type(e).__name__}: {e}"
+def _gathered_lacking(
+    tiers: NodeListings, name: str, local_dir: str, where: str, files_read: FilesRead | None, group: Any
+) -> tuple[frozenset[str] | None, FileTable | None, list[Any]]:
+    """What this rank's load reads of ``name`` (None: every file), its node's file table, and every rank's (node, lacking, failure, refusal).
+
+    Each rank reads the file table from its node's copy of the manifest (the head fetch gave every
+    node one) and sends only the bit indices of the files it reads that its node lacks: on a node
+    that holds its ranks' files, nothing. Without ``files_read`` each node's lowest rank sends every
+    file its node lacks. ``failure``: the table or the plan could not be had (the root is read);
+    ``refusal``: a file the plan names that the manifest does not list (CorruptCheckpointError's message).
+    """
     import torch.distributed as dist
 
+    node, rank = node_key(), dist.get_rank(group)
+    reads: frozenset[str] | None = None
+    table: FileTable | None = None
+    lacking: tuple[int, ...] = ()
+    failure: str | None = None
+    refusal: str | None = None
+    try:
+        table = agreed_file_table(local_dir, name, tiers.digest(name))
+        if files_read is not None:
+            reads = HEAD_FILES | files_read(where)
+    except Exception as e:  # noqa: BLE001 - gathered below and agreed on by every rank, which then reads the root
+        failure = f"{type(e).__name__}: {e}"
+    if table is not None and failure is None:
+        try:
+            if reads is not None:
+                lacking = tiers.lacking(node, name, table.indices(name, reads))
+            elif tiers.leaders[node] == rank:
+                lacking = tiers.lacking(node, name, range(len(table.names)))
+        except CorruptCheckpointError as e:
+            refusal = str(e)
     plans: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(plans, (node_key(), reads, failure), group=group)
-    return reads, plans
+    dist.all_gather_object(plans, (node, lacking, failure, refusal), group=group)
+    return reads, table, plans
 
 
 def _fetched(
     tiers: NodeListings,
     name: str,
     version: int,
-    wanted: dict[str, frozenset[str] | None],
+    planned: Callable[[], Sequence[FileCopy]],
     fetch: Fetch | None,
     path: str,
     report: RestoreReport | None,
+    table: FileTable | None = None,
 ) -> bool:
-    """Whether every node holds the files of ``name`` it wants (None: all), fetching those it lacks; False: read the root."""
+    """Whether every node holds the files of ``name`` it wants, fetching the ``planned`` copies; False: read the root.
+
+    ``table``: this node's file table, to note what was fetched (None: the head fetch).
+    """
     try:
-        copies = tiers.copies(name, wanted)
+        copies = list(planned())
     except CorruptCheckpointError as e:  # the same on every rank: each computes the copies from what all gathered
         warnings.warn(f"overlapckpt: {e}; restoring from the root {path}", stacklevel=5)
         return False
     if not copies:
         return True
     if fetch is None:
-        log.info(
-            "version %d is in the local tiers, but some node lacks %d of the files its ranks read, and load() outside a "
-            "Checkpointer cannot fetch them from a partner (Checkpointer.restore() can): restoring from the root %s",
-            version, len(copies), path,
-        )
+        _say_unfetchable(version, len(copies), path)
         return False
     started = time.perf_counter()
     try:
@@ -277,7 +319,7 @@ def _fetched(
     except OverlapCkptError as e:
         warnings.warn(f"overlapckpt: fetching {name}'s replicas from partner nodes failed ({e}); restoring from the root {path}", stacklevel=5)
         return False
-    tiers.received(name, copies)
+    tiers.received(name, copies, table)
     fetch_s, nbytes = time.perf_counter() - started, sum(c.nbytes for c in copies)
     if report is not None:
         report.fetch_s += fetch_s
@@ -285,6 +327,14 @@ def _fetched(
         report.fetched_bytes += nbytes
     log.info("fetched %d files (%d bytes) of %s from partner nodes in %.3f s", len(copies), nbytes, name, fetch_s)
     return True
+
+
+def _say_unfetchable(version: int, files: int, path: str) -> None:
+    log.info(
+        "version %d is in the local tiers, but some node lacks %d of the files its ranks read, and load() outside a "
+        "Checkpointer cannot fetch them from a partner (Checkpointer.restore() can): restoring from the root %s",
+        version, files, path,
+    )
 
 
 def _root_version(path: str, storage_options: dict[str, Any] | None) -> int | None:
