@@ -4,7 +4,9 @@ A load used to read every tensor into a fresh buffer of its own: a page fault pe
 4 KiB of state, and a load time that changed from one load to the next (issue 29).
 These tests pin the two passes: the check (nothing changes before every byte the
 load needs was checked) and the placement (a large tensor's data lands in the live
-tensor's memory with one read, checked there too where no check preceded it).
+tensor's memory with one read, checked there too where no check preceded it). They
+apply from ``TWO_PASS_MIN_BYTES`` of state; the tiny model here takes them with it set
+to 0, and once with it as it is: one pass into buffers of the load's own.
 """
 
 from __future__ import annotations
@@ -55,6 +57,13 @@ def root(written, tmp_path) -> Path:
     copy = tmp_path / "ckpts"
     shutil.copytree(written[0], copy)
     return copy
+
+
+@pytest.fixture(autouse=True)
+def two_passes(request, monkeypatch) -> None:
+    """The tiny model's state, read in two passes as a state of at least TWO_PASS_MIN_BYTES is."""
+    if "one_pass" not in request.keywords:
+        monkeypatch.setattr(pipeline, "TWO_PASS_MIN_BYTES", 0)
 
 
 @pytest.fixture
@@ -284,3 +293,31 @@ def test_a_retired_directory_a_dead_writer_left_is_swept_by_the_next_commit(tmp_
         ckpt.wait(timeout_s=120)
     assert not leftover.exists()
     assert other.exists()  # not a name retention makes: left alone
+
+
+@pytest.mark.one_pass
+def test_a_small_state_is_read_once_into_buffers_of_the_loads_own(root, written, monkeypatch):
+    """Below TWO_PASS_MIN_BYTES one reader, one DCP pass: its fresh memory is little, and a second pass would plan and walk
+    every blob again (30,000 small tensors: seconds). Before: a check pass and a placing pass for every local load."""
+    assert pipeline.TWO_PASS_MIN_BYTES == 64 << 20
+
+    class CountingReaders(CheckpointStore):
+        modes: list[str] = []
+
+        def make_reader(self, name: str) -> Any:
+            reader = super().make_reader(name)
+            expect = reader.expect
+
+            def recording(*args: Any, **kwargs: Any) -> None:
+                CountingReaders.modes.append(kwargs.get("mode", args[2] if len(args) > 2 else None))
+                expect(*args, **kwargs)
+
+            reader.expect = recording
+            return reader
+
+    store = CountingReaders(str(root))
+    monkeypatch.setattr(pipeline, "checkpoint_at", lambda path, step, options: (store, STEP))
+    model, opt = _fresh()
+    load(str(root), model, opt)
+    assert CountingReaders.modes == [blob_reader.ADOPT]
+    assert_state_equal(*written[1], model, opt)

@@ -21,9 +21,12 @@ What it covers (format 3):
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import re
+import threading
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -314,7 +317,31 @@ def _check_self_checksum(raw: bytes, where: str) -> bool:
 
 
 def parse_manifest(raw: bytes, where: str) -> Manifest:
-    """Check the manifest's own checksum, parse it, and sanity-check it; CorruptCheckpointError naming ``where``."""
+    """Check the manifest's own checksum, parse it, and sanity-check it; CorruptCheckpointError naming ``where``.
+
+    The same bytes of the same checkpoint parsed again (a load resolves the checkpoint, reading
+    its manifest, then reads it for its checks) give the Manifest they gave before: a frozen
+    record, parsed from exactly these bytes (a manifest of 30,000 tensors: 0.5 s a parse).
+    """
+    key = (where, len(raw), hashlib.sha256(raw).digest())
+    with _parsed_lock:
+        parsed = _parsed.get(key)
+    if parsed is None:
+        parsed = _parsed_manifest(raw, where)
+        with _parsed_lock:
+            _parsed[key] = parsed
+            while len(_parsed) > PARSED_MANIFEST_ENTRIES:
+                _parsed.popitem(last=False)
+    return parsed
+
+
+# Manifests parsed lately, by (where, length, SHA-256 of their bytes).
+PARSED_MANIFEST_ENTRIES = 4
+_parsed: OrderedDict[tuple[str, int, bytes], Manifest] = OrderedDict()
+_parsed_lock = threading.Lock()
+
+
+def _parsed_manifest(raw: bytes, where: str) -> Manifest:
     self_checked = _check_self_checksum(raw, where)
     try:
         manifest = json.loads(raw.decode("utf-8"))
