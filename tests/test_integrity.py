@@ -219,7 +219,7 @@ def test_the_typed_manifest_reads_and_writes_the_same_document(run):
     assert manifest.checksums is not None and SHARD in manifest.checksums.files
     item = manifest.items["model.inp.weight"]
     assert item.checksum is not None and item.crc32 is None  # format 3: in the checkpoint's algorithm
-    assert manifest.format_version == 3
+    assert manifest.format_version == 4  # format 3's fields, on one line, manifest_crc32 last
 
 
 def test_every_single_bit_flip_of_the_manifest_fails_its_checksum(run):
@@ -233,6 +233,34 @@ def test_every_single_bit_flip_of_the_manifest_fails_its_checksum(run):
             with pytest.raises(CorruptCheckpointError):
                 parse_manifest(bytes(buf), f"byte {pos} bit {bit}")
             buf[pos] ^= 1 << bit
+
+
+def test_a_format_3_manifest_indented_with_its_checksum_on_a_line_of_its_own_still_reads_and_checks(run):
+    """Format 4 writes one line, the checksum last; a checkpoint written before (format 3, indented) reads as it did."""
+    root, _ = run
+    document = json.loads((root / STEP3 / MANIFEST_NAME).read_bytes())
+    document["format_version"] = 3
+    document["manifest_crc32"] = "0" * 8
+    zeroed = json.dumps(document, indent=1, sort_keys=True, allow_nan=True).encode()  # how format 3 was written
+    at = zeroed.index(b'\n "manifest_crc32": "') + len(b'\n "manifest_crc32": "')
+    raw = zeroed[:at] + f"{zlib.crc32(zeroed) & 0xFFFFFFFF:08x}".encode() + zeroed[at + 8 :]
+    assert b"\n" in raw and not raw.endswith(b'"}')
+    manifest = parse_manifest(raw, "format 3")
+    assert manifest.format_version == 3 and manifest.step == 3
+    changed = bytearray(raw)
+    changed[raw.index(b'"step": 3') + 8] ^= 0x01
+    with pytest.raises(CorruptCheckpointError, match="fails its own checksum"):
+        parse_manifest(bytes(changed), "format 3, changed")
+
+
+def test_the_manifest_is_one_line_and_ends_with_its_checksum_so_no_nested_key_is_taken_for_it(run):
+    root, _ = run
+    raw = (root / STEP3 / MANIFEST_NAME).read_bytes()
+    assert b"\n" not in raw and raw[-len(b'"manifest_crc32": "00000000"}') :].startswith(b'"manifest_crc32": "')
+    document = json.loads(raw)
+    document["stats"] = {"manifest_crc32": "ffffffff", "aaa": {"manifest_crc32": "00000000"}}  # sorts before the real one
+    written = dump_manifest(document)
+    assert parse_manifest(written, "nested keys").step == 3
 
 
 def test_flipped_or_truncated_manifest_is_refused(run, capsys):

@@ -3,7 +3,7 @@
 Written by the writer process strictly before DCP's ``.metadata`` (the commit
 marker), so every committed checkpoint has one. JSON, never pickle.
 
-What it covers (format 3):
+What it covers (format 4: format 3's fields, the file one line, ``manifest_crc32`` its last member):
 
 - ``checksums``: the checksum of every blob DCP stored, by file, offset and length
   (tensor data, serialized non-tensor items such as ``param_groups``, and
@@ -15,7 +15,9 @@ What it covers (format 3):
   stored the wrong bytes, which checksums of the stored bytes cannot;
 - ``manifest_crc32``: zlib's CRC-32 of this file's exact bytes, with the field's
   own 8 hex digits read as zeros. Always CRC-32, so any reader can check the
-  manifest, whatever package computed the blob checksums.
+  manifest, whatever package computed the blob checksums. The last member of the
+  object, so the file ends ``"manifest_crc32": "<8 digits>"}`` and nothing nested can be
+  taken for it (formats 2 and 3, indented, had it on a line of its own).
 """
 
 from __future__ import annotations
@@ -55,12 +57,14 @@ METADATA_NAME = ".metadata"
 LATEST_NAME = "latest"
 # 2: stored-byte checksums and the manifest's own checksum; 3: tensor checksums in the
 # checkpoint's algorithm (CRC32C: 4x zlib's CRC-32, the writer's second pass over the state).
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 LEGACY_FORMAT_VERSION = 1  # tensor CRC-32s only; readable, not verifiable
 SELF_CHECKSUM_FIELD = "manifest_crc32"
 # With sort_keys and indent=1, a top-level field starts a line with exactly one space,
 # so this marker cannot match a nested key of the same name.
-_SELF_MARKER = f'\n "{SELF_CHECKSUM_FIELD}": "'.encode()
+_SELF_MARKER = f'"{SELF_CHECKSUM_FIELD}": "'.encode()
+_INDENTED_SELF_MARKER = b"\n " + _SELF_MARKER  # formats 2 and 3: indented, the field on a line of its own
+_SELF_TAIL = b'"}'  # format 4: the field closes the file
 _SELF_DIGITS = 8
 CHECKPOINT_PREFIX = "step-"
 
@@ -291,19 +295,23 @@ class Manifest:
 def dump_manifest(manifest: dict[str, Any]) -> bytes:
     """The manifest's bytes, with its own CRC-32 in ``manifest_crc32`` (see the module docstring)."""
     body = {k: v for k, v in manifest.items() if k != SELF_CHECKSUM_FIELD}
-    body[SELF_CHECKSUM_FIELD] = "0" * _SELF_DIGITS
-    raw = json.dumps(body, indent=1, sort_keys=True, allow_nan=True).encode("utf-8")
-    at = raw.index(_SELF_MARKER) + len(_SELF_MARKER)
+    # One line, no indent: json's C encoder then writes it (an indent takes the pure-Python one,
+    # 0.4 s of a commit's 0.5 s manifest phase at 30,000 tensors). Readers parse it either way.
+    encoded = json.dumps(body, sort_keys=True, allow_nan=True).encode("utf-8")
+    raw = encoded[:-1] + (b", " if body else b"") + _SELF_MARKER + b"0" * _SELF_DIGITS + _SELF_TAIL
+    at = len(raw) - len(_SELF_TAIL) - _SELF_DIGITS
     digits = f"{zlib.crc32(raw) & 0xFFFFFFFF:08x}".encode("ascii")
     return raw[:at] + digits + raw[at + _SELF_DIGITS :]
 
 
 def _check_self_checksum(raw: bytes, where: str) -> bool:
     """Compare the manifest's CRC-32 with its bytes; False when it has none (format 1)."""
-    marker_at = raw.find(_SELF_MARKER)
-    if marker_at < 0:
-        return False
-    at = marker_at + len(_SELF_MARKER)
+    at = len(raw) - len(_SELF_TAIL) - _SELF_DIGITS  # format 4: the file's last member
+    if not (raw.endswith(_SELF_TAIL) and at >= len(_SELF_MARKER) and raw[at - len(_SELF_MARKER) : at] == _SELF_MARKER):
+        marker_at = raw.find(_INDENTED_SELF_MARKER)  # formats 2 and 3
+        if marker_at < 0:
+            return False
+        at = marker_at + len(_INDENTED_SELF_MARKER)
     stored = raw[at : at + _SELF_DIGITS]
     zeroed = raw[:at] + b"0" * _SELF_DIGITS + raw[at + _SELF_DIGITS :]
     actual = f"{zlib.crc32(zeroed) & 0xFFFFFFFF:08x}"
