@@ -83,6 +83,9 @@ bench: install
 	$(PY) benchmarks/tiers.py --out benchmarks/results/tiers-warm
 	$(PY) benchmarks/fused_replay_speed.py
 	$(PY) benchmarks/many_tensors.py --out benchmarks/results/many-tensors
+	$(PY) benchmarks/small_checkpoint.py --out benchmarks/results/small-checkpoint/make-bench.txt
+	$(PY) benchmarks/short_every.py --out benchmarks/results/short-every/make-bench.md
+	$(PY) benchmarks/restore_listing.py
 	-$(PY) benchmarks/tiers_nodes.py --out benchmarks/results/tiers-nodes  # needs root (network namespaces): skipped, saying why, elsewhere
 	$(PY) benchmarks/scale.py --worlds 2,4,8 --out benchmarks/results/scale --name make-bench  # docs/scale.md's run1 went to 16
 
