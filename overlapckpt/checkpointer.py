@@ -118,8 +118,10 @@ class Checkpointer:
             ``"torchtitan"`` (TorchTitan's manager: model FQNs at the top level, flat
             ``param_groups``, stateful objects as DCP items, ``step-N`` directories; set by
             ``overlapckpt.titan``).
-        local_every, local_keep, local_dir: the node-local tier (docs/tiers.md): a checkpoint every
-            ``local_every`` steps into ``local_dir`` (default under ``/dev/shm``), ``local_keep`` kept.
+        local_every: the node-local tier (docs/tiers.md): a checkpoint every ``local_every`` steps
+            into ``local_dir``; None: no tier.
+        local_keep: the tier's newest checkpoints kept.
+        local_dir: the tier's directory on each node (default under ``/dev/shm``).
         local_replicas: on several nodes, the partner ranks on other nodes that also hold each
             rank's local-tier shard (``format/peers.py``), so a lost node loses none; a local-tier
             checkpoint commits once every shard and its replicas are in place.
