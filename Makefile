@@ -26,6 +26,7 @@ $(VENV)/.installed: $(PY) pyproject.toml
 	$(PY) -c 'from overlapckpt.train.copying.native import build; print("native helper:", build() or "not built (the Python twin runs)")'
 	$(PY) -c 'from overlapckpt.train.copying.tensor_passes import build; print("tensor passes:", build() or "not built (the Python twins run)")'
 	$(PY) -c 'from overlapckpt.cuda_adam_native import build; print("fused Adam replay:", build() or "not built (its torch twin runs)")'
+	$(PY) -c 'from overlapckpt.format.native_pickle_walk import build; print("pickle walk:", build() or "not built (the Python walk runs)")'
 	touch $@
 
 install: $(VENV)/.installed
