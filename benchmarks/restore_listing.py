@@ -11,13 +11,17 @@ node holds every file (``tests/fake_tiers.py``: a real manifest read back throug
 pickled bytes of that one checkpoint's value, as ``all_gather_object`` pickles it:
 
 - **digest**: what ``tier_listing`` gathers now, a ``TierDigest`` (the manifest's SHA-256, the
-  run, four integers, and one bit per file);
+  run, four integers, and the files held: one byte when every one is, else the shorter of a
+  bitmap and the held indices, ``restore/held_files.py``);
 - **names**: a listing that names every file instead (the version, the run, and every file's
   name and size twice: as held and as the manifest needs it), as ``tier_listing`` gathered it
   before digests, rebuilt here from the same manifest (pickled to the same bytes).
 
-Counts, not times: the same on every machine and every run. The projection assumes 8 ranks
-per node, one file per rank, and the tiers' default ``local_keep`` (2) checkpoints.
+Each is measured for a node holding every file, and for node 0 of many holding its own 8 ranks'
+shards, its partner node's (``local_replicas=1``) and the head files, as a node holds a
+checkpoint of a job on many nodes. Counts, not times: the same on every machine and every run.
+The projection assumes 8 ranks per node, one file per rank, and the tiers' default
+``local_keep`` (2) checkpoints.
 """
 
 from __future__ import annotations
@@ -43,12 +47,23 @@ from overlapckpt.settings import DEFAULT_LOCAL_KEEP  # noqa: E402
 RANKS_PER_NODE = 8
 
 
-def listed_bytes(ranks: int, scratch: str) -> tuple[int, int]:
-    """(digest, names): the pickled bytes of one checkpoint's value in the listing gather at ``ranks``, now and before digests."""
-    local, root = os.path.join(scratch, f"local-{ranks}"), os.path.join(scratch, f"root-{ranks}")
+def partner_node_files(ranks: int) -> set[str]:
+    """The data files node 0 holds on many nodes: its ranks' shards and its partner node's (``local_replicas=1``)."""
+    own = range(min(ranks, RANKS_PER_NODE))
+    partner = range(RANKS_PER_NODE, min(ranks, 2 * RANKS_PER_NODE))
+    return {f"__{rank}_0.distcp" for rank in [*own, *partner]}  # and the head files, which every tier checkpoint holds
+
+
+def listed_bytes(ranks: int, scratch: str, held_files: set[str] | None) -> tuple[int, int]:
+    """(digest, names): the pickled bytes of one checkpoint's value in the listing gather at ``ranks``, now and before digests.
+
+    ``held_files``: what the node holds (None: every file).
+    """
+    tag = "all" if held_files is None else "partner"
+    local, root = os.path.join(scratch, f"local-{ranks}-{tag}"), os.path.join(scratch, f"root-{ranks}-{tag}")
     os.makedirs(root)
     data = {f"__{rank}_0.distcp": 1 for rank in range(ranks)}
-    name = write_tier_checkpoint(local, root, 6, data, ranks)
+    name = write_tier_checkpoint(local, root, 6, data, ranks, held=held_files)
     listing = tier_listing(local, ranks, root)
     digest = len(pickle.dumps({name: listing[name]}))
     manifest = read_manifest(tier_store(local), name)
@@ -67,18 +82,20 @@ def main() -> None:
     lines = [
         f"$ python benchmarks/restore_listing.py --ranks {args.ranks}",
         "",
-        "pickled bytes of one checkpoint's value in the restore's listing gather, one node holding every file;",
-        f"per rank received: every node's value ({RANKS_PER_NODE} ranks per node, one file per rank) for {DEFAULT_LOCAL_KEEP} kept checkpoints",
+        "pickled bytes of one checkpoint's value in the restore's listing gather: a node holding every file (all),",
+        f"and a node of {RANKS_PER_NODE} ranks holding its shards and one partner node's (local_replicas=1) with the head files (partner);",
+        f"per rank received: every node's partner value ({RANKS_PER_NODE} ranks per node, one file per rank) for {DEFAULT_LOCAL_KEEP} kept checkpoints",
         "",
-        f"{'ranks':>8} {'files':>8} {'digest':>8} {'names':>10} {'per rank, digest':>18} {'per rank, names':>18}",
+        f"{'ranks':>8} {'files':>8} {'all: digest':>12} {'names':>10} {'partner: digest':>16} {'names':>10} {'per rank, digest':>18} {'per rank, names':>18}",
     ]
     with tempfile.TemporaryDirectory() as scratch:
         for ranks in (int(n) for n in args.ranks.split(",")):
-            digest, names = listed_bytes(ranks, scratch)
+            digest, names = listed_bytes(ranks, scratch, None)
+            partner_digest, partner_names = listed_bytes(ranks, scratch, partner_node_files(ranks))
             nodes = max(1, ranks // RANKS_PER_NODE)
             lines.append(
-                f"{ranks:>8} {ranks + 2:>8} {digest:>8} {names:>10} "
-                f"{digest * nodes * DEFAULT_LOCAL_KEEP:>18,} {names * nodes * DEFAULT_LOCAL_KEEP:>18,}"
+                f"{ranks:>8} {ranks + 2:>8} {digest:>12} {names:>10} {partner_digest:>16} {partner_names:>10} "
+                f"{partner_digest * nodes * DEFAULT_LOCAL_KEEP:>18,} {partner_names * nodes * DEFAULT_LOCAL_KEEP:>18,}"
             )
     text = "\n".join(lines) + "\n"
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

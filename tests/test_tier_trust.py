@@ -35,6 +35,7 @@ from overlapckpt.format.storage import CheckpointStore
 from overlapckpt.format.tensor_decode import locate
 from overlapckpt.format.tiers import TIER_MARKER_NAME, default_local_dir
 from overlapckpt.format.verify import verify_checkpoint
+from overlapckpt.restore.held_files import encode_held
 from overlapckpt.restore.node_listings import NodeListings, TierDigest, agreed_file_table, tier_listing
 
 from helpers import assert_state_equal, make_run, snapshot, train_step, twin_states
@@ -150,8 +151,8 @@ def test_01_among_equal_versions_the_run_latest_names_wins_whatever_the_run_ids(
     abandoned, current = "f" * 32, "0" * 32
     # Each: .metadata and the manifest (its only files), both held, 10 bytes each.
     listing = {
-        f"step-000000006-{abandoned[:8]}": TierDigest(6, abandoned, b"a" * 32, 2, b"\x03", 10, 10),
-        f"step-000000006-{current[:8]}": TierDigest(6, current, b"c" * 32, 2, b"\x03", 10, 10),
+        f"step-000000006-{abandoned[:8]}": TierDigest(6, abandoned, b"a" * 32, 2, encode_held(0b11, 2), 10, 10),
+        f"step-000000006-{current[:8]}": TierDigest(6, current, b"c" * 32, 2, encode_held(0b11, 2), 10, 10),
     }
     tiers = NodeListings.from_gathered([("node", listing)], lineage={current: 2**62, abandoned: 2})
     assert tiers.newest_complete(None, None) == (f"step-000000006-{current[:8]}", 6)

@@ -31,6 +31,7 @@ from overlapckpt.format.storage import CheckpointStore
 from overlapckpt.format.tiers import TIER_MARKER_NAME, default_local_dir, tier_store
 from overlapckpt.format.verify import VerifyShare, read_manifest, verify_checkpoint
 from overlapckpt.protocol import FileCopy
+from overlapckpt.restore.held_files import encode_held
 from overlapckpt.restore.node_listings import FileTable, NodeListings, TierDigest, agreed_file_table, tier_listing
 
 from helpers import assert_state_equal, launch_ranks, make_run, train_step, twin_states
@@ -408,7 +409,7 @@ def _digest(version: int, held: set[str], files: dict[str, int], sha256: bytes =
     """One node's digest of a checkpoint of ``files``: it holds ``held`` (a manifest of 1 byte)."""
     table = _table(files)
     bits = sum(1 << table.index[f] for f in held)
-    return TierDigest(version, "run", sha256, len(table.names), bits.to_bytes((len(table.names) + 7) // 8, "little"), 10, 1)
+    return TierDigest(version, "run", sha256, len(table.names), encode_held(bits, len(table.names)), 10, 1)
 
 
 def _listing(version: int, held: set[str], files: dict[str, int]) -> dict:
@@ -488,8 +489,9 @@ def test_a_node_holding_another_manifest_under_the_name_is_refused(tmp_path, cap
 
 
 @pytest.mark.parametrize("ranks", [8, 1024])
-def test_a_nodes_value_in_the_listing_gather_grows_by_a_bit_per_file_and_names_no_file(tmp_path, ranks):
-    """Before: each checkpoint's listing named every file twice (1,024 ranks: 38,907 pickled bytes per node per checkpoint)."""
+def test_a_nodes_value_in_the_listing_gather_is_the_same_size_at_any_file_count_and_names_no_file(tmp_path, ranks):
+    """Before: each checkpoint's listing named every file twice (1,024 ranks: 38,907 pickled bytes per node per checkpoint),
+    and then a bit per file (309 bytes at 1,024 ranks, 1,210 at 8,192)."""
     values = {}
     for prefix in ("", "a-long-prefix-that-a-file-name-never-needs-" * 4):
         files = {f"__{r}_0.distcp{prefix}": 1 for r in range(ranks)}
@@ -502,7 +504,8 @@ def test_a_nodes_value_in_the_listing_gather_grows_by_a_bit_per_file_and_names_n
         assert [table.names[i] for i in range(digest.files) if digest.held() >> i & 1] == ["__1_0.distcp" + prefix, ".metadata", MANIFEST_NAME]
         pickled = pickle.dumps({name: digest})
         assert not [f for f in table.names if f.encode() in pickled]
-        assert len(pickled) <= 200 + (ranks + 2 + 7) // 8  # the name, the class, the SHA-256, the run, four integers; a bit per file
+        # The name, the class, the SHA-256, the run, four integers; the three files held as their indices.
+        assert len(pickled) <= 200 + 8
         values[prefix] = pickle.dumps({name: dataclasses.replace(digest, manifest_nbytes=0)})
     short, long = values.values()
     assert len(short) == len(long)  # the names' lengths count nowhere but in the manifest's size, an integer

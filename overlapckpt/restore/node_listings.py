@@ -1,8 +1,8 @@
 """Every node's local tier, digested and pooled: which versions are complete across the nodes, and what a node lacks.
 
 Each node's lowest rank digests its node's tier (``tier_listing``): per committed checkpoint, one
-``TierDigest`` of a fixed size (the manifest's SHA-256, a few sizes) and a bitmap of the files it
-holds, never their names; the ranks gather the digests, and ``NodeListings`` answers what a
+``TierDigest`` (the manifest's SHA-256, a few sizes, and the files it holds as the shortest of
+"every one", a bitmap and their indices: ``held_files.py``), never their names; the ranks gather the digests, and ``NodeListings`` answers what a
 restore asks of them (``restore/tiers.py`` chooses the source): the newest version of this world
 size whose every file some node holds, on this run's lineage first (``tier_lineage``: what the
 tier's ``latest`` names), and the copies that bring each node the files its ranks read. The
@@ -27,6 +27,7 @@ from ..format.private_files import SMALL_FILE_MAX_BYTES
 from ..format.tiers import tier_refusal, tier_store
 from ..format.verify import read_manifest, read_manifest_and_bytes
 from ..protocol import FileCopy
+from .held_files import decode_held, encode_held
 
 log = logging.getLogger("overlapckpt.restore")
 
@@ -36,27 +37,28 @@ class TierDigest:
     """What one node's tier holds of one committed checkpoint, in bytes that do not grow with its files' names.
 
     Gathered from every node at a restore, one per node per checkpoint (pickled as its values,
-    ``__reduce__``, without its field names). Its bits follow the checkpoint's ``FileTable``: the data
-    files in name order, then ``.metadata``, then the manifest.
+    ``__reduce__``, without its field names). What it holds follows the checkpoint's ``FileTable``
+    (the data files in name order, then ``.metadata``, then the manifest), encoded as the shortest
+    of every file, a bitmap or the indices (``held_files.py``).
     """
 
     version: int  # the manifest's step
     run_id: str  # the manifest's run ("" when it names none): the lineage rules choose by it
     manifest_sha256: bytes  # of the manifest's bytes as read (32): nodes agree on a checkpoint by it, not by its name
     files: int  # the file table's length: the data files, .metadata and the manifest
-    # Bit i (byte i // 8, bit i % 8) set: this node holds file i as a regular file of the manifest's
-    # size (the manifest itself: of the size hashed, within SMALL_FILE_MAX_BYTES).
-    held_bits: bytes
+    # File i held (``decode_held``): this node holds it as a regular file of the manifest's size
+    # (the manifest itself: of the size hashed, within SMALL_FILE_MAX_BYTES).
+    held_files: bytes
     # The two head files' sizes: a node lacking both is sent them before it can read any name.
     metadata_nbytes: int  # as the manifest gives it
     manifest_nbytes: int  # the bytes hashed
 
     def __reduce__(self) -> tuple[type[TierDigest], tuple[int, str, bytes, int, bytes, int, int]]:
-        return (TierDigest, (self.version, self.run_id, self.manifest_sha256, self.files, self.held_bits, self.metadata_nbytes, self.manifest_nbytes))
+        return (TierDigest, (self.version, self.run_id, self.manifest_sha256, self.files, self.held_files, self.metadata_nbytes, self.manifest_nbytes))
 
     def held(self) -> int:
-        """The held bits as one integer (bit i: file i), none beyond the table."""
-        return int.from_bytes(self.held_bits, "little") & ((1 << self.files) - 1)
+        """The held files as one integer (bit i: file i), none beyond the table."""
+        return decode_held(self.held_files, self.files)
 
     def checkpoint(self) -> tuple[bytes, int, str, int, int, int]:
         """What every node holding this checkpoint must agree on: all but what it holds."""
@@ -159,7 +161,7 @@ def tier_listing(local_dir: str, world: int, root: str) -> Listing:
             run_id=manifest.run_id or "",
             manifest_sha256=hashlib.sha256(raw).digest(),
             files=len(table.names),
-            held_bits=bits.to_bytes((len(table.names) + 7) // 8, "little"),
+            held_files=encode_held(bits, len(table.names)),
             metadata_nbytes=manifest.checksums.metadata_nbytes,
             manifest_nbytes=len(raw),
         )

@@ -3,7 +3,7 @@
 ``load(..., local_dir=...)`` and ``Checkpointer.restore()`` consider, in order, this
 node's tier, then the partners' replicas on other nodes, then the root. Across nodes
 the ranks pool every node's digest of its tier (``restore/node_listings.py``: per
-checkpoint, its manifest's SHA-256 and a bitmap of the files the node holds, never their
+checkpoint, its manifest's SHA-256 and which files the node holds, never their
 names) and take the newest version of this world size whose every file some node holds,
 when it is at least as new as the root's. A node
 that lacks files its ranks read (it was replaced, its tmpfs gone; or, on more than two
