@@ -23,12 +23,9 @@ What it covers (format 4: format 3's fields, the file one line, ``manifest_crc32
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import re
-import threading
 import zlib
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +44,7 @@ from .manifest_records import (
     read_field,
     read_ints,
 )
+from .recent_parses import RecentParses
 
 # DCP's data files, by name: a .metadata or manifest that places bytes anywhere else
 # ("../../<another root>/...") is damaged or crafted, and is refused unread.
@@ -331,22 +329,11 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
     its manifest, then reads it for its checks) give the Manifest they gave before: a frozen
     record, parsed from exactly these bytes (a manifest of 30,000 tensors: 0.5 s a parse).
     """
-    key = (where, len(raw), hashlib.sha256(raw).digest())
-    with _parsed_lock:
-        parsed = _parsed.get(key)
-    if parsed is None:
-        parsed = _parsed_manifest(raw, where)
-        with _parsed_lock:
-            _parsed[key] = parsed
-            while len(_parsed) > PARSED_MANIFEST_ENTRIES:
-                _parsed.popitem(last=False)
-    return parsed
+    return _recent_manifests.parsed(where, raw, lambda: _parsed_manifest(raw, where))
 
 
-# Manifests parsed lately, by (where, length, SHA-256 of their bytes).
-PARSED_MANIFEST_ENTRIES = 4
-_parsed: OrderedDict[tuple[str, int, bytes], Manifest] = OrderedDict()
-_parsed_lock = threading.Lock()
+# Manifests parsed lately (recent_parses.py), by where they were read and their bytes.
+_recent_manifests: RecentParses[Manifest] = RecentParses(entries=4)
 
 
 def _parsed_manifest(raw: bytes, where: str) -> Manifest:

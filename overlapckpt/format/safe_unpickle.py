@@ -19,11 +19,8 @@ reads every checkpoint overlapckpt writes: the files are plain DCP.
 from __future__ import annotations
 
 import copy
-import hashlib
 import io
 import pickle
-import threading
-from collections import OrderedDict
 from typing import IO, Any
 
 import torch
@@ -34,12 +31,11 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from ..errors import UnsafeCheckpointError
 from .pickle_bounds import check_pickle_bounds
+from .recent_parses import RecentParses
 
-# Metadata unpickled lately, by (length, SHA-256) of its bytes: one load reads its .metadata twice.
+# Metadata unpickled lately (recent_parses.py), by its bytes: a verified load of a large state reads it twice.
 # Two, so that a load beside another (a second root, a tier) keeps its own; each costs its Metadata.
-PARSED_METADATA_ENTRIES = 2
-_parsed: OrderedDict[tuple[int, bytes], Metadata] = OrderedDict()
-_parsed_lock = threading.Lock()
+_recent_metadata: RecentParses[Metadata] = RecentParses(entries=2)
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 # Every global DCP's Metadata pickles, found by unpickling real checkpoints (plain, DTensor
@@ -107,15 +103,7 @@ def load_metadata(file: IO[bytes], where: str) -> Metadata:
     ``storage_meta`` its own (the one field a reader sets; nothing changes the rest).
     """
     data = file.read()
-    digest = (len(data), hashlib.sha256(data).digest())
-    with _parsed_lock:
-        parsed = _parsed.get(digest)
-    if parsed is None:
-        parsed = _unpickled_metadata(data, where)
-        with _parsed_lock:
-            _parsed[digest] = parsed
-            while len(_parsed) > PARSED_METADATA_ENTRIES:
-                _parsed.popitem(last=False)
+    parsed = _recent_metadata.parsed(None, data, lambda: _unpickled_metadata(data, where))
     metadata = copy.copy(parsed)
     metadata.storage_meta = copy.copy(parsed.storage_meta)
     return metadata
