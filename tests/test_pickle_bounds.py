@@ -18,7 +18,7 @@ import pytest
 
 from overlapckpt.errors import UnsafeCheckpointError
 from overlapckpt.format import native_pickle_walk
-from overlapckpt.format.pickle_bounds import _ARGUMENTS, _raise_for, _scan, _walk
+from overlapckpt.format.pickle_bounds import _ARGUMENTS, _refusal, _scan, _walk
 
 OBJECTS = [
     None, True, 1, -5, 300, 70000, 2**70, -(2**70), 1.5, "x", "é" * 30, b"b" * 300, bytearray(b"ab"), (1, 2), (), [1, [2, {3: 4}]],
@@ -66,7 +66,8 @@ def _native_only(data: bytes, where: str) -> None:
     if found.outcome == native_pickle_walk.WALK_TEXT_INDEX:
         _walk(data, where)  # as _scan does: a protocol-0 index the C walk leaves to Python
         return
-    _raise_for(found, data, where)
+    if found.outcome != native_pickle_walk.WALK_OK:
+        raise _refusal(found, data, where)
 
 
 needs_native = pytest.mark.skipif(native_pickle_walk.native_walk(b".", _ARGUMENTS) is None, reason="no C compiler here: the Python walk runs")

@@ -55,27 +55,28 @@ def _scan(data: bytes, where: str) -> None:
     found = native_walk(data, _ARGUMENTS)
     if found is None or found.outcome == WALK_TEXT_INDEX:  # no library; or a protocol-0 index the C walk leaves to Python
         _walk(data, where)
-        return
-    _raise_for(found, data, where)
+    elif found.outcome != WALK_OK:
+        raise _refusal(found, data, where)
 
 
-def _raise_for(found: WalkOutcome, data: bytes, where: str) -> None:
-    """The Python walk's refusal for what the native walk found (nothing for WALK_OK)."""
+def _refusal(found: WalkOutcome, data: bytes, where: str) -> UnsafeCheckpointError:
+    """The refusal of what either walk found, worded once for both."""
     at, index, stored = found.position, found.index, found.stored
-    refusals = {
-        WALK_NO_STOP: f"{where} is not a well-formed pickle: it ends at byte {len(data)} before its STOP opcode",
-        WALK_NO_OPCODE: f"{where} is not a well-formed pickle: byte {at} is {index:#04x}, which is no pickle opcode",
-        WALK_NO_NEWLINE: f"{where} is not a well-formed pickle: the opcode at byte {at} has no end of line",
-        WALK_BAD_LENGTH: f"{where} is not a well-formed pickle: the opcode at byte {at} has a length of {index}",
-        WALK_PAST_END: f"{where} is not a well-formed pickle: the opcode at byte {at} runs past the end (byte {len(data)})",
-        WALK_PUT_OUT_OF_ORDER: (
+    malformed = {
+        WALK_NO_STOP: f"it ends at byte {len(data)} before its STOP opcode",
+        WALK_NO_OPCODE: f"byte {at} is {index:#04x}, which is no pickle opcode",
+        WALK_NO_NEWLINE: f"the opcode at byte {at} has no end of line",
+        WALK_BAD_LENGTH: f"the opcode at byte {at} has a length of {index}",
+        WALK_PAST_END: f"the opcode at byte {at} runs past the end (byte {len(data)})",
+    }
+    if found.outcome == WALK_PUT_OUT_OF_ORDER:
+        return UnsafeCheckpointError(
             f"{where} puts memo entry {index} at byte {at} after {stored} entries: an honest pickle numbers "
             "them in order; refused before unpickling, which would size its memo by it"
-        ),
-        WALK_GET_UNSTORED: f"{where} reads memo entry {index} at byte {at}, of {stored} stored; refused",
-    }
-    if found.outcome != WALK_OK:
-        raise UnsafeCheckpointError(refusals[found.outcome])
+        )
+    if found.outcome == WALK_GET_UNSTORED:
+        return UnsafeCheckpointError(f"{where} reads memo entry {index} at byte {at}, of {stored} stored; refused")
+    return UnsafeCheckpointError(f"{where} is not a well-formed pickle: {malformed[found.outcome]}")
 
 
 def _walk(data: bytes, where: str) -> None:
@@ -84,11 +85,11 @@ def _walk(data: bytes, where: str) -> None:
     pos, end = 0, len(data)
     while True:
         if pos >= end:
-            raise UnsafeCheckpointError(f"{where} is not a well-formed pickle: it ends at byte {end} before its STOP opcode")
+            raise _refusal(WalkOutcome(WALK_NO_STOP, end, 0, stored), data, where)
         code = data[pos]
         kind = _ARGUMENTS[code]
         if kind is None:
-            raise UnsafeCheckpointError(f"{where} is not a well-formed pickle: byte {pos} is {code:#04x}, which is no pickle opcode")
+            raise _refusal(WalkOutcome(WALK_NO_OPCODE, pos, code, stored), data, where)
         start, pos = pos, pos + 1
         if kind >= 0:  # a fixed length
             argument_at, pos = pos, pos + kind
@@ -97,39 +98,34 @@ def _walk(data: bytes, where: str) -> None:
             for _ in range(1 if kind == _UP_TO_NEWLINE else 2):
                 newline = data.find(b"\n", pos)
                 if newline < 0:
-                    raise UnsafeCheckpointError(f"{where} is not a well-formed pickle: the opcode at byte {start} has no end of line")
+                    raise _refusal(WalkOutcome(WALK_NO_NEWLINE, start, 0, stored), data, where)
                 pos = newline + 1
         else:  # a length first, then that many bytes
             width, signed = _LENGTH_PREFIXES[kind]
             if pos + width > end:
-                raise UnsafeCheckpointError(f"{where} is not a well-formed pickle: the opcode at byte {start} runs past the end (byte {end})")
+                raise _refusal(WalkOutcome(WALK_PAST_END, start, 0, stored), data, where)
             length = int.from_bytes(data[pos : pos + width], "little", signed=signed)
             if length < 0:
-                raise UnsafeCheckpointError(f"{where} is not a well-formed pickle: the opcode at byte {start} has a length of {length}")
+                raise _refusal(WalkOutcome(WALK_BAD_LENGTH, start, length, stored), data, where)
             argument_at, pos = pos + width, pos + width + length
         if pos > end:
-            raise UnsafeCheckpointError(f"{where} is not a well-formed pickle: the opcode at byte {start} runs past the end (byte {end})")
-        if code in _MEMO_OPCODES:
+            raise _refusal(WalkOutcome(WALK_PAST_END, start, 0, stored), data, where)
+        if code == _MEMOIZE:
+            stored += 1
+        elif code in _PUTS or code in _GETS:
             index = _memo_index(code, data[argument_at:pos], where, start)
             if code in _PUTS:
                 if index > stored:
-                    raise UnsafeCheckpointError(
-                        f"{where} puts memo entry {index} at byte {start} after {stored} entries: an honest pickle numbers "
-                        "them in order; refused before unpickling, which would size its memo by it"
-                    )
+                    raise _refusal(WalkOutcome(WALK_PUT_OUT_OF_ORDER, start, index, stored), data, where)
                 stored += index == stored
-            elif code == _MEMOIZE:
-                stored += 1
             elif index >= stored:
-                raise UnsafeCheckpointError(f"{where} reads memo entry {index} at byte {start}, of {stored} stored; refused")
+                raise _refusal(WalkOutcome(WALK_GET_UNSTORED, start, index, stored), data, where)
         elif code == _STOP:
             return
 
 
 def _memo_index(code: int, argument: bytes, where: str, at: int) -> int:
-    """The memo index a PUT or GET names (text in protocol 0, little-endian in the binary forms); -1 for MEMOIZE."""
-    if code == _MEMOIZE:
-        return -1
+    """The memo index a PUT or GET names (text in protocol 0, little-endian in the binary forms)."""
     if code in _TEXT_MEMO_OPCODES:
         try:
             return int(argument.rstrip(b"\n"))
@@ -175,5 +171,4 @@ _PUTS = frozenset(_code(name) for name in ("PUT", "BINPUT", "LONG_BINPUT"))
 _GETS = frozenset(_code(name) for name in ("GET", "BINGET", "LONG_BINGET"))
 _MEMOIZE = _code("MEMOIZE")
 _STOP = _code("STOP")
-_MEMO_OPCODES = _PUTS | _GETS | {_MEMOIZE}
 _TEXT_MEMO_OPCODES = frozenset({_code("PUT"), _code("GET")})
