@@ -17,6 +17,7 @@ import torch
 from overlapckpt import Checkpointer, load
 from overlapckpt.format import blob_checks
 from overlapckpt.format.known_framing import KNOWN_FRAMING_MAX_BYTES, KnownFramings
+from overlapckpt.format.tensor_decode import locate
 
 from helpers import assert_state_equal, make_run, snapshot, train_step
 
@@ -42,15 +43,16 @@ def test_a_blob_in_torch_saves_framing_decodes_to_the_tensor_torch_load_makes(dt
     torch.manual_seed(0)
     tensor = (torch.randn(shape) * 100).to(dtype)
     blob = _saved(tensor)
-    found = KnownFramings().tensor(blob, dtype, shape)
-    assert found is not None
-    decoded, start, end = found
+    decoded = KnownFramings().tensor(blob, dtype, shape)
+    assert decoded is not None
     reference = torch.load(io.BytesIO(bytes(blob)), weights_only=True)
     assert decoded.dtype == reference.dtype and decoded.shape == reference.shape
     assert torch.equal(_bits(decoded), _bits(reference))  # bit for bit, NaN payloads and signed zeros included
-    assert bytes(blob[start:end]) == bytes(_bits(reference).numpy().tobytes())
-    # A view of the bytes read, not a copy.
-    assert decoded.untyped_storage().data_ptr() == torch.frombuffer(memoryview(blob)[start:end], dtype=torch.uint8).data_ptr()
+    # A view of the bytes read, not a copy: at the data record, where the zip's directory places it.
+    record = locate(memoryview(bytes(blob)))
+    assert record is not None and bytes(blob[record.data_start : record.data_end]) == bytes(_bits(reference).numpy().tobytes())
+    start = record.data_start
+    assert decoded.untyped_storage().data_ptr() == torch.frombuffer(memoryview(blob)[start:], dtype=torch.uint8).data_ptr()
 
 
 def test_anything_but_torch_saves_framing_for_the_claimed_dtype_and_shape_is_left_to_the_general_way():

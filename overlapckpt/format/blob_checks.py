@@ -22,15 +22,13 @@ from .checksum import hex32, updater
 from .crc_combine import combine
 from .direct_read import DIRECT_MIN_BYTES, fill, mark_written, read_ends, takes_data_as_is, tensor_bytes
 from .expected_sums import ExpectedSums, TensorSum, verification_refusal
-from .known_framing import KNOWN_FRAMING_MAX_BYTES, StoredAs, known_framings
+from .known_framing import StoredAs, known_framings
 from .manifest import tensor_checksum
 from .tensor_decode import BlobEnds, TensorRecord, ViewReader, decode_in_place, decode_meta, locate, locate_from_ends
 
 # A tensor's bytes at least this long are hashed once, with the checksums of the spans
 # combined (~0.2 ms a blob); shorter ones are cheaper to hash twice.
 SPLIT_MIN_BYTES = 4 << 20
-# A blob is compared with a known framing up to this long (its data up to the framing's limit, and the frame).
-KNOWN_BLOB_MAX_BYTES = KNOWN_FRAMING_MAX_BYTES + (64 << 10)
 
 _thread_buffers = threading.local()
 
@@ -147,7 +145,7 @@ def checked_bytes(
     key, checksum = _blob_sums(relative_path, info, expected)
     view = memoryview(buffer)
     # A small blob in the framing torch.save gives the tensor .metadata names: compared, not parsed.
-    known = known_framings.tensor(buffer, *stored_as) if stored_as is not None and len(view) <= KNOWN_BLOB_MAX_BYTES else None
+    known = known_framings.tensor(buffer, *stored_as) if stored_as is not None else None
     # Else the zip's directory only: nothing is unpickled before the checksum matched.
     record = locate(view) if known is None else None
     data_sum: str | None = None
@@ -164,10 +162,9 @@ def checked_bytes(
             raise _mismatch(relative_path, info, key, expected)
         expected.check_mac(relative_path, info, key, view)
     del view
-    if known is not None:
-        tensor: torch.Tensor | None = known[0]
-    else:
-        tensor = decode_in_place(buffer, record) if record is not None else None
+    tensor: torch.Tensor | None = known
+    if tensor is None and record is not None:
+        tensor = decode_in_place(buffer, record)
     in_place = tensor is not None
     if tensor is None:
         # Weights only, as DCP's own reader: no code from the checkpoint runs.

@@ -57,11 +57,11 @@ class KnownFramings:
         self._lock = threading.Lock()
         self._framings: dict[tuple[torch.dtype, tuple[int, ...]], _Framing | None] = {}
 
-    def tensor(self, buffer: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[torch.Tensor, int, int] | None:
-        """(the tensor, where its data starts and ends) when ``buffer`` is torch.save's blob of a ``dtype`` tensor of ``shape``.
+    def tensor(self, buffer: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The tensor, when ``buffer`` is torch.save's blob of a ``dtype`` tensor of ``shape``; None when it is anything else.
 
-        The tensor is a view of ``buffer`` (writable, alive as long as the tensor). None
-        when the blob is anything else, or the framing cannot be known here.
+        The tensor is a view of ``buffer`` (writable, alive as long as the tensor). None too
+        where the framing cannot be known here (past ``KNOWN_FRAMING_MAX_BYTES``, an old torch).
         """
         framing = self._framing(dtype, shape)
         if framing is None:
@@ -70,7 +70,7 @@ class KnownFramings:
         start, end = len(framing.prefix), len(framing.prefix) + framing.data_nbytes
         if len(view) != end + len(framing.suffix) or view[:start] != framing.prefix or view[end:] != framing.suffix:
             return None
-        return torch.frombuffer(view[start:end], dtype=dtype).view(shape), start, end
+        return torch.frombuffer(view[start:end], dtype=dtype).view(shape)
 
     def _framing(self, dtype: torch.dtype, shape: tuple[int, ...]) -> _Framing | None:
         key = (dtype, shape)
