@@ -238,3 +238,30 @@ def test_an_idle_coordinator_posts_the_verdict_so_the_others_fail_at_once():
     other = ClaimBoard(sealed(store), rank=1, world_size=2, agreement_timeout_s=3600)  # would wait an hour for a verdict
     with pytest.raises(RankDisagreementError, match=r"the ranks disagree: rank 0 requested none, rank 1 requested it after step 3"):
         other.agree(CLAIM)
+
+
+class ClaimDeletedOnceWaitedFor(CountingStore):
+    """A store where another client deletes rank 1's claim right after the coordinator's wait saw every claim posted."""
+
+    def __getattr__(self, name):
+        method = super().__getattr__(name)
+        if name != "wait":
+            return method
+
+        def wait_then_delete(keys, timeout):
+            method(keys, timeout)
+            if "claim/0/1" in keys:
+                self.inner.delete_key("claim/0/1")
+
+        return wait_then_delete
+
+
+def test_a_claim_deleted_after_it_was_posted_is_a_named_refusal_without_waiting():
+    from datetime import timedelta
+
+    store = ClaimDeletedOnceWaitedFor()
+    store.inner.set_timeout(timedelta(seconds=60))  # a get() of the deleted key would wait this, then raise DistStoreError
+    sealed(store.inner).set("claim/0/1", OTHER_CLAIM)
+    board = ClaimBoard(sealed(store), rank=0, world_size=2, agreement_timeout_s=5)
+    with pytest.raises(RankDisagreementError, match=r"checkpoint #0: ranks \[1\] requested no checkpoint .*rank 0 requested it after step 3"):
+        board.agree(CLAIM)

@@ -95,3 +95,71 @@ def test_a_forged_step_is_not_counted_until_the_rank_posts_its_own(run):
     _wait_for(lambda: pages[0].read(AGREED) != NOT_YET, "rank 0 to agree")
     assert pages[0].read(AGREED) == 5 + AGREEMENT_MARGIN_STEPS
     watch.thread.join(timeout=WAIT_S)
+
+
+class DeletedRightAfterEachRead:
+    """A watch's client of the job's store, where another client deletes ``key`` right after each answer that it is there.
+
+    The CI run that found it: rank 0's test code deleted its forged ``signal`` between
+    rank 1's watch's ``check`` (there) and its ``get``, which waits for a missing key until
+    the store's timeout (30 s here); rank 1's own SIGTERM went unposted past the grace.
+    """
+
+    def __init__(self, inner: dist.Store, key: str) -> None:
+        self.inner = inner
+        self.key = key
+        self.deleted = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _delete(self) -> None:
+        self.inner.delete_key(self.key)
+        self.deleted += 1
+
+    def check(self, keys):
+        there = self.inner.check(keys)
+        if there and self.key in keys:
+            self._delete()
+        return there
+
+    def get(self, key):
+        value = self.inner.get(key)
+        if key == self.key:
+            self._delete()
+        return value
+
+    def compare_set(self, key, expected, desired):
+        answer = self.inner.compare_set(key, expected, desired)
+        if key == self.key and answer != (expected.encode() if isinstance(expected, str) else expected):
+            self._delete()
+        return answer
+
+
+class WatchWhoseSignalIsDeletedAfterEachRead(PreemptionWatch):
+    def _connect(self) -> SealedStore:
+        sealed = super()._connect()
+        sealed.store = DeletedRightAfterEachRead(sealed.store, "signal")
+        return sealed
+
+
+def test_a_signal_key_deleted_while_the_watch_reads_it_neither_stalls_nor_stops_the_watch(run):
+    master, specs, pages = run
+    watches = [
+        WatchWhoseSignalIsDeletedAfterEachRead(pages[0], specs[0], timeout_s=20.0, signals=(signal.SIGTERM,)),
+        PreemptionWatch(pages[1], specs[1], timeout_s=20.0, signals=(signal.SIGTERM,)),
+    ]
+    keys = _preempt_keys(master, specs[0])
+    keys.set("signal", "9")  # forged, and deleted as soon as rank 0's watch has read it
+    _wait_for(lambda: pages[0].read(FORGED) == 1, "rank 0's watch to refuse the forged signal it read")
+    assert watches[0].store.store.deleted == 1 and not keys.check(["signal"])
+    assert pages[0].read(HOLD) == 0 and pages[0].read(AGREED) == NOT_YET
+
+    pages[0].write(STEP, 3)
+    pages[1].write(STEP, 4)
+    pages[1].write(SIGNAL, int(signal.SIGTERM))  # rank 1's trainer: its watch posts; rank 0's reads it once, then it is gone
+    _wait_for(lambda: all(p.read(AGREED) != NOT_YET for p in pages), "both ranks to agree")
+    assert [p.read(AGREED) for p in pages] == [4 + AGREEMENT_MARGIN_STEPS] * 2
+    for watch in watches:
+        watch.thread.join(timeout=WAIT_S)
+        assert not watch.thread.is_alive()

@@ -125,3 +125,25 @@ def test_an_idle_writer_whose_store_connection_broke_reconnects(group, master, c
     prefix = run_keys_prefix(group.spec)
     SealedStore(dist.PrefixStore(prefix, master), KEY, prefix).increment(GENERATION_KEY, 1)
     assert group.generation_moved()  # and it still sees a real replacement
+
+
+@pytest.mark.parametrize("kind", ["tcp", "hash"])
+def test_read_raw_answers_absent_keys_at_once_and_creates_none(master, kind):
+    from datetime import timedelta
+
+    if kind == "tcp":
+        store = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=60))
+    else:
+        store = dist.HashStore()
+        store.set_timeout(timedelta(seconds=60))
+    prefixed = dist.PrefixStore("r", store)
+    sealed = SealedStore(prefixed, KEY, "r/")
+    # A get() of a missing key would wait the store's 60 s and raise; read_raw answers None at once.
+    assert sealed.read_raw("missing") is None
+    assert sealed.get("missing") is None
+    assert not prefixed.check(["missing"])  # nothing created by asking
+    sealed.set("there", "7")
+    prefixed.set("forged", b"\0absent:0123")  # shaped like read_raw's own mark, yet stored: it is answered as stored
+    assert sealed.read_raw("forged") == b"\0absent:0123" and sealed.get("forged") is None
+    assert sealed.open("there", sealed.read_raw("there")) == "7" and sealed.get("there") == "7"
+    assert prefixed.get("there") == sealed.seal("there", "7").encode()  # reading changed nothing

@@ -71,7 +71,9 @@ class KeyValueStore(Protocol):
 
     def get(self, key: str) -> str | None: ...
 
-    def get_raw(self, key: str) -> bytes: ...
+    def read_raw(self, key: str) -> bytes | None: ...
+
+    def open(self, key: str, raw: bytes) -> str | None: ...
 
     def check(self, keys: list[str]) -> bool: ...
 
@@ -135,17 +137,16 @@ class ClaimBoard:
         self.store.set(self._key(sequence, self.rank), json.dumps(claim, sort_keys=True))
         self.store.set(_POSTED_KEY.format(sequence=sequence), str(self.rank))  # after the claim it announces
 
-    def _claims(self, sequence: int, all_posted: bool = False) -> dict[int, dict[str, Any]]:
-        """The claims posted for ``sequence``, by rank (``all_posted``: every key is known to exist, so no check first)."""
+    def _claims(self, sequence: int) -> dict[int, dict[str, Any]]:
+        """The claims posted for ``sequence``, by rank; one request per rank."""
         out = {}
         for r in range(self.world_size):
             key = self._key(sequence, r)
-            if all_posted or self.store.check([key]):
-                text = self.store.get(key)
-                if text is None:
-                    out[r] = {"forged": self.store.get_raw(key)[:_MAX_SHOWN_BYTES].decode("utf-8", "replace")}
-                else:
-                    out[r] = parse_claim(text)
+            raw = self.store.read_raw(key)  # never waits: a key deleted since (by another client) is absent
+            if raw is None:
+                continue
+            text = self.store.open(key, raw)
+            out[r] = {"forged": raw[:_MAX_SHOWN_BYTES].decode("utf-8", "replace")} if text is None else parse_claim(text)
         return out
 
     def agree(self, claim: dict[str, Any]) -> Agreement:
@@ -171,7 +172,9 @@ class ClaimBoard:
             raise
         except Exception:  # the store's timeout error type differs between torch releases
             return _Verdict(self._missing_claims(sequence, self._claims(sequence)))
-        claims = self._claims(sequence, all_posted=True)
+        claims = self._claims(sequence)
+        if len(claims) < self.world_size:  # posted, then deleted by another client of the store before this read
+            return _Verdict(self._missing_claims(sequence, claims))
         mine = _agreed_part(parse_claim(json.dumps(claim, sort_keys=True)))
         if any(_agreed_part(c) != mine for c in claims.values()):
             return _Verdict(_disagreement(sequence, claims))
@@ -194,7 +197,13 @@ class ClaimBoard:
             raise
         except Exception as e:  # the coordinator's writer died or never came: say what the claims show
             raise RankDisagreementError(self._missing_claims(sequence, self._claims(sequence), verdict_missing=True)) from e
-        text = self.store.get(key)
+        raw = self.store.read_raw(key)
+        if raw is None:
+            raise RankDisagreementError(
+                f"checkpoint #{sequence}: the verdict was posted, then deleted from the store before this rank read it "
+                "(another client of the store deleted it, not overlapckpt); nothing was committed"
+            )
+        text = self.store.open(key, raw)
         if text is None:
             raise RankDisagreementError(
                 f"checkpoint #{sequence}: the verdict in the store is forged (not sealed by this run's writers, so written "

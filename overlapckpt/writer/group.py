@@ -189,7 +189,7 @@ class WriterGroup:
     def was_lost(self, name: str) -> bool:
         """Whether some writer lost checkpoint ``name`` to a replacement (a replacement may get it afterwards)."""
         key = f"{LOST_PREFIX}{name}"
-        return self._run_keys.check([key]) and self._run_keys.get(key) == name
+        return self._run_keys.get(key) == name  # one request, never waiting: None when absent (or forged)
 
     def regroups_after(self, error: BaseException) -> bool:
         """After a failed persist: whether it failed because a writer was replaced (the caller then regroups).

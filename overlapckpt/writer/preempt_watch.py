@@ -114,18 +114,18 @@ class PreemptionWatch:
 
     def _posted_signal(self) -> int:
         """The signal some rank posted, or 0: none, or a value this run's writers did not write."""
-        if not self.store.check(["signal"]):
+        raw = self.store.read_raw("signal")  # never waits: a key another client deletes meanwhile is no signal
+        if raw is None:
             return 0
-        value = self.store.get("signal")
+        value = self.store.open("signal", raw)
         signum = int(value) if value is not None and value.isdigit() else 0
         if signum in self.signals:
             return signum
-        self._refuse("signal", f"{'a value not sealed by this run' if value is None else repr(value)}, not one of save_on_signal {sorted(self.signals)}")
+        self._refuse("signal", raw, f"{'a value not sealed by this run' if value is None else repr(value)}, not one of save_on_signal {sorted(self.signals)}")
         return 0
 
-    def _refuse(self, key: str, why: str) -> None:
+    def _refuse(self, key: str, raw: bytes, why: str) -> None:
         """Count and log a forged value once (the watch sees it again at every poll)."""
-        raw = self.store.get_raw(key)
         if (key, raw) in self._refused:
             return
         self._refused.add((key, raw))
@@ -155,13 +155,14 @@ class PreemptionWatch:
         waited = False
         while True:
             for key in keys:
-                if key in steps or not self.store.check([key]):
+                raw = None if key in steps else self.store.read_raw(key)
+                if raw is None:
                     continue
-                value = self.store.get(key)
+                value = self.store.open(key, raw)
                 if value is not None and value.isdigit():
                     steps[key] = int(value)
                 else:
-                    self._refuse(key, "a step not sealed by this run's writers")
+                    self._refuse(key, raw, "a step not sealed by this run's writers")
             pending = [k for k in keys if k not in steps]
             remaining = deadline - time.monotonic()
             if not pending or remaining <= 0:

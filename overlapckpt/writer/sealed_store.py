@@ -38,6 +38,8 @@ _MAC_HEX = 64  # SHA-256 in hex
 # Reads of a counter that another writer changed between our read and our compare_set:
 # a handful at most (one replacement writer at a time); the bound only stops a loop.
 _MAX_INCREMENT_TRIES = 1000
+# What read_raw expects a key to hold (never a sealed value's hex MAC), a random suffix after it.
+_ABSENT_MARK = "\0absent:"
 
 
 class SealedStore:
@@ -72,12 +74,24 @@ class SealedStore:
     def set(self, name: str, value: str) -> None:
         self.store.set(name, self.seal(name, value))
 
-    def get(self, name: str) -> str | None:
-        """The value under ``name`` (which must exist: ``get`` of a missing key waits), or None if forged."""
-        return self.open(name, self.store.get(name))
+    def read_raw(self, name: str) -> bytes | None:
+        """The bytes stored under ``name``, or None if there is no such key; one request, which never waits.
 
-    def get_raw(self, name: str) -> bytes:
-        return bytes(self.store.get(name))
+        The store's own ``get`` waits for a missing key until the store's timeout, so a
+        ``check`` then a ``get`` stalls when another client deletes the key between the two
+        (the preemption watch stalled so for longer than the grace period). ``compare_set``
+        with a fresh random expected value, on a key that holds anything else, changes
+        nothing and answers what is there; on a missing key it creates nothing and answers
+        the expected value back, which no sealed value (64 hex digits first) can equal.
+        """
+        absent = _ABSENT_MARK + secrets.token_hex(16)
+        raw = bytes(self.store.compare_set(name, absent, absent))
+        return None if raw == absent.encode() else raw
+
+    def get(self, name: str) -> str | None:
+        """The value under ``name``, or None if it is absent or forged (``read_raw`` tells which); never waits."""
+        raw = self.read_raw(name)
+        return None if raw is None else self.open(name, raw)
 
     def check(self, names: list[str]) -> bool:
         return bool(self.store.check(names))
@@ -90,9 +104,10 @@ class SealedStore:
 
     def read_counter(self, name: str) -> int | None:
         """The counter under ``name`` (0 if never set), or None if its value is forged."""
-        if not self.check([name]):
+        raw = self.read_raw(name)
+        if raw is None:
             return 0
-        value = self.get(name)
+        value = self.open(name, raw)
         return None if value is None else _counter_value(value)
 
     def increment(self, name: str, by: int) -> int:
