@@ -36,6 +36,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch.distributed.checkpoint.storage import WriteResult
+
 from ..errors import CheckpointWriteError
 from .checksum import hex32
 from .checksumming_stream import ChecksummingStream, FileSegments, StreamTimings
@@ -169,10 +171,21 @@ def attach_checksums(
         mac = segments.macs.get(span) if segments is not None else None
         nonce = segments.mac_nonce if segments is not None else None
         stored = ChecksummedStorage(info, checksum, algorithm, mac, mac_algorithm if mac is not None else None, nonce)
-        out.append(dataclasses.replace(result, storage_data=stored))
+        out.append(_with_storage_data(result, stored))
     for path, spans in ends.items():
         _check_tiling(path, spans, files[path].nbytes)
     return out
+
+
+_WRITE_RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(WriteResult))
+
+
+def _with_storage_data(result: Any, storage_data: Any) -> Any:
+    """``result`` with another ``storage_data``: DCP's WriteResult built directly (``dataclasses.replace`` costs 5 us
+    an item, a quarter second for 40,000); any other result type through ``replace``."""
+    if type(result) is WriteResult and _WRITE_RESULT_FIELDS == ("index", "size_in_bytes", "storage_data"):
+        return WriteResult(result.index, result.size_in_bytes, storage_data)
+    return dataclasses.replace(result, storage_data=storage_data)
 
 
 def _check_tiling(path: str, spans: list[tuple[int, int]], nbytes: int) -> None:
@@ -270,7 +283,7 @@ def plain_results(results: list[list[Any]]) -> list[list[Any]]:
     """The WriteResults with DCP's own storage infos back in place, for ``.metadata``."""
     return [
         [
-            dataclasses.replace(r, storage_data=r.storage_data.info) if isinstance(r.storage_data, ChecksummedStorage) else r
+            _with_storage_data(r, r.storage_data.info) if isinstance(r.storage_data, ChecksummedStorage) else r
             for r in rank_results
         ]
         for rank_results in results

@@ -132,13 +132,61 @@ class ChecksummingStream:
         hashed = time.perf_counter()
         timings.write_s += wrote - started
         timings.checksum_s += hashed - wrote
+        self._hint_writeback(hashed)
+        return written
+
+    @property
+    def writes_blobs_together(self) -> bool:
+        """Whether ``write_blobs`` may be used: not with a signing key (each span's MAC is taken as it is written)."""
+        return self._macs is None
+
+    def write_blobs(self, blobs: list[bytes]) -> list[tuple[int, int]]:
+        """Several items' bytes in one write to storage, each its own checksummed span; each one's (offset, length).
+
+        The same spans and checksums as a ``tell()``, a ``write`` and a ``tell()`` per blob,
+        without a write per blob into storage: 40,000 small blobs of 1.6 KB took 0.5 s
+        through the file's 8 KiB buffer, as many system calls, on the 2-core VM.
+        """
+        assert self._macs is None, "write_blobs without a signing key only (writes_blobs_together)"
+        self._close_span()
+        timings = self.segments.timings
+        started = time.perf_counter()
+        spans = []
+        position = self._position
+        for blob in blobs:  # never a snapshot tensor's memory: no known checksum to combine
+            if blob:  # as tell() around an empty write: no span
+                self.segments.spans[(position, position + len(blob))] = self._update(blob, 0)
+            spans.append((position, len(blob)))
+            position += len(blob)
+        hashed = time.perf_counter()
+        joined = memoryview(b"".join(blobs))
+        try:
+            done = 0
+            while done < joined.nbytes:  # a raw stream may take part of a write
+                taken = self._write_raw(joined[done:])
+                if taken <= 0:
+                    raise OSError(f"the storage stream took none of a {joined.nbytes - done}-byte write")
+                done += taken
+        except OSError as e:
+            self._remember(e)
+            raise
+        self.segments.hashed_nbytes += joined.nbytes
+        self._position = self._span_start = position
+        self.segments.nbytes = position
+        wrote = time.perf_counter()
+        timings.checksum_s += hashed - started
+        timings.write_s += wrote - hashed
+        self._hint_writeback(wrote)
+        return spans
+
+    def _hint_writeback(self, now: float) -> None:
+        """A local file: ask the disk to start writing what was handed to it since the last hint, every few MiB."""
         if self._fd is not None and self._position - self._written_back_to >= WRITEBACK_EVERY_BYTES:
             self.flush()  # the bytes must be in the page cache for their writeback to start
             assert start_writeback is not None
             start_writeback(self._fd, self._written_back_to, self._position - self._written_back_to)
             self._written_back_to = self._position
-            timings.writeback_hint_s += time.perf_counter() - hashed
-        return written
+            self.segments.timings.writeback_hint_s += time.perf_counter() - now
 
     def _write_raw(self, view: memoryview) -> int:
         written = self._raw.write(view)

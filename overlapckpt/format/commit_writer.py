@@ -17,6 +17,7 @@ from typing import Any
 from torch.futures import Future
 
 from ..errors import CheckpointWriteError
+from . import direct_shard_write
 from .blobsums import ChecksummingFileSystem, StoredChecksums, attach_checksums, plain_results
 from .checksum import default_algorithm
 from .checksumming_stream import FileSegments
@@ -58,10 +59,14 @@ class ManifestFirstWriting:
         self._checksumming_fs.files.clear()  # a reused writer never reports an older save's spans
 
     def write_data(self, plan: Any, planner: Any) -> Future:
-        written = super().write_data(plan, planner)  # type: ignore[misc]  # DCP's writer, the next base
-        written.wait()
+        if direct_shard_write.applies(self, plan):  # DCP's files, without its per-item costs
+            written = direct_shard_write.write_data(self, plan, planner)
+        else:
+            future = super().write_data(plan, planner)  # type: ignore[misc]  # DCP's writer, the next base
+            future.wait()
+            written = future.value()
         fs = self._checksumming_fs
-        results = attach_checksums(written.value(), fs.files, self._algorithm, fs.mac_algorithm if fs.mac_key is not None else None)
+        results = attach_checksums(written, fs.files, self._algorithm, fs.mac_algorithm if fs.mac_key is not None else None)
         out: Future = Future()
         out.set_result(results)
         return out

@@ -180,35 +180,44 @@ def _checksumming_stream(f: Any) -> ChecksummingStream | None:
     return None
 
 
+def template_blob(obj: Any, stream: ChecksummingStream) -> bytes | None:
+    """torch.save's bytes for ``obj`` in a file ``stream`` writes, from its key's template; None where no template
+    serves it (anything but a small plain tensor, CRCs on, a key whose blobs do not fit): torch.save decides then."""
+    if stream.serialization_settings is None:
+        # Read once per file: reading torch's config costs about 20 us, more than the write.
+        # Nothing in the writer process changes them while DCP writes a file (nor enters
+        # torch.serialization.skip_data, which this does not follow).
+        stream.serialization_settings = _save_settings()
+    key = TensorBlobTemplates.key_of(obj, stream.serialization_settings)
+    return None if key is None else _templates.blob(obj, key)
+
+
 def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
     """``torch.save``, with a small plain tensor written to overlapckpt's stream from its template in one write."""
     stream = _checksumming_stream(f) if not args and not kwargs else None
-    if stream is not None:
-        if stream.serialization_settings is None:
-            # Read once per file: reading torch's config costs about 20 us, more than the write.
-            # Nothing in the writer process changes them while DCP writes a file (nor enters
-            # torch.serialization.skip_data, which this does not follow).
-            stream.serialization_settings = _save_settings()
-        key = TensorBlobTemplates.key_of(obj, stream.serialization_settings)
-        if key is not None:
-            blob = _templates.blob(obj, key)
-            if blob is not None:
-                _write_all(f, blob)
-                return
+    blob = template_blob(obj, stream) if stream is not None else None
+    if blob is not None:
+        _write_all(f, blob)
+        return
     _TORCH_SAVE(obj, f, *args, **kwargs)
 
 
 def _write_all(f: Any, blob: bytes) -> None:
-    """``blob`` into ``f``, then a flush, as torch.save ends (a raw stream may take part of a write)."""
+    """``blob`` into ``f``, then a flush, as torch.save ends."""
+    write_fully(f, blob)
+    flush = getattr(f, "flush", None)
+    if callable(flush):
+        flush()
+
+
+def write_fully(f: Any, blob: bytes) -> None:
+    """Every byte of ``blob`` into ``f`` (a raw stream may take part of a write)."""
     view = memoryview(blob)
     while view:
         written = f.write(view)
         if written is None:  # a stream that does not report takes everything or raises
             break
         view = view[written:]
-    flush = getattr(f, "flush", None)
-    if callable(flush):
-        flush()
 
 
 class _TorchWithTemplateSave(types.ModuleType):
@@ -220,6 +229,13 @@ class _TorchWithTemplateSave(types.ModuleType):
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
+
+
+def installed() -> bool:
+    """Whether DCP's filesystem module saves through ``save`` here (``install`` ran in this process)."""
+    from torch.distributed.checkpoint import filesystem
+
+    return isinstance(getattr(filesystem, "torch", None), _TorchWithTemplateSave)
 
 
 def install() -> bool:

@@ -117,7 +117,10 @@ def _replayed_views(
     """The snapshot's tensors in its host slot, replayed to the checkpoint's version where ``req.replay`` asks."""
     slot = ctx.buffers[req.buffer_id]
     # Exact-storage views: DCP writes them in place instead of cloning each (hostbuf.exact_view).
-    tensors = [exact_view(slot, off, e.dtype, e.shape) for e, off in zip(plan.entries, plan.offsets)]
+    if ctx.views is not None:
+        tensors = ctx.views.of(req.buffer_id, slot, plan)
+    else:
+        tensors = [exact_view(slot, off, e.dtype, e.shape) for e, off in zip(plan.entries, plan.offsets)]
     if req.replay is not None:
         from .replay import replay_to_version
 

@@ -20,6 +20,7 @@ from ..format.known_sums import KnownChecksums
 from ..format.manifest import Manifest
 from ..format.storage import CheckpointStore
 from .group import WriterGroup
+from .slot_views import SlotViews
 
 
 @dataclass
@@ -33,6 +34,7 @@ class PersistContext:
     write_threads: int = 1
     # While it says so (a preemption), the local tier's replicas go at full speed (replicas.py).
     unpaced: Callable[[], bool] | None = None
+    views: SlotViews | None = None  # the slots' views, kept across persists; None: made anew each time
 
 
 @dataclass

@@ -38,6 +38,7 @@ from .persist_context import PersistContext
 from .preempt_watch import PreemptionWatch
 from .replay import warm_up
 from .replicas import fetch_into_tier
+from .slot_views import SlotViews
 from .store_polling import IDLE_POLL_S, IDLE_REQUESTS_PER_POLL, poll_interval_s
 
 # What a store request raises when the store cannot be reached (DistNetworkError, DistStoreError,
@@ -65,10 +66,11 @@ class _WriterState:
         self.preemption: PreemptionWatch | None = None
         self.control_page: torch.Tensor | None = None  # the mapping the watch reads and writes
         self.plans: dict[int, p.SetPlanRequest] = {}
+        self.views = SlotViews()  # each slot's tensors, made at its first persist
 
     def persist(self, req: p.PersistRequest, conn: Connection, purge_later: list[tuple[CheckpointStore, str]]) -> p.CommittedResponse:
         plan = self.plans[req.plan_id]
-        ctx = PersistContext(self.tier_stores(), self.group, self.buffers, self.signing_key, self.threads, self.preempting)
+        ctx = PersistContext(self.tier_stores(), self.group, self.buffers, self.signing_key, self.threads, self.preempting, self.views)
         return persist_snapshot(
             ctx, plan, req, on_replay=lambda finished: _send(conn, p.ReplayProgressNotice(req.request_id, finished)), purge_later=purge_later
         )
@@ -278,6 +280,7 @@ def _serve_requests(conn: Connection, fd_sock: socket.socket, state: _WriterStat
             if isinstance(req, p.ShutdownRequest):
                 return
             if isinstance(req, p.MapBufferRequest):
+                state.views.forget_buffer(req.buffer_id)  # a slot mapped again under its id: the old mapping's views go
                 state.buffers[req.buffer_id] = _map_sent_memory(fd_sock, req.nbytes)
                 _send(conn, p.MappedResponse(buffer_id=req.buffer_id))
             elif isinstance(req, p.WatchPreemptionRequest):
@@ -287,8 +290,10 @@ def _serve_requests(conn: Connection, fd_sock: socket.socket, state: _WriterStat
                 page = ControlPage(state.control_page.data_ptr())
                 state.preemption = PreemptionWatch(page, state.group.spec, req.agreement_timeout_s, req.signals)
             elif isinstance(req, p.ReleaseBufferRequest):
+                state.views.forget_buffer(req.buffer_id)
                 state.buffers.pop(req.buffer_id, None)
             elif isinstance(req, p.SetPlanRequest):
+                state.views.forget_plan(req.plan_id)
                 state.plans[req.plan_id] = req
             elif isinstance(req, p.PersistRequest):
                 _persist(conn, state, req)
