@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -191,3 +192,42 @@ def test_a_stream_that_takes_no_bytes_fails_the_write_by_name():
     with pytest.raises(OSError, match="the storage stream took none of a 10-byte write"):
         stream.write_blobs([b"x" * 10])
     assert isinstance(stream.storage_error, OSError)
+
+
+def test_remembered_write_items_are_dcps_own_and_follow_the_tensor_object():
+    from torch.distributed.checkpoint.planner_helpers import _create_write_items
+
+    from overlapckpt.format.shards import LocalShard, WriteItemsMemo
+
+    memo = WriteItemsMemo()
+    view = torch.zeros(4, 4)
+    first = memo.items("a", view)
+    assert first == _create_write_items("a", view)
+    assert all(x is y for x, y in zip(memo.items("a", view), first))  # the same view: DCP's items, not made again
+    other = torch.zeros(4, 4, dtype=torch.bfloat16)  # another object at the same key
+    assert memo.items("a", other)[0].tensor_data.properties.dtype == torch.bfloat16
+    shard = memo.items("w", LocalShard(view, (8, 4), (4, 0)))
+    assert shard == _create_write_items("w", LocalShard(view, (8, 4), (4, 0)))
+    moved = memo.items("w", LocalShard(view, (8, 4), (0, 0)))  # the same tensor, placed elsewhere
+    assert moved[0].index.offset == torch.Size([0, 0]) and shard[0].index.offset == torch.Size([4, 0])
+    assert memo.items("b", b"bytes") == _create_write_items("b", b"bytes")
+    dead = torch.zeros(2)
+    memo.items("d", dead)
+    gone = weakref.ref(dead)
+    del dead
+    assert gone() is None  # the memo holds no tensor alive (a released slot's views go)
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to save in a single process")
+def test_a_planner_with_remembered_items_plans_what_dcps_planner_plans(tmp_path):
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    state = _state()
+    shapes = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+    plans = []
+    for planner in (CoveringSavePlanner(shapes), CoveringSavePlanner(shapes), DefaultSavePlanner()):
+        forget_cached_plans()
+        planner.set_up_planner(state, is_coordinator=True)
+        plans.append(planner.create_local_plan())
+        assert planner.state_dict["large"] is state["large"]  # the values resolved later are the tensors
+    assert plans[0].items == plans[1].items == plans[2].items

@@ -42,6 +42,7 @@ from ..errors import CheckpointWriteError
 from .checksum import hex32
 from .checksumming_stream import ChecksummingStream, FileSegments, StreamTimings
 from .known_sums import KnownChecksums
+from .manifest_records import BlobRecord, ChecksumsRecord, FileRecord
 
 METADATA_FILE_RE = re.compile(r"^(__\d+)?\.metadata$")  # DCP's global or per-rank commit marker
 
@@ -257,26 +258,27 @@ class StoredChecksums:
             blobs.sort(key=lambda b: b.offset)
         return cls(algorithm=algorithm, files=files, mac_algorithm=mac_algorithm, mac_nonces=nonces)
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "algorithm": self.algorithm,
-            "files": {name: self._file_json(name, blobs) for name, blobs in sorted(self.files.items())},
-            "metadata": {"name": self.metadata_name, "nbytes": self.metadata_nbytes, "checksum": hex32(self.metadata_checksum)},
+    def to_record(self) -> ChecksumsRecord:
+        """The manifest's ``checksums`` section, built directly from what was stored (nothing to validate)."""
+        files = {
+            name: FileRecord(
+                nbytes=blobs[-1].offset + blobs[-1].length if blobs else 0,
+                blobs=tuple(BlobRecord(b.key, b.offset, b.length, hex32(b.checksum), b.mac) for b in blobs),
+                mac_nonce=self.mac_nonces.get(name),
+            )
+            for name, blobs in self.files.items()
         }
-        if self.mac_algorithm is not None:
-            out["mac_algorithm"] = self.mac_algorithm
-        return out
+        return ChecksumsRecord(
+            algorithm=self.algorithm,
+            metadata_name=self.metadata_name,
+            metadata_nbytes=self.metadata_nbytes,
+            metadata_checksum=hex32(self.metadata_checksum),
+            files=files,
+            mac_algorithm=self.mac_algorithm,
+        )
 
-    def _file_json(self, name: str, blobs: list[StoredBlob]) -> dict[str, Any]:
-        entry: dict[str, Any] = {"nbytes": blobs[-1].offset + blobs[-1].length if blobs else 0, "blobs": []}
-        for b in blobs:
-            blob: dict[str, Any] = {"key": b.key, "offset": b.offset, "length": b.length, "checksum": hex32(b.checksum)}
-            if b.mac is not None:
-                blob["mac"] = b.mac
-            entry["blobs"].append(blob)
-        if name in self.mac_nonces:
-            entry["mac_nonce"] = self.mac_nonces[name]
-        return entry
+    def to_json(self) -> dict[str, Any]:
+        return self.to_record().to_json()
 
 
 def plain_results(results: list[list[Any]]) -> list[list[Any]]:

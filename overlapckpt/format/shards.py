@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import SavePlanner, TensorWriteData, WriteItem, WriteItemType
+
+try:
+    from torch.distributed.checkpoint.planner_helpers import _create_write_items
+except ImportError:  # not in this torch: DCP plans every item each time
+    _create_write_items = None  # type: ignore[assignment]
 
 from ..errors import CoverageError
 from .shared_metadata import share_equal_parts
@@ -127,12 +133,68 @@ def check_coverage(state_dict_metadata: dict[str, Any], global_shapes: dict[str,
             )
 
 
+class WriteItemsMemo:
+    """DCP's write items of each tensor of a writer's state dict, kept while that very tensor object lives.
+
+    The writer hands DCP the same view of its slot for a tensor at every persist
+    (``writer/slot_views.py``), and a tensor's items depend only on its key, dtype, shape,
+    strides and the like, which a view keeps. DCP builds them anew for every save: five
+    dataclasses and a ``torch.Size`` or two per tensor, 0.3 to 0.5 s of each persist at
+    40,000 tensors (2-core VM). A weak reference names the tensor, so a released slot's
+    views are not kept alive; any other value (bytes, a new object) is planned by DCP.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[weakref.ref[torch.Tensor], Any, tuple[WriteItem, ...]]] = {}
+
+    def items(self, fqn: str, obj: Any) -> list[WriteItem]:
+        assert _create_write_items is not None
+        tensor = obj.tensor if isinstance(obj, LocalShard) else obj
+        if type(tensor) is not torch.Tensor:
+            return _create_write_items(fqn, obj)
+        placement = (obj.global_shape, obj.global_offset) if isinstance(obj, LocalShard) else None
+        held = self._held.get(fqn)
+        if held is not None and held[0]() is tensor and held[1] == placement:
+            return list(held[2])
+        items = _create_write_items(fqn, obj)
+        self._held[fqn] = (weakref.ref(tensor), placement, tuple(items))
+        return items
+
+
+class _Remembered:
+    """A state-dict value seen by DCP's local planning through the memo (only while it plans)."""
+
+    __slots__ = ("obj", "memo")
+
+    def __init__(self, obj: Any, memo: WriteItemsMemo) -> None:
+        self.obj = obj
+        self.memo = memo
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return self.memo.items(fqn, self.obj)
+
+
 class CoveringSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, with local shards resolved and the coverage of the whole checked."""
+
+    # One per process: the writer's persists share it (its tensors are the same views each time).
+    write_items = WriteItemsMemo()
 
     def __init__(self, global_shapes: dict[str, tuple[int, ...]]) -> None:
         super().__init__(**_planner_kwargs())
         self.global_shapes = global_shapes
+
+    def create_local_plan(self) -> Any:
+        if _create_write_items is None:  # a torch without DCP's item helper: DCP plans every item
+            return super().create_local_plan()
+        # DCP's own planning (its plan caching included) over the memo's items; the tensors themselves
+        # are back in place before anything resolves them.
+        state_dict = self.state_dict
+        self.state_dict = {fqn: _Remembered(obj, self.write_items) for fqn, obj in state_dict.items()}
+        try:
+            return super().create_local_plan()
+        finally:
+            self.state_dict = state_dict
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         # DCP finds a shard by offset only inside tensors; a LocalShard is found by its key.

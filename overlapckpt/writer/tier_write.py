@@ -21,7 +21,7 @@ from ..format.blobsums import ChecksummingFileSystem, StoredChecksums
 from ..format.checksumming_stream import StreamTimings
 from ..format.commit_writer import BeforeCommit
 from ..format.manifest import CheckpointInfo, dump_manifest
-from ..format.manifest_records import ChecksumsRecord, ExportRecord
+from ..format.manifest_records import ExportRecord
 from ..format.peers import NodeLayout
 from ..format.shards import CoveringSavePlanner
 from ..format.signing import sign
@@ -85,7 +85,7 @@ def _write_and_publish(
                 "a store's make_writer must use format.checksum.default_algorithm()"
             )
         document = dataclasses.replace(
-            snapshot.manifest, checksums=ChecksumsRecord.from_json(checksums.to_json(), where), exports=exports, created_at=time.time()
+            snapshot.manifest, checksums=checksums.to_record(), exports=exports, created_at=time.time()
         ).to_json()
         if ctx.signing_key is not None:
             sign(document, checksums.metadata_bytes, ctx.signing_key)
