@@ -246,6 +246,20 @@ def test_verify_shows_progress_on_a_terminal_and_not_in_a_pipe(tmp_path):
     assert piped.returncode == 0 and piped.stderr == b""
 
 
+def test_verify_progress_counts_every_byte_it_reads_and_ends_at_its_total(tmp_path):
+    """Before, .metadata's bytes were read and counted but not in the total: the line went past 100% (111%)."""
+    from overlapckpt.format.storage import CheckpointStore
+    from overlapckpt.format.verify import verify_checkpoint
+
+    _two_checkpoints(tmp_path)
+    calls: list[tuple[int, int]] = []
+    report = verify_checkpoint(CheckpointStore(str(tmp_path)), "step-000000005", on_progress=lambda done, total: calls.append((done, total)))
+    assert report.problems == [] and calls
+    stored = sum(p.stat().st_size for p in (tmp_path / "step-000000005").iterdir() if p.name.endswith(".distcp") or p.name == ".metadata")
+    assert {total for _, total in calls} == {stored} == {report.nbytes}
+    assert all(done <= total for done, total in calls) and calls[-1] == (stored, stored)
+
+
 def test_ls_of_a_file_is_an_error_and_inspect_and_verify_take_the_path_ls_prints(tmp_path, capsys):
     """Before: `ls <a file>` exited 0; inspect and verify refused a checkpoint's own path (only --name worked)."""
     _two_checkpoints(tmp_path)

@@ -165,7 +165,10 @@ def verify_checkpoint(
     exports = {f: (e.nbytes, e.crc32) for f, e in manifest.exports.items()}
     _check_listed_names(where, str(metadata["name"]), shards, exports)
     mine = [(filename, entry) for index, (filename, entry) in enumerate(sorted(shards.items())) if share.picks(index, filename)]
+    # Every byte this call reads: its shards, and on rank 0 .metadata and the framework files too.
     total_nbytes = sum(nbytes for _, (nbytes, _) in mine)
+    if share.rank == 0:
+        total_nbytes += int(metadata["nbytes"]) + (sum(nbytes for nbytes, _ in exports.values()) if read_blobs else 0)
 
     def progress() -> None:
         if on_progress is not None:
