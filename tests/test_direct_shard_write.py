@@ -231,3 +231,46 @@ def test_a_planner_with_remembered_items_plans_what_dcps_planner_plans(tmp_path)
         plans.append(planner.create_local_plan())
         assert planner.state_dict["large"] is state["large"]  # the values resolved later are the tensors
     assert plans[0].items == plans[1].items == plans[2].items
+
+
+class _HostStream:
+    """What DCP's _OverlappingCpuLoader asks of a device stream, for CPU tensors only (nothing is in flight)."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+
+class _HostDeviceModule:
+    def __init__(self) -> None:
+        self._stream = _HostStream()
+
+    def current_stream(self) -> _HostStream:
+        return self._stream
+
+    def stream(self, stream):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to save in a single process")
+def test_where_an_accelerator_is_available_the_direct_write_orders_tensors_as_dcps_loader_does(tmp_path, writer_process_settings, monkeypatch):
+    """On a GPU machine DCP's one-thread write goes through _OverlappingCpuLoader, which sorts each file's tensors by
+    size: the direct write stored them in plan order there, another file (the review found it; the GPU machine's
+    torch.cuda.is_available() is True)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(filesystem, "_get_available_device_type", lambda: "cuda")
+    monkeypatch.setattr(filesystem, "_get_device_module", lambda device_type: _HostDeviceModule())
+    state = _state()
+    state["bigger_first"] = torch.randn(300, generator=torch.Generator().manual_seed(3))  # planned first, stored after smaller
+    state = {"bigger_first": state.pop("bigger_first"), **state}
+    files, metadata, checksums = _save(tmp_path, "direct", state, 1)
+    monkeypatch.setattr(direct_shard_write, "applies", lambda writer, plan: False)
+    dcp_files, dcp_metadata, dcp_checksums = _save(tmp_path, "dcp", state, 1)
+    assert files["__0_0.distcp"] == dcp_files["__0_0.distcp"]
+    assert metadata.storage_data == dcp_metadata.storage_data and checksums.files == dcp_checksums.files
+    offsets = {index.fqn: storage.offset for index, storage in metadata.storage_data.items()}
+    assert offsets["bigger_first"] > offsets["small.0"]  # sorted by size, as DCP's loader sorts

@@ -51,3 +51,13 @@ def test_a_slot_mapped_again_or_released_keeps_no_view_of_the_old_mapping():
     kept = weakref.ref(views.of(0, new, plan)[0])
     views.forget_plan(1)
     assert kept() is None
+
+
+def test_a_new_plan_replaces_the_old_plans_views_of_a_slot():
+    """Plan ids are never sent again once replaced: a slot keeps one plan's views, not one set per plan ever used."""
+    views = SlotViews()
+    slot = torch.zeros(128, dtype=torch.uint8)
+    old = weakref.ref(views.of(0, slot, _plan(1))[0])
+    kept_elsewhere = weakref.ref(views.of(1, torch.zeros(128, dtype=torch.uint8), _plan(1))[0])
+    views.of(0, slot, _plan(2))
+    assert old() is None and kept_elsewhere() is not None  # only that slot's old plan went

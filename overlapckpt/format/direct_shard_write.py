@@ -12,7 +12,8 @@ Here each file's tensors go straight into the checksumming stream: a templated b
 ``write`` between two ``tell()`` calls (one checksummed span, as before), and nothing is
 flushed until the file's fsync. Anything else, a BYTE_IO item or a tensor no template
 serves, goes through DCP's own ``_write_item``, unchanged. The files are DCP's: the same
-buckets (``_split_by_size_and_type``), names, item order and ``_StorageInfo``, so
+buckets (``_split_by_size_and_type``), names, item order (sorted by size where DCP's
+one-thread loader sorts them, on a machine with an accelerator) and ``_StorageInfo``, so
 ``.metadata`` records them as DCP would and stock ``dcp.load`` reads them.
 
 Used only where this torch's writer is the one this was written against (DCP's helpers
@@ -39,7 +40,8 @@ from . import tensor_blob
 def _dcp_helpers() -> dict[str, Any] | None:
     """DCP's own pieces this write reuses, or None where this torch's module does not have them as expected."""
     helpers: dict[str, Any] = {
-        name: getattr(dcp_filesystem, name, None) for name in ("_split_by_size_and_type", "_StorageInfo", "_write_item", "DEFAULT_SUFFIX")
+        name: getattr(dcp_filesystem, name, None)
+        for name in ("_split_by_size_and_type", "_StorageInfo", "_write_item", "_item_size", "DEFAULT_SUFFIX")
     }
     if any(v is None for v in helpers.values()):
         return None
@@ -75,7 +77,6 @@ def applies(writer: Any, plan: Any) -> bool:
 def write_data(writer: Any, plan: Any, planner: Any) -> list[WriteResult]:
     """Every item of ``plan`` into ``writer``'s files, one file per bucket and thread as DCP makes them; their results."""
     assert _DCP is not None
-    caller = threading.current_thread()
     buckets = _DCP["_split_by_size_and_type"](writer.thread_count, plan.items)
     files = []
     for number, bucket in enumerate(buckets):
@@ -87,24 +88,37 @@ def write_data(writer: Any, plan: Any, planner: Any) -> list[WriteResult]:
     # (writer/process.py), and each file's thread saves as that thread does, templates included.
     crc = _get_crc32_options() if _get_crc32_options is not None else None
 
-    def write(i: int) -> None:
+    def write(i: int) -> None:  # a file of another thread than the caller's
         try:
-            if crc is not None and _set_crc32_options is not None and threading.current_thread() is not caller:
+            if crc is not None and _set_crc32_options is not None:
                 _set_crc32_options(crc)
             results[i] = _write_file(writer, planner, *files[i])
         except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
             failures.append(e)
 
-    threads = [threading.Thread(target=write, args=(i,), name="overlapckpt-shard-write") for i in range(1, len(files))]
-    for t in threads:
-        t.start()
-    if files:
-        write(0)
-    for t in threads:
-        t.join()
+    threads: list[threading.Thread] = []
+    try:
+        for i in range(1, len(files)):
+            thread = threading.Thread(target=write, args=(i,), name="overlapckpt-shard-write")
+            thread.start()
+            threads.append(thread)
+        if files:
+            results[0] = _write_file(writer, planner, *files[0])  # this thread's own error raises as it is
+    finally:
+        for thread in threads:  # every file closed before anything is reported
+            thread.join()
     if failures:
         raise failures[0]
     return [r for file_results in results for r in file_results]
+
+
+def _orders_by_size(writer: Any) -> bool:
+    """Whether DCP's own write orders each file's tensors by size, smallest first: with one thread where a CUDA
+    (or other accelerator) device is available, its ``_OverlappingCpuLoader`` sorts them so."""
+    if writer.thread_count != 1 or getattr(writer, "per_thread_copy_ahead", 0) <= 0:
+        return False
+    backend = getattr(torch, torch._C._get_privateuse1_backend_name(), None)
+    return bool(torch.cuda.is_available() or (backend is not None and backend.is_available()))
 
 
 def _write_file(writer: Any, planner: Any, path: Any, storage_key: str, items: list[Any]) -> list[WriteResult]:
@@ -118,9 +132,10 @@ def _write_file(writer: Any, planner: Any, path: Any, storage_key: str, items: l
         for item in items:
             if item.type == WriteItemType.BYTE_IO:
                 results.append(_DCP["_write_item"](writer.transforms, stream, planner.resolve_data(item), item, storage_key, *dcp_item_args))
-        for item in items:
-            if item.type == WriteItemType.BYTE_IO:
-                continue
+        tensor_items = [item for item in items if item.type != WriteItemType.BYTE_IO]
+        if _orders_by_size(writer):
+            tensor_items.sort(key=_DCP["_item_size"])  # stable, as DCP's loader sorts them: the same file
+        for item in tensor_items:
             tensor = planner.resolve_data(item).detach().cpu()
             if tensor.untyped_storage().size() != tensor.nbytes:
                 tensor = tensor.clone()  # minimal storage, as DCP's loader makes it (torch.save writes the whole storage)

@@ -37,7 +37,7 @@ except ImportError:  # not in this torch: DCP plans every item each time
     _create_write_items = None  # type: ignore[assignment]
 
 from ..errors import CoverageError
-from .shared_metadata import share_equal_parts
+from .shared_metadata import forget_shared, share_equal_parts
 
 
 @dataclass
@@ -99,6 +99,7 @@ def forget_cached_plans() -> None:
         cache = getattr(SavePlanner, name, None)
         if isinstance(cache, dict):
             cache.clear()
+    forget_shared()
 
 
 def _overlaps(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
@@ -190,7 +191,10 @@ class CoveringSavePlanner(DefaultSavePlanner):
         # DCP's own planning (its plan caching included) over the memo's items; the tensors themselves
         # are back in place before anything resolves them.
         state_dict = self.state_dict
-        self.state_dict = {fqn: _Remembered(obj, self.write_items) for fqn, obj in state_dict.items()}
+        self.state_dict = {
+            fqn: _Remembered(obj, self.write_items) if type(obj) is torch.Tensor or isinstance(obj, LocalShard) else obj
+            for fqn, obj in state_dict.items()
+        }
         try:
             return super().create_local_plan()
         finally:

@@ -51,3 +51,8 @@ def share_equal_parts(state_dict_metadata: dict[str, Any]) -> None:
             shared.append(one)
         md.chunks = shared
     _last_shared[0] = state_dict_metadata
+
+
+def forget_shared() -> None:
+    """Drop the reference to the last metadata shared (with DCP's plan caches: ``shards.forget_cached_plans``)."""
+    _last_shared[0] = None

@@ -103,17 +103,21 @@ def _replay_group(
     for fqn in fqns:
         if fqn in state:
             optimizer.state[params[fqn]] = dict(state[fqn])
-    for record in steps:
-        i = record.step - log.base_step
-        for pg, (g, names) in zip(optimizer.param_groups, sorted(groups_fqns.items())):
-            for k, v in replay_hyperparameters(record.hyperparameters[g]).items():
-                pg[k] = v
-            for f in names:
-                p = params[f]
-                if f in record.grad_none:
-                    p.grad = None
-                else:
-                    p.grad = view_bytes(grad_buffer, tables.grad_offsets[(i, f)], p.dtype, tuple(p.shape))
-        step_like_the_device(optimizer, arithmetics, replay.powers)
-    for p in params.values():
-        p.grad = None
+    try:
+        for record in steps:
+            i = record.step - log.base_step
+            for pg, (g, names) in zip(optimizer.param_groups, sorted(groups_fqns.items())):
+                for k, v in replay_hyperparameters(record.hyperparameters[g]).items():
+                    pg[k] = v
+                for f in names:
+                    p = params[f]
+                    if f in record.grad_none:
+                        p.grad = None
+                    else:
+                        p.grad = view_bytes(grad_buffer, tables.grad_offsets[(i, f)], p.dtype, tuple(p.shape))
+            step_like_the_device(optimizer, arithmetics, replay.powers)
+    finally:
+        # The params are the slot's views, kept for later persists (slot_views.py): no .grad may
+        # keep the gradient buffer's mapping alive past its release, a failed replay's included.
+        for p in params.values():
+            p.grad = None

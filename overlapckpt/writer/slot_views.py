@@ -17,7 +17,7 @@ from ..hostbuf import exact_view
 
 
 class SlotViews:
-    """Views of each (slot, plan) pair a persist used, while both last."""
+    """Views of each slot, for the plan its last persist used, while both last."""
 
     def __init__(self) -> None:
         self._made: dict[tuple[int, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}
@@ -27,6 +27,9 @@ class SlotViews:
         key = (buffer_id, plan.plan_id)
         made = self._made.get(key)
         if made is None or made[0] is not slot:  # first use, or the id names another mapping now
+            # One plan's views per slot: a new plan (another layout or window) replaces the old one's,
+            # whose ids are never sent again.
+            self.forget_buffer(buffer_id)
             made = (slot, [exact_view(slot, off, e.dtype, e.shape) for e, off in zip(plan.entries, plan.offsets)])
             self._made[key] = made
         return list(made[1])
