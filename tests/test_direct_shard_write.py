@@ -274,3 +274,16 @@ def test_where_an_accelerator_is_available_the_direct_write_orders_tensors_as_dc
     assert metadata.storage_data == dcp_metadata.storage_data and checksums.files == dcp_checksums.files
     offsets = {index.fqn: storage.offset for index, storage in metadata.storage_data.items()}
     assert offsets["bigger_first"] > offsets["small.0"]  # sorted by size, as DCP's loader sorts
+
+
+def test_the_write_items_memo_serves_views_of_alternating_slots():
+    from overlapckpt.format.shards import WRITE_ITEMS_PER_KEY, WriteItemsMemo
+
+    memo = WriteItemsMemo()
+    slots = [torch.zeros(4, 4) for _ in range(WRITE_ITEMS_PER_KEY)]
+    first = [memo.items("a", view) for view in slots]
+    for _ in range(2):  # persists alternating between the slots: each view's own items, none made again
+        for view, items in zip(slots, first):
+            assert all(x is y for x, y in zip(memo.items("a", view), items))
+    memo.items("a", torch.zeros(4, 4))  # one more than it keeps: the oldest goes
+    assert not any(x is y for x, y in zip(memo.items("a", slots[0]), first[0]))

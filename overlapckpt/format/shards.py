@@ -134,6 +134,10 @@ def check_coverage(state_dict_metadata: dict[str, Any], global_shapes: dict[str,
             )
 
 
+# Tensors remembered per key: more than the host slots a writer maps (max_inflight, 1 to a few).
+WRITE_ITEMS_PER_KEY = 4
+
+
 class WriteItemsMemo:
     """DCP's write items of each tensor of a writer's state dict, kept while that very tensor object lives.
 
@@ -146,7 +150,9 @@ class WriteItemsMemo:
     """
 
     def __init__(self) -> None:
-        self._held: dict[str, tuple[weakref.ref[torch.Tensor], Any, tuple[WriteItem, ...]]] = {}
+        # Per key, the last few tensors seen there, newest first: a run of two or more host slots
+        # alternates between their views (slots.py's max_inflight).
+        self._held: dict[str, list[tuple[weakref.ref[torch.Tensor], Any, tuple[WriteItem, ...]]]] = {}
 
     def items(self, fqn: str, obj: Any) -> list[WriteItem]:
         assert _create_write_items is not None
@@ -154,12 +160,14 @@ class WriteItemsMemo:
         if type(tensor) is not torch.Tensor:
             return _create_write_items(fqn, obj)
         placement = (obj.global_shape, obj.global_offset) if isinstance(obj, LocalShard) else None
-        held = self._held.get(fqn)
-        if held is not None and held[0]() is tensor and held[1] == placement:
-            return list(held[2])
-        items = _create_write_items(fqn, obj)
-        self._held[fqn] = (weakref.ref(tensor), placement, tuple(items))
-        return items
+        held = self._held.setdefault(fqn, [])
+        for ref, where, items in held:
+            if ref() is tensor and where == placement:
+                return list(items)
+        made = _create_write_items(fqn, obj)
+        held.insert(0, (weakref.ref(tensor), placement, tuple(made)))
+        del held[WRITE_ITEMS_PER_KEY:]
+        return made
 
 
 class _Remembered:
