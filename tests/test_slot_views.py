@@ -61,3 +61,23 @@ def test_a_new_plan_replaces_the_old_plans_views_of_a_slot():
     kept_elsewhere = weakref.ref(views.of(1, torch.zeros(128, dtype=torch.uint8), _plan(1))[0])
     views.of(0, slot, _plan(2))
     assert old() is None and kept_elsewhere() is not None  # only that slot's old plan went
+
+
+def test_snapshot_checksums_taken_in_the_slot_equal_each_views_own():
+    """The writer hashes each entry where it lies in the slot (writer/persist.py), not through a wrapper per tensor."""
+    from overlapckpt.format.manifest import tensor_checksum
+    from overlapckpt.hostbuf import exact_view
+    from overlapckpt.writer.persist import _snapshot_checksums
+
+    g = torch.Generator().manual_seed(2)
+    slot = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=g)
+    shapes = [(torch.float32, (3, 4)), (torch.bfloat16, (7,)), (torch.int64, ()), (torch.float32, (0, 3))]
+    entries = [
+        TensorEntry(key=f"k{i}", path=(f"k{i}",), role="param", param_fqn=None, dtype=dtype, shape=shape, nbytes=torch.empty(shape, dtype=dtype).nbytes)
+        for i, (dtype, shape) in enumerate(shapes)
+    ]
+    plan = p.SetPlanRequest(plan_id=1, entries=entries, offsets=(0, 64, 128, 192))
+    for algorithm in ("crc32c", "crc32"):
+        expected = [tensor_checksum(exact_view(slot, off, e.dtype, e.shape), algorithm) for e, off in zip(entries, plan.offsets)]
+        assert _snapshot_checksums(slot, plan, algorithm) == expected
+    assert _snapshot_checksums(slot, plan, "crc32c")[3] == "00000000"  # an empty tensor, as tensor_checksum says
