@@ -11,6 +11,7 @@ from torch import nn
 
 from ..format.key_layout import TORCHTITAN, flat_param_groups, saved_group
 from ..optimizers import each_optimizer
+from .param_lookup import optimizer_state_with_param_lists, param_lists_while_loading
 
 
 def live_state_dicts(model: nn.Module, optimizers: list[torch.optim.Optimizer] | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -22,15 +23,20 @@ def live_state_dicts(model: nn.Module, optimizers: list[torch.optim.Optimizer] |
     return get_state_dict(model, optimizers)
 
 
-def apply_state_dicts(
-    model: nn.Module, optimizers: list[torch.optim.Optimizer] | None, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None
-) -> None:
-    """Set what ``live_state_dicts`` named, read back from a checkpoint."""
+def apply_state_dicts(model: nn.Module, optimizers: Any, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None) -> None:
+    """Set what ``live_state_dicts`` named, read back from a checkpoint.
+
+    torch's optimizer loading looks each state value's parameter up in the groups' lists,
+    a scan per value; the groups it reads hold :class:`~.param_lookup.ParamList`s, so the
+    lookups are a set's and the load stays linear in the parameters.
+    """
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     if optimizers is None:
         model.load_state_dict(model_sd)
-    else:
+        return
+    with param_lists_while_loading(each_optimizer(optimizers)):
+        optim_sd = optimizer_state_with_param_lists(optim_sd)
         set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=cast(Any, optim_sd))
 
 
