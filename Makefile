@@ -10,7 +10,7 @@ TORCH_PIN ?= torch==2.13.0
 TITAN_TEST_PKGS := torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1 tyro==1.0.17 docstring_parser==0.18.0 \
 	typeguard==4.6.1 shtab==1.13.0 einops==0.8.2 spmd_types==0.2.3
 
-.PHONY: venv install demo demo-dist check docs test soak bench bench-dist peers clean
+.PHONY: venv install demo demo-dist check docs test soak bench bench-limits bench-dist peers clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -89,6 +89,21 @@ bench: install
 	$(PY) benchmarks/restore_listing.py
 	-$(PY) benchmarks/tiers_nodes.py --out benchmarks/results/tiers-nodes  # needs root (network namespaces): skipped, saying why, elsewhere
 	$(PY) benchmarks/scale.py --worlds 2,4,8 --out benchmarks/results/scale --name make-bench  # docs/scale.md's run1 went to 16
+
+# The performance goals in one run on one code (benchmarks/results/limits/README.md holds the table):
+# time to durable against the raw write and the peers (local disk, tmpfs), a small checkpoint in each
+# mode, every=2 on a tiny model, 30,000 small tensors saved and loaded, replay's arithmetic per element,
+# and the loop's steps while the writer persists and replays (W=8) against the steps with no checkpoint.
+LIMITS := benchmarks/results/limits
+bench-limits: install
+	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) benchmarks/durable.py --scale-mib '' --s3-mib 0 --replay-window 1 --out $(LIMITS)/durable
+	$(PY) benchmarks/small_checkpoint.py --out $(LIMITS)/small-checkpoint.txt
+	$(PY) benchmarks/short_every.py --out $(LIMITS)/short-every.md
+	$(PY) benchmarks/many_tensors.py --out $(LIMITS)/many-tensors
+	$(PY) benchmarks/fused_replay_speed.py --repeats 9 > $(LIMITS)/replay-arithmetic.txt
+	$(PY) benchmarks/fused_replay_speed.py --repeats 9 --threads 2 >> $(LIMITS)/replay-arithmetic.txt
+	$(PY) benchmarks/harness.py --size tiny --methods baseline,dcp_async_process,torch_checkpointing_async,overlapckpt_w1,overlapckpt_w8_replay --out $(LIMITS)/steps
 
 # 2 CPU ranks (gloo), DDP then FSDP2: overlapckpt against dcp.async_save, about 6 minutes on 2 cores.
 bench-dist: install
