@@ -147,3 +147,44 @@ def test_read_raw_answers_absent_keys_at_once_and_creates_none(master, kind):
     assert sealed.read_raw("forged") == b"\0absent:0123" and sealed.get("forged") is None
     assert sealed.open("there", sealed.read_raw("there")) == "7" and sealed.get("there") == "7"
     assert prefixed.get("there") == sealed.seal("there", "7").encode()  # reading changed nothing
+
+
+class DeletesAfterTheWait:
+    """A client of a real store under which another client deletes ``gone`` right before a multi_get reaches the server."""
+
+    def __init__(self, store, gone: str) -> None:
+        self.store, self.gone, self.multi_gets = store, gone, 0
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def multi_get(self, keys):
+        self.multi_gets += 1
+        self.store.delete_key(self.gone)
+        return self.store.multi_get(keys)
+
+
+@pytest.mark.parametrize("kind", ["tcp", "hash"])
+def test_read_posted_reads_every_key_in_one_request_and_a_key_deleted_since_as_absent(master, kind):
+    from datetime import timedelta
+
+    if kind == "tcp":
+        store = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=60))
+    else:
+        store = dist.HashStore()
+        store.set_timeout(timedelta(seconds=60))
+    prefixed = dist.PrefixStore("p", store)
+    sealed = SealedStore(prefixed, KEY, "p/")
+    for rank in range(3):
+        sealed.set(f"claim/{rank}", str(rank))
+    prefixed.set("claim/3", "forged")
+    names = [f"claim/{rank}" for rank in range(4)]
+    raws = sealed.read_posted(names)
+    assert [sealed.open(n, r) for n, r in zip(names[:3], raws[:3])] == ["0", "1", "2"] and raws[3] == b"forged"
+    # A multi_get of a key deleted since would wait the client's 60 s: read_posted cuts that wait
+    # to POSTED_READ_TIMEOUT, then reads each key on its own, which never waits.
+    deleting = DeletesAfterTheWait(prefixed, "claim/1")
+    raws = SealedStore(deleting, KEY, "p/").read_posted(names)
+    assert deleting.multi_gets == 1 and raws[1] is None and sealed.open("claim/2", raws[2]) == "2"
+    assert prefixed.timeout == store.timeout == timedelta(seconds=60)  # the client's timeout put back
+    assert sealed.read_posted([]) == []

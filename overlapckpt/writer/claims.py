@@ -73,6 +73,8 @@ class KeyValueStore(Protocol):
 
     def read_raw(self, key: str) -> bytes | None: ...
 
+    def read_posted(self, keys: list[str]) -> list[bytes | None]: ...
+
     def open(self, key: str, raw: bytes) -> str | None: ...
 
     def check(self, keys: list[str]) -> bool: ...
@@ -137,12 +139,13 @@ class ClaimBoard:
         self.store.set(self._key(sequence, self.rank), json.dumps(claim, sort_keys=True))
         self.store.set(_POSTED_KEY.format(sequence=sequence), str(self.rank))  # after the claim it announces
 
-    def _claims(self, sequence: int) -> dict[int, dict[str, Any]]:
-        """The claims posted for ``sequence``, by rank; one request per rank."""
+    def _claims(self, sequence: int, waited: bool = False) -> dict[int, dict[str, Any]]:
+        """The claims posted for ``sequence``, by rank: one request after a wait saw them all (``waited``), else one per rank."""
+        keys = [self._key(sequence, r) for r in range(self.world_size)]
+        # Neither read waits for a key deleted since (by another client): it is absent.
+        raws = self.store.read_posted(keys) if waited else [self.store.read_raw(key) for key in keys]
         out = {}
-        for r in range(self.world_size):
-            key = self._key(sequence, r)
-            raw = self.store.read_raw(key)  # never waits: a key deleted since (by another client) is absent
+        for r, (key, raw) in enumerate(zip(keys, raws)):
             if raw is None:
                 continue
             text = self.store.open(key, raw)
@@ -172,7 +175,7 @@ class ClaimBoard:
             raise
         except Exception:  # the store's timeout error type differs between torch releases
             return _Verdict(self._missing_claims(sequence, self._claims(sequence)))
-        claims = self._claims(sequence)
+        claims = self._claims(sequence, waited=True)
         if len(claims) < self.world_size:  # posted, then deleted by another client of the store before this read
             return _Verdict(self._missing_claims(sequence, claims))
         mine = _agreed_part(parse_claim(json.dumps(claim, sort_keys=True)))

@@ -40,6 +40,9 @@ _MAC_HEX = 64  # SHA-256 in hex
 _MAX_INCREMENT_TRIES = 1000
 # What read_raw expects a key to hold (never a sealed value's hex MAC), a random suffix after it.
 _ABSENT_MARK = "\0absent:"
+# How long read_posted lets the store answer keys a wait has just seen posted, before it reads
+# them one by one instead: the store answers at once unless another client deleted one since.
+POSTED_READ_TIMEOUT = timedelta(seconds=2)
 
 
 class SealedStore:
@@ -87,6 +90,28 @@ class SealedStore:
         absent = _ABSENT_MARK + secrets.token_hex(16)
         raw = bytes(self.store.compare_set(name, absent, absent))
         return None if raw == absent.encode() else raw
+
+    def read_posted(self, names: list[str]) -> list[bytes | None]:
+        """The bytes under each of ``names``, which a ``wait`` has just seen posted (None where one is gone since); one request.
+
+        ``multi_get`` reads them all in one round trip, but waits for any missing key until
+        the client's timeout: a key another client deleted after the wait would hold it
+        that long. The client's timeout is cut to ``POSTED_READ_TIMEOUT`` for this one call
+        (this writer's thread is the client's only user; the preemption watch has its
+        own) and put back after; if the store does not answer within it, each key is read
+        on its own by ``read_raw``, which never waits, to say which are gone.
+        """
+        multi_get = getattr(self.store, "multi_get", None)
+        previous = getattr(self.store, "timeout", None)
+        if multi_get is None or not isinstance(previous, timedelta) or not names:
+            return [self.read_raw(name) for name in names]
+        self.store.set_timeout(POSTED_READ_TIMEOUT)
+        try:
+            return [bytes(raw) for raw in multi_get(names)]
+        except Exception:  # noqa: BLE001 - the store's timeout error type differs between torch releases
+            return [self.read_raw(name) for name in names]
+        finally:
+            self.store.set_timeout(previous)
 
     def get(self, name: str) -> str | None:
         """The value under ``name``, or None if it is absent or forged (``read_raw`` tells which); never waits."""
