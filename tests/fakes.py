@@ -64,6 +64,20 @@ class FailingStore(CheckpointStore):
         return writer
 
 
+class CannotClearTheNameStore(CheckpointStore):
+    """Fails on purpose to clear a leftover directory at a checkpoint's name (``remove_tree`` of it raises PermissionError).
+
+    A commit whose name holds a directory without ``.metadata`` clears it before its rename
+    (``Attempt.publish``): with this store, the coordinating writer's commit fails there,
+    after every rank wrote its shards.
+    """
+
+    def remove_tree(self, name: str) -> None:
+        if name.startswith("step-") and "." not in name:
+            raise PermissionError(13, f"Permission denied (injected: cannot clear {name})", name)
+        super().remove_tree(name)
+
+
 class BlockingStore(CheckpointStore):
     """Hangs in the first shard write of checkpoint ONLY_NAME, after telling the test through a FIFO."""
 

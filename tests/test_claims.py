@@ -108,15 +108,39 @@ def test_an_idle_writer_refuses_a_checkpoint_it_never_requested():
         other.agree(CLAIM)
 
 
-def test_decided_checkpoints_leave_no_keys():
+def test_decided_checkpoints_leave_only_the_newest_verdict():
+    """The coordinator forgets a verdict once every rank claimed the next checkpoint, so has read it:
+    a rank slower to read it than the coordinator is to commit still finds it."""
     store = dist.HashStore()
     boards = [ClaimBoard(sealed(store), rank=r, world_size=2, agreement_timeout_s=5) for r in range(2)]
-    sealed(store).set("claim/0/1", OTHER_CLAIM)
-    sealed(store).set("posted/0", "1")
-    assert boards[0].agree(CLAIM).sequence == 0
-    boards[0].forget(0)
-    boards[1].forget(0)
-    assert not any(store.check([key]) for key in ("claim/0/0", "claim/0/1", "posted/0", "verdict/0"))
+    for sequence in range(3):
+        sealed(store).set(f"claim/{sequence}/1", OTHER_CLAIM)
+        sealed(store).set(f"posted/{sequence}", "1")
+        assert boards[0].agree(CLAIM).sequence == sequence
+        boards[0].forget(sequence)  # the coordinator first: rank 1 has not read the verdict yet
+        assert store.check([f"verdict/{sequence}"])
+        boards[1].sequence = sequence
+        assert boards[1].agree(CLAIM).sequence == sequence  # reads the verdict the coordinator kept
+        boards[1].forget(sequence)
+    # (rank 1 posts its marker again on its late agree here; in a run every rank posts before the coordinator decides)
+    left = [f"verdict/{s}" for s in range(3)] + [f"claim/{s}/{r}" for s in range(3) for r in range(2)]
+    assert [key for key in left if store.check([key])] == ["verdict/2"]
+
+
+def test_the_verdict_carries_the_widest_window_any_rank_proposed_and_none_when_none_did():
+    proposals = {0: {**CLAIM, "next_window": 2}, 1: {**CLAIM, "next_window": 8}, 2: CLAIM, 3: {**CLAIM, "next_window": 4}}
+    _, outcomes = _agree_on_every_rank(4, proposals, agreement=True)
+    assert [a.next_window for a in outcomes] == [8, 8, 8, 8]  # every rank, the coordinator's verdict
+    _, outcomes = _agree_on_every_rank(2, {}, agreement=True)
+    assert [a.next_window for a in outcomes] == [None, None]
+
+
+def test_a_window_proposal_of_the_wrong_type_is_malformed():
+    store = dist.HashStore()
+    sealed(store).set("claim/0/1", '{"name": "step-000000003", "next_window": "8", "requested": 3, "version": 3}')
+    board = ClaimBoard(sealed(store), rank=0, world_size=2, agreement_timeout_s=5)
+    with pytest.raises(RankDisagreementError, match=r"rank 1's claim is malformed .*next_window"):
+        board.agree(CLAIM)
 
 
 def test_a_claim_forged_outside_the_runs_prefix_has_no_effect():
@@ -175,7 +199,9 @@ def test_a_claim_with_tiers_of_the_wrong_type_is_malformed():
         board.agree({**CLAIM, "tiers": "local,root"})
 
 
-def _agree_on_every_rank(world_size: int, claims: dict[int, dict], timeout_s: float = 10.0) -> tuple[list[int], list[object]]:
+def _agree_on_every_rank(
+    world_size: int, claims: dict[int, dict], timeout_s: float = 10.0, agreement: bool = False
+) -> tuple[list[int], list[object]]:
     """Every rank's writer agrees at once, one thread each, over one store: each rank's store requests and its outcome."""
     shared = dist.HashStore()
     views = [CountingStore(shared) for _ in range(world_size)]
@@ -184,7 +210,8 @@ def _agree_on_every_rank(world_size: int, claims: dict[int, dict], timeout_s: fl
 
     def agree(rank: int) -> None:
         try:
-            outcomes[rank] = boards[rank].agree(claims.get(rank, CLAIM)).sequence
+            agreed = boards[rank].agree(claims.get(rank, CLAIM))
+            outcomes[rank] = agreed if agreement else agreed.sequence
         except RankDisagreementError as e:
             outcomes[rank] = e
 

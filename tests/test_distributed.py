@@ -181,6 +181,20 @@ def test_auto_window_is_the_same_on_every_rank(ddp_results):
     assert a0["reasons"] == a1["reasons"]
 
 
+def test_a_commit_that_fails_on_the_coordinator_raises_on_every_rank_and_lists_nothing(ddp_results):
+    """Every rank answers its trainer after the coordinator's commit, and learns its failure in that collective.
+
+    Before the commit barrier (writer/tier_write.py: _commit_barrier), rank 1's writer
+    answered "committed" as soon as DCP's save returned, before the coordinator's rename:
+    its wait() returned a checkpoint that was never committed."""
+    for rank, r in enumerate(ddp_results):
+        c = r["commit_fails"]
+        assert c["error_type"] == "CheckpointWriteError", (rank, c)
+        assert "Permission denied (injected: cannot clear step-000000002)" in c["error"], (rank, c)
+        assert c["listed"] == [], (rank, c)
+    assert "failed on the coordinating writer (rank 0)" in ddp_results[1]["commit_fails"]["error"]
+
+
 def test_parts_that_do_not_tile_a_tensor_are_refused_before_the_commit():
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
 

@@ -51,6 +51,11 @@ _OPTIONAL_CLAIM_FIELDS = {"tiers": str}
 # gather its cached union came from (shape_union.py). The coordinator's verdict says whether every
 # rank may reuse its union.
 SHAPES_FIELD = "shapes"
+# Also this rank's own (window="auto"): the window it proposes for the next checkpoint. The
+# verdict carries the widest any rank proposed, which every rank then uses: what an
+# all-gather of the proposals after the commit decided before, without that collective.
+NEXT_WINDOW_FIELD = "next_window"
+_OWN_FIELDS = (SHAPES_FIELD, NEXT_WINDOW_FIELD)
 _MAX_SHOWN_BYTES = 120
 # While waiting for the other ranks' claims, look this often whether a writer was replaced.
 _MOVED_POLL_S = 0.25
@@ -62,6 +67,7 @@ class Agreement:
 
     sequence: int
     shapes_unchanged: bool = False
+    next_window: int | None = None  # the widest window any rank proposed for the next checkpoint (None: none did)
 
 
 class KeyValueStore(Protocol):
@@ -92,7 +98,7 @@ def parse_claim(text: str) -> dict[str, Any]:
         return {"malformed": text[:_MAX_SHOWN_BYTES]}
     if claim == {"requested": None}:
         return claim  # a refusal: that rank requested no checkpoint in time
-    fields = {**_CLAIM_FIELDS, **_OPTIONAL_CLAIM_FIELDS, SHAPES_FIELD: str}
+    fields = {**_CLAIM_FIELDS, **_OPTIONAL_CLAIM_FIELDS, SHAPES_FIELD: str, NEXT_WINDOW_FIELD: int}
     if not isinstance(claim, dict) or not set(_CLAIM_FIELDS) <= set(claim) <= set(fields) or any(
         not isinstance(claim[k], fields[k]) or isinstance(claim[k], bool) for k in claim
     ):
@@ -165,7 +171,7 @@ class ClaimBoard:
             verdict = self._verdict(sequence)
         if verdict.refusal is not None:
             raise RankDisagreementError(verdict.refusal)
-        return Agreement(sequence, verdict.shapes_unchanged)
+        return Agreement(sequence, verdict.shapes_unchanged, verdict.next_window)
 
     def _decide(self, sequence: int, claim: dict[str, Any]) -> _Verdict:
         """The coordinator's verdict on every rank's claim: agreed when all match its own, else the refusal's text."""
@@ -181,10 +187,15 @@ class ClaimBoard:
         mine = _agreed_part(parse_claim(json.dumps(claim, sort_keys=True)))
         if any(_agreed_part(c) != mine for c in claims.values()):
             return _Verdict(_disagreement(sequence, claims))
-        return _Verdict(None, union_reusable([str(claims[r].get(SHAPES_FIELD, "")) for r in range(self.world_size)]))
+        proposals = [c[NEXT_WINDOW_FIELD] for c in claims.values() if NEXT_WINDOW_FIELD in c]
+        return _Verdict(
+            None,
+            union_reusable([str(claims[r].get(SHAPES_FIELD, "")) for r in range(self.world_size)]),
+            max(proposals) if proposals else None,
+        )
 
     def _post_verdict(self, sequence: int, verdict: _Verdict) -> None:
-        text = json.dumps({"refused": verdict.refusal, "shapes_unchanged": verdict.shapes_unchanged})
+        text = json.dumps({"refused": verdict.refusal, "shapes_unchanged": verdict.shapes_unchanged, "next_window": verdict.next_window})
         self.store.set(_VERDICT_KEY.format(sequence=sequence), text)
 
     def _verdict(self, sequence: int) -> _Verdict:
@@ -218,7 +229,12 @@ class ClaimBoard:
                 f"checkpoint #{sequence}: the verdict in the store is malformed ({text[:_MAX_SHOWN_BYTES]!r}); nothing was committed"
             )
         refusal = verdict.get("refused")
-        return _Verdict(refusal if isinstance(refusal, str) else None, verdict.get("shapes_unchanged") is True)
+        next_window = verdict.get("next_window")  # sealed by the coordinator, which writes an int or None
+        return _Verdict(
+            refusal if isinstance(refusal, str) else None,
+            verdict.get("shapes_unchanged") is True,
+            next_window if isinstance(next_window, int) and not isinstance(next_window, bool) else None,
+        )
 
     def _missing_claims(self, sequence: int, claims: dict[int, dict[str, Any]], verdict_missing: bool = False) -> str:
         missing = [r for r in range(self.world_size) if r not in claims]
@@ -254,11 +270,18 @@ class ClaimBoard:
                     raise
 
     def forget(self, sequence: int) -> None:
-        """The checkpoint is decided on every rank: remove this rank's keys for it."""
+        """The checkpoint is committed on this rank: remove its keys that no rank reads any more.
+
+        This rank's claim (the coordinator read it before its verdict), and on the
+        coordinator the marker. The verdict stays until the coordinator forgets the next
+        checkpoint: every rank then claimed that one, so it has read this verdict. Nothing
+        here waits on the others, so a rank slower to read the verdict still finds it.
+        """
         self.store.delete_key(self._key(sequence, self.rank))
         if self.rank == COORDINATOR_RANK:
             self.store.delete_key(_POSTED_KEY.format(sequence=sequence))
-            self.store.delete_key(_VERDICT_KEY.format(sequence=sequence))
+            if sequence > 0:
+                self.store.delete_key(_VERDICT_KEY.format(sequence=sequence - 1))
 
     def missing_claim(self) -> RankDisagreementError | None:
         """For an idle writer: a checkpoint another rank claimed that this rank has not, past the timeout."""
@@ -305,8 +328,9 @@ def _disagreement(sequence: int, claims: dict[int, dict[str, Any]]) -> str:
 class _Verdict:
     refusal: str | None  # None: the ranks agreed
     shapes_unchanged: bool = False  # every rank may reuse its shape union (shape_union.py)
+    next_window: int | None = None  # the widest window any rank proposed (window="auto")
 
 
 def _agreed_part(claim: dict[str, Any]) -> dict[str, Any]:
-    """What every rank must claim alike: the claim less this rank's own shapes digest."""
-    return {k: v for k, v in claim.items() if k != SHAPES_FIELD}
+    """What every rank must claim alike: the claim less this rank's own facts (its shapes digest, its window proposal)."""
+    return {k: v for k, v in claim.items() if k not in _OWN_FIELDS}

@@ -218,7 +218,7 @@ class WriterGroup:
         return self.claims.agree(claim)
 
     def forget(self, sequence: int) -> None:
-        """After the commit (a collective: every rank has passed ``agree``): drop this rank's claim keys."""
+        """After the commit: drop this rank's claim keys that no rank reads any more (``ClaimBoard.forget``)."""
         self.claims.forget(sequence)
 
     def missing_claim(self) -> RankDisagreementError | None:
@@ -248,13 +248,6 @@ class WriterGroup:
         box = [value]
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
-
-    def agree_window(self, proposal: int | None) -> int | None:
-        """The widest window any rank proposes for the next checkpoint (None if none proposes)."""
-        proposals: list[Any] = [None] * self.world_size
-        dist.all_gather_object(proposals, proposal, group=self.group)
-        chosen = [p for p in proposals if p is not None]
-        return max(chosen) if chosen else None
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -10,6 +10,7 @@ then ``latest`` and retention.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,12 +40,12 @@ from ..format.shards import LocalShard
 from ..format.storage import CheckpointStore
 from ..format.tiers import LOCAL_TIER, ROOT_TIER
 from ..hostbuf import exact_view
-from .claims import SHAPES_FIELD
+from .claims import NEXT_WINDOW_FIELD, SHAPES_FIELD
 from .group import WriterGroup
 from .persist_context import PersistContext, PhaseClock, PreparedSnapshot
 from .replicas import node_layout
 from .retention import Retired
-from .tier_write import after_commit, leads, write_tier
+from .tier_write import after_commit, held_or_begun, leads, write_tier
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -75,9 +76,10 @@ def persist_snapshot(
     missing = [tier for tier in req.tiers if tier not in stores]
     if missing or not req.tiers:
         raise InternalError(f"checkpoint {req.name} is for tiers {req.tiers}, but this writer has stores for {sorted(stores)}")
+    agreed_window = req.proposed_next_window
     if group is not None:
         # Before any work: a rank that disagrees must not leave the others in a collective.
-        sequence, global_shapes = _agree_on_checkpoint(group, req, global_shapes)
+        sequence, global_shapes, agreed_window = _agree_on_checkpoint(group, req, global_shapes)
     if group is None and all(stores[tier].is_committed(req.name) for tier in req.tiers):
         # Persisted again by the successor of a writer that died after the commit (the rename)
         # and before it answered: this run's own checkpoint of this step is a success.
@@ -92,9 +94,8 @@ def persist_snapshot(
     checksums = _snapshot_checksums(ctx.buffers[req.buffer_id], plan, algorithm)
     snapshot = _prepare(group, req, plan.entries, tensors, checksums, algorithm, global_shapes, phases, started)
     answers = _write_tiers(ctx, snapshot, purge_later)
-    agreed_window = group.agree_window(req.proposed_next_window) if group is not None else req.proposed_next_window
     if group is not None:
-        group.forget(sequence)  # agree_window was a collective: every rank is past the wait on these keys
+        group.forget(sequence)
     answer = _merged(answers)
     answer.agreed_next_window = agreed_window
     answer.persist_s = time.perf_counter() - started
@@ -103,15 +104,21 @@ def persist_snapshot(
 
 def _agree_on_checkpoint(
     group: WriterGroup, req: p.PersistRequest, global_shapes: dict[str, tuple[int, ...]]
-) -> tuple[int, dict[str, tuple[int, ...]]]:
-    """Every rank claims the same checkpoint, then learns every rank's tensors: the claim's sequence, and the shapes (a collective)."""
+) -> tuple[int, dict[str, tuple[int, ...]], int | None]:
+    """Every rank claims the same checkpoint, then learns every rank's tensors (a collective).
+
+    Answers the claim's sequence, the shapes, and the window every rank uses next (the
+    widest any rank proposed, carried by the coordinator's verdict).
+    """
     claim = {"name": req.name, "version": req.step, "requested": req.requested_step}
     if req.tiers != (ROOT_TIER,):  # ranks that would write different tiers would enter different collectives
         claim["tiers"] = ",".join(req.tiers)
     claim[SHAPES_FIELD] = group.shapes_claim(global_shapes)  # this rank's own: not compared (claims.py)
+    if req.proposed_next_window is not None:
+        claim[NEXT_WINDOW_FIELD] = req.proposed_next_window  # this rank's own too: the verdict takes the widest
     agreement = group.agree(claim)
     # The manifest and the coverage check need every rank's tensors: pipeline stages hold different ones.
-    return agreement.sequence, group.union_of_shapes(global_shapes, reusable=agreement.shapes_unchanged)
+    return agreement.sequence, group.union_of_shapes(global_shapes, reusable=agreement.shapes_unchanged), agreement.next_window
 
 
 def _replayed_views(
@@ -201,10 +208,16 @@ def _write_tiers(ctx: PersistContext, snapshot: PreparedSnapshot, purge_later: R
     for tier in req.tiers:
         store = ctx.stores[tier]
         layout = node_layout(group) if tier == LOCAL_TIER else None  # a local tier on several nodes: replicated
-        if _held_already(store, group, req, layout):  # this run committed it here (before a writer's death, or a local-only checkpoint)
+        attempt = None
+        if group is not None and layout is None:  # asked and begun in one broadcast
+            attempt = held_or_begun(store, group, req, functools.partial(_held_here, store, req))
+            held = attempt is None
+        else:
+            held = _held_already(store, group, req, layout)
+        if held:  # this run committed it here (before a writer's death, or a local-only checkpoint)
             answers.append(_committed_already(store, tier, req, snapshot.started, purge_later, leads(group, layout)))
             continue
-        answers.append(write_tier(ctx, tier, snapshot, layout, purge_later))
+        answers.append(write_tier(ctx, tier, snapshot, layout, purge_later, attempt))
     return answers
 
 
@@ -227,16 +240,7 @@ def _held_already(store: CheckpointStore, group: WriterGroup | None, req: p.Pers
     checkpoint whose version a ``request()`` then asks of both tiers. In a distributed run
     the coordinator looks, and every rank learns its verdict (a collective every rank reaches).
     """
-    verdict: str | bool = False
-    if leads(group, layout):
-        if store.is_committed(req.name):
-            try:
-                manifest = parse_manifest(store.read_bytes(req.name, MANIFEST_NAME), store.checkpoint_url(req.name))
-                verdict = manifest.run_id == req.run_id and manifest.step == req.step
-            except Exception:  # noqa: BLE001 - unreadable: not provably this run's, so refused below
-                verdict = False
-            if not verdict:
-                verdict = str(already_committed(store, req.name))
+    verdict = _held_here(store, req) if leads(group, layout) else False
     if group is not None and layout is not None:
         return _held_on_every_node(group, layout, req, verdict)
     if group is not None:
@@ -244,6 +248,19 @@ def _held_already(store: CheckpointStore, group: WriterGroup | None, req: p.Pers
     if isinstance(verdict, str):
         raise CheckpointExistsError(verdict)
     return verdict
+
+
+def _held_here(store: CheckpointStore, req: p.PersistRequest) -> str | bool:
+    """What this writer sees in ``store``: True if this run committed this version there, the refusal if another run did, else False."""
+    if not store.is_committed(req.name):
+        return False
+    try:
+        manifest = parse_manifest(store.read_bytes(req.name, MANIFEST_NAME), store.checkpoint_url(req.name))
+        if manifest.run_id == req.run_id and manifest.step == req.step:
+            return True
+    except Exception:  # noqa: BLE001 - unreadable: not provably this run's, so refused
+        pass
+    return str(already_committed(store, req.name))
 
 
 def _held_on_every_node(group: WriterGroup, layout: NodeLayout, req: p.PersistRequest, verdict: str | bool) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from .. import protocol as p
@@ -35,23 +36,32 @@ from .retention import Retired, remember_lineage, retire_old
 
 
 def write_tier(
-    ctx: PersistContext, tier: str, snapshot: PreparedSnapshot, layout: NodeLayout | None, purge_later: Retired
+    ctx: PersistContext,
+    tier: str,
+    snapshot: PreparedSnapshot,
+    layout: NodeLayout | None,
+    purge_later: Retired,
+    attempt: Attempt | None = None,
 ) -> p.CommittedResponse:
     """Write ``snapshot`` to ``tier`` and commit it there; the caller asked ``held_already`` first.
 
     ``layout``: the local tier across nodes (replicated); None in the root and on one node.
     A checkpoint committed here already is this run's (answered by the caller) or refused.
+    ``attempt``: begun already (``held_or_begun``), else begun here.
     """
     store, req = ctx.stores[tier], snapshot.req
     # Laps of the root keep their names (the figures read them); the local tier's are prefixed.
     prefix = "" if tier == ROOT_TIER else f"{tier}."
-    attempt = begin_attempt(store, ctx.group, req)
+    if attempt is None:
+        attempt = begin_attempt(store, ctx.group, req)
     streams = _write_and_publish(ctx, tier, snapshot, layout, attempt, prefix)
     committed_at = time.time()
     removed: list[str] = []
     warnings_: list[str] = []
     if leads(ctx.group, layout):  # committed: a failure from here on is a warning
         removed, warnings_ = after_commit(store, tier, req, purge_later)
+    if ctx.group is not None and layout is None:
+        _commit_barrier(ctx.group, store.checkpoint_url(req.name))
     snapshot.phases.lap(prefix + "commit")
     path = store.checkpoint_url(req.name)
     stream_phases = {} if streams is None else {prefix + k: v for k, v in streams.as_phases().items()}
@@ -127,11 +137,26 @@ def _publish(attempt: Attempt, group: WriterGroup | None, layout: NodeLayout | N
             attempt.publish()  # the commit: every rank's shards are in place (DCP's finish ran after them)
         except Exception as e:
             if layout is None:
+                if group is not None:  # the others wait in _commit_barrier's collective: they learn it there
+                    group.share_from_coordinator(f"{type(e).__name__}: {e}")
                 raise
             publish_failure = e
     if layout is not None:
         assert group is not None
         agree_on_failure(group, publish_failure, f"publishing {attempt.store.checkpoint_url(attempt.name)} on every node")
+
+
+def _commit_barrier(group: WriterGroup, where: str) -> None:
+    """Every rank answers its trainer only once the coordinator has committed (and written ``latest``, retired the old).
+
+    A collective after the coordinator's commit: a rank's ``wait()`` must not return a
+    checkpoint the coordinator has not made durable yet (it may still fail, or die). On
+    the coordinator it shares None; where its publish failed, ``_publish`` shared the
+    failure in this same collective, and every other rank raises it here.
+    """
+    failure = group.share_from_coordinator(None)
+    if failure is not None:
+        raise CheckpointWriteError(f"committing {where} failed on the coordinating writer (rank 0): {failure}; nothing was committed")
 
 
 def after_commit(store: CheckpointStore, tier: str, req: p.PersistRequest, purge_later: Retired) -> tuple[list[str], list[str]]:
@@ -187,6 +212,36 @@ def begin_attempt(store: CheckpointStore, group: WriterGroup | None, req: p.Pers
         return attempt
     # A collective every rank reaches: a refusal on the coordinator raises on every rank.
     attempt_id, refusal = group.share_from_coordinator((attempt.attempt_id, refusal))
+    if refusal is not None:
+        raise CheckpointExistsError(refusal)
+    return dataclasses.replace(attempt, attempt_id=attempt_id)
+
+
+def held_or_begun(
+    store: CheckpointStore, group: WriterGroup, req: p.PersistRequest, held_here: Callable[[], str | bool]
+) -> Attempt | None:
+    """In one collective: None if this run's checkpoint is committed in ``store`` already, else its attempt, begun.
+
+    The coordinator asks ``held_here()`` (True: this run's, committed; a string: another
+    run's, refused on every rank; False: not there), and begins the attempt where it is
+    not there; every rank learns both from one broadcast, where asking and then beginning
+    took two.
+    """
+    attempt = Attempt(store, req.name, req.run_id, new_attempt_id(req.run_id), root_leased=req.root_leased)
+    verdict: str | bool = False
+    refusal: str | None = None
+    if group.is_coordinator:
+        verdict = held_here()
+        if verdict is False:
+            try:
+                attempt.begin()
+            except CheckpointExistsError as e:
+                refusal = str(e)
+    verdict, attempt_id, refusal = group.share_from_coordinator((verdict, attempt.attempt_id, refusal))
+    if isinstance(verdict, str):
+        raise CheckpointExistsError(verdict)
+    if verdict:
+        return None
     if refusal is not None:
         raise CheckpointExistsError(refusal)
     return dataclasses.replace(attempt, attempt_id=attempt_id)

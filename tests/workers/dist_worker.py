@@ -254,6 +254,7 @@ def scenario_ddp(out: str) -> dict[str, Any]:
     result["settings_mismatch"] = settings_mismatch(out)
     result["export_refused"] = export_refused(out)
     result["auto_window"] = auto_window(out)
+    result["commit_fails"] = commit_fails_on_the_coordinator(out)
     result["listeners"] = listeners_opened(out)
     return result
 
@@ -626,6 +627,36 @@ def mismatched_requests(out: str, request_at: dict[int, int], name: str) -> dict
                 ckpt.wait(timeout_s=60)
             if time.monotonic() - started > 60:
                 break
+    except Exception as e:  # what we are here to see
+        error = e
+    return _outcome(ckpt, path, error, time.monotonic() - started)
+
+
+def commit_fails_on_the_coordinator(out: str) -> dict[str, Any]:
+    """The coordinating writer's commit fails after every rank wrote (fakes.CannotClearTheNameStore): every rank raises it, nothing listed."""
+    from fakes import CannotClearTheNameStore
+
+    rank = dist.get_rank()
+    model, opt = build("plain")
+    path = os.path.join(out, "commit-fails")
+    if rank == 0:  # what a retention removal cut short leaves: a directory at the name, without .metadata
+        os.makedirs(os.path.join(path, "step-000000002"))
+        open(os.path.join(path, "step-000000002", "leftover"), "w").close()
+    dist.barrier()
+    ckpt = Checkpointer(model, opt, path, window=1, collective_timeout_s=60.0, store_class=CannotClearTheNameStore)
+    started = time.monotonic()
+    error = None
+    sampler = Sampler(rank)
+    try:
+        for it in range(1, 3):
+            x, y = sampler.batch()
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            if it == 2:
+                ckpt.request()
+            ckpt.step()
+        ckpt.wait(timeout_s=120)
     except Exception as e:  # what we are here to see
         error = e
     return _outcome(ckpt, path, error, time.monotonic() - started)
