@@ -127,15 +127,20 @@ def test_an_idle_writer_whose_store_connection_broke_reconnects(group, master, c
     assert group.generation_moved()  # and it still sees a real replacement
 
 
-@pytest.mark.parametrize("kind", ["tcp", "hash"])
-def test_read_raw_answers_absent_keys_at_once_and_creates_none(master, kind):
+def a_client_waiting_60_s(master, kind: str):
+    """A client of ``master`` (TCPStore) or a HashStore, whose get() of a missing key would wait 60 s."""
     from datetime import timedelta
 
     if kind == "tcp":
-        store = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=60))
-    else:
-        store = dist.HashStore()
-        store.set_timeout(timedelta(seconds=60))
+        return dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=60))
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=60))
+    return store
+
+
+@pytest.mark.parametrize("kind", ["tcp", "hash"])
+def test_read_raw_answers_absent_keys_at_once_and_creates_none(master, kind):
+    store = a_client_waiting_60_s(master, kind)
     prefixed = dist.PrefixStore("r", store)
     sealed = SealedStore(prefixed, KEY, "r/")
     # A get() of a missing key would wait the store's 60 s and raise; read_raw answers None at once.
@@ -168,11 +173,7 @@ class DeletesAfterTheWait:
 def test_read_posted_reads_every_key_in_one_request_and_a_key_deleted_since_as_absent(master, kind):
     from datetime import timedelta
 
-    if kind == "tcp":
-        store = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=60))
-    else:
-        store = dist.HashStore()
-        store.set_timeout(timedelta(seconds=60))
+    store = a_client_waiting_60_s(master, kind)
     prefixed = dist.PrefixStore("p", store)
     sealed = SealedStore(prefixed, KEY, "p/")
     for rank in range(3):

@@ -646,20 +646,24 @@ def commit_fails_on_the_coordinator(out: str) -> dict[str, Any]:
     ckpt = Checkpointer(model, opt, path, window=1, collective_timeout_s=60.0, store_class=CannotClearTheNameStore)
     started = time.monotonic()
     error = None
-    sampler = Sampler(rank)
     try:
-        for it in range(1, 3):
-            x, y = sampler.batch()
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-            if it == 2:
-                ckpt.request()
-            ckpt.step()
+        train_requesting_at_2(model, opt, Sampler(rank), ckpt, steps=2)
         ckpt.wait(timeout_s=120)
     except Exception as e:  # what we are here to see
         error = e
     return _outcome(ckpt, path, error, time.monotonic() - started)
+
+
+def train_requesting_at_2(model: nn.Module, opt: torch.optim.Optimizer, sampler: Sampler, ckpt: Checkpointer, steps: int) -> None:
+    """``steps`` plain steps (no DDP: a rank that stops at an error leaves no peer in an all-reduce), a checkpoint requested at step 2."""
+    for it in range(1, steps + 1):
+        x, y = sampler.batch()
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        if it == 2:
+            ckpt.request()
+        ckpt.step()
 
 
 def block_rank_1_in_step_2(out: str, fifo_name: str) -> str:
@@ -691,18 +695,10 @@ def writer_killed(out: str) -> dict[str, Any]:
     ckpt = Checkpointer(
         model, opt, path, window=1, store_class=__import__("fakes").BlockingStore, collective_timeout_s=20.0, max_writer_restarts=0
     )
-    sampler = Sampler(rank)
     error = None
     started = None
     try:
-        for it in range(1, 4):
-            x, y = sampler.batch()
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-            if it == 2:
-                ckpt.request()
-            ckpt.step()
+        train_requesting_at_2(model, opt, Sampler(rank), ckpt, steps=3)
         if rank == 1:
             with open(fifo) as f:  # the writer announces it is inside a shard write
                 f.readline()
