@@ -78,6 +78,20 @@ class CannotClearTheNameStore(CheckpointStore):
         super().remove_tree(name)
 
 
+class CannotLookStore(CheckpointStore):
+    """Fails on purpose, in the writer, to tell whether step-000000002 is committed (``is_committed`` raises PermissionError).
+
+    The coordinating writer asks that before it begins the checkpoint's attempt, while the
+    other ranks already wait for its answer in a collective.
+    """
+
+    def is_committed(self, name: str) -> bool:
+        # Only in the writer: the training process (TRAINER_PID_ENV) lists the root as usual.
+        if name == "step-000000002" and os.environ.get(TRAINER_PID_ENV) != str(os.getpid()):
+            raise PermissionError(13, "Permission denied (injected: cannot look at step-000000002)", name)
+        return super().is_committed(name)
+
+
 class BlockingStore(CheckpointStore):
     """Hangs in the first shard write of checkpoint ONLY_NAME, after telling the test through a FIFO."""
 

@@ -195,6 +195,18 @@ def test_a_commit_that_fails_on_the_coordinator_raises_on_every_rank_and_lists_n
     assert "failed on the coordinating writer (rank 0)" in ddp_results[1]["commit_fails"]["error"]
 
 
+def test_a_coordinator_that_cannot_begin_the_checkpoint_fails_every_rank_at_once_by_name(ddp_results):
+    """Its storage error rides in the broadcast the others wait in (writer/tier_write.py: held_or_begun).
+
+    Before, the coordinator raised before that broadcast, and the others waited in it
+    until the collective timeout (60 s here), then failed with the collective's error."""
+    for rank, r in enumerate(ddp_results):
+        c = r["begin_fails"]
+        assert c["error_type"] == "CheckpointWriteError", (rank, c)
+        assert "could not begin it" in c["error"] and "injected: cannot look at step-000000002" in c["error"], (rank, c)
+        assert c["listed"] == [], (rank, c)
+
+
 def test_parts_that_do_not_tile_a_tensor_are_refused_before_the_commit():
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
 

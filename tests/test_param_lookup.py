@@ -47,6 +47,20 @@ def test_param_list_answers_membership_as_a_list_does_through_changes():
     assert [0] not in ids  # an unhashable probe is answered by the list's own scan, not a TypeError
 
 
+def test_param_list_changes_that_keep_its_length_are_seen():
+    ids = ParamList(["x", "y"])
+    assert "x" in ids
+    ids.append("z")
+    ids.pop(0)  # the same length as when "x" was looked up
+    assert "x" not in ids and "z" in ids
+    ids.remove("z")
+    ids.insert(0, "w")
+    assert "w" in ids and "z" not in ids
+    ids += ["v"]
+    ids.clear()
+    assert "v" not in ids and "w" not in ids
+
+
 def test_param_list_of_unhashable_items_scans_as_a_list():
     items = ParamList([[1], [2]])
     assert [2] in items and [3] not in items

@@ -189,3 +189,25 @@ def test_read_posted_reads_every_key_in_one_request_and_a_key_deleted_since_as_a
     assert deleting.multi_gets == 1 and raws[1] is None and sealed.open("claim/2", raws[2]) == "2"
     assert prefixed.timeout == store.timeout == timedelta(seconds=60)  # the client's timeout put back
     assert sealed.read_posted([]) == []
+
+
+class AnswersADeletedKeyEmpty:
+    """A store whose multi_get answers one key empty: what a store's server answers for a key deleted between its wait and the read."""
+
+    def __init__(self, store, emptied: str) -> None:
+        self.store, self.emptied = store, emptied
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def multi_get(self, keys):
+        return [b"" if key == self.emptied else value for key, value in zip(keys, self.store.multi_get(keys))]
+
+
+def test_read_posted_reads_an_empty_answer_as_absent_not_forged():
+    store = dist.HashStore()
+    sealed = SealedStore(store, KEY, "")
+    sealed.set("claim/0", "0")
+    sealed.set("claim/1", "1")
+    raws = SealedStore(AnswersADeletedKeyEmpty(store, "claim/1"), KEY, "").read_posted(["claim/0", "claim/1"])
+    assert sealed.open("claim/0", raws[0]) == "0" and raws[1] is None

@@ -20,7 +20,11 @@ import torch
 
 
 class ParamList(list):
-    """A list of parameter ids or names whose ``in`` is a set lookup, rebuilt when the list changes."""
+    """A list of parameter ids or names whose ``in`` is a set lookup, rebuilt when the list changes.
+
+    For hashable items compared by value (torch hands it ints and names): a tensor would be
+    found by identity here, where a list compares values.
+    """
 
     def __init__(self, items: Iterable[Any] = ()) -> None:
         super().__init__(items)
@@ -47,9 +51,48 @@ class ParamList(list):
             self._members_len = len(self)
         return self._members
 
+    def _changed(self) -> None:
+        self._members_len = -1
+
+    # Every way a list changes in place drops the set, so that a change that keeps the
+    # length (an append, then a pop) is never answered from the old members.
     def __setitem__(self, index: Any, value: Any) -> None:
         super().__setitem__(index, value)
-        self._members_len = -1
+        self._changed()
+
+    def __delitem__(self, index: Any) -> None:
+        super().__delitem__(index)
+        self._changed()
+
+    def __iadd__(self, items: Any) -> ParamList:  # type: ignore[misc]
+        super().__iadd__(items)
+        self._changed()
+        return self
+
+    def append(self, item: Any) -> None:
+        super().append(item)
+        self._changed()
+
+    def extend(self, items: Any) -> None:
+        super().extend(items)
+        self._changed()
+
+    def insert(self, index: Any, item: Any) -> None:
+        super().insert(index, item)
+        self._changed()
+
+    def pop(self, index: Any = -1) -> Any:
+        item = super().pop(index)
+        self._changed()
+        return item
+
+    def remove(self, item: Any) -> None:
+        super().remove(item)
+        self._changed()
+
+    def clear(self) -> None:
+        super().clear()
+        self._changed()
 
 
 def with_param_lists(groups: Any) -> Any:

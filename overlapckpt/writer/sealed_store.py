@@ -107,7 +107,9 @@ class SealedStore:
             return [self.read_raw(name) for name in names]
         self.store.set_timeout(POSTED_READ_TIMEOUT)
         try:
-            return [bytes(raw) for raw in multi_get(names)]
+            # An empty answer is a key deleted since (a store's server answers a missing key so
+            # inside multi_get): absent, as read_raw would say; no sealed value is empty.
+            return [bytes(raw) or None for raw in multi_get(names)]
         except Exception:  # noqa: BLE001 - the store's timeout error type differs between torch releases
             return [self.read_raw(name) for name in names]
         finally:

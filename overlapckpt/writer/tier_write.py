@@ -230,14 +230,31 @@ def held_or_begun(
     attempt = Attempt(store, req.name, req.run_id, new_attempt_id(req.run_id), root_leased=req.root_leased)
     verdict: str | bool = False
     refusal: str | None = None
+    failure: BaseException | None = None
+    begun = False
     if group.is_coordinator:
-        verdict = held_here()
-        if verdict is False:
-            try:
+        # The coordinator's storage errors go into the broadcast too: the others are already
+        # in it, and would otherwise wait there until the collective timeout.
+        try:
+            verdict = held_here()
+            if verdict is False:
                 attempt.begin()
-            except CheckpointExistsError as e:
-                refusal = str(e)
-    verdict, attempt_id, refusal = group.share_from_coordinator((verdict, attempt.attempt_id, refusal))
+                begun = True
+        except CheckpointExistsError as e:
+            refusal = str(e)
+        except Exception as e:
+            failure = e
+            refusal = f"{type(e).__name__}: {e}"
+    try:
+        verdict, attempt_id, refusal, failed = group.share_from_coordinator((verdict, attempt.attempt_id, refusal, failure is not None))
+    except BaseException:
+        if begun:
+            _abandon(attempt)
+        raise
+    if failed:
+        raise CheckpointWriteError(
+            f"checkpoint {req.name}: the coordinating writer (rank 0) could not begin it in {store.checkpoint_url(req.name)}: {refusal}"
+        ) from failure
     if isinstance(verdict, str):
         raise CheckpointExistsError(verdict)
     if verdict:

@@ -254,7 +254,8 @@ def scenario_ddp(out: str) -> dict[str, Any]:
     result["settings_mismatch"] = settings_mismatch(out)
     result["export_refused"] = export_refused(out)
     result["auto_window"] = auto_window(out)
-    result["commit_fails"] = commit_fails_on_the_coordinator(out)
+    result["commit_fails"] = commit_fails_on_the_coordinator(out, "CannotClearTheNameStore")
+    result["begin_fails"] = commit_fails_on_the_coordinator(out, "CannotLookStore")
     result["listeners"] = listeners_opened(out)
     return result
 
@@ -632,18 +633,23 @@ def mismatched_requests(out: str, request_at: dict[int, int], name: str) -> dict
     return _outcome(ckpt, path, error, time.monotonic() - started)
 
 
-def commit_fails_on_the_coordinator(out: str) -> dict[str, Any]:
-    """The coordinating writer's commit fails after every rank wrote (fakes.CannotClearTheNameStore): every rank raises it, nothing listed."""
-    from fakes import CannotClearTheNameStore
+def commit_fails_on_the_coordinator(out: str, store_class_name: str) -> dict[str, Any]:
+    """The coordinating writer's storage fails (a fakes store): every rank raises it, named, and nothing is listed.
+
+    ``CannotClearTheNameStore``: its commit, after every rank wrote. ``CannotLookStore``:
+    before the attempt begins, while the others wait for its answer."""
+    import fakes
 
     rank = dist.get_rank()
     model, opt = build("plain")
-    path = os.path.join(out, "commit-fails")
+    path = os.path.join(out, f"commit-fails-{store_class_name}")
     if rank == 0:  # what a retention removal cut short leaves: a directory at the name, without .metadata
         os.makedirs(os.path.join(path, "step-000000002"))
         open(os.path.join(path, "step-000000002", "leftover"), "w").close()
     dist.barrier()
-    ckpt = Checkpointer(model, opt, path, window=1, collective_timeout_s=60.0, store_class=CannotClearTheNameStore)
+    store_class = getattr(fakes, store_class_name)
+    os.environ[fakes.TRAINER_PID_ENV] = str(os.getpid())  # the writer, forked later, inherits it
+    ckpt = Checkpointer(model, opt, path, window=1, collective_timeout_s=60.0, store_class=store_class)
     started = time.monotonic()
     error = None
     try:
@@ -651,7 +657,9 @@ def commit_fails_on_the_coordinator(out: str) -> dict[str, Any]:
         ckpt.wait(timeout_s=120)
     except Exception as e:  # what we are here to see
         error = e
-    return _outcome(ckpt, path, error, time.monotonic() - started)
+    outcome = _outcome(ckpt, path, error, time.monotonic() - started)
+    os.environ.pop(fakes.TRAINER_PID_ENV, None)
+    return outcome
 
 
 def train_requesting_at_2(model: nn.Module, opt: torch.optim.Optimizer, sampler: Sampler, ckpt: Checkpointer, steps: int) -> None:
