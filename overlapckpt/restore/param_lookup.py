@@ -41,8 +41,8 @@ class ParamList(list):
             return super().__contains__(item)
 
     def _lookup(self) -> set[Any] | None:
-        # The set is taken again when the length moved (append, extend, del, slices);
-        # an item replaced in place drops it through __setitem__ below.
+        # The set is taken again after any in-place change (the mutators below drop it) and
+        # whenever the length moved (a change through a path no mutator covers, as *=).
         if self._members_len != len(self):
             try:
                 self._members = set(self)

@@ -60,10 +60,10 @@ def write_tier(
     warnings_: list[str] = []
     if leads(ctx.group, layout):  # committed: a failure from here on is a warning
         removed, warnings_ = after_commit(store, tier, req, purge_later)
-    if ctx.group is not None and layout is None:
-        _commit_barrier(ctx.group, store.checkpoint_url(req.name))
-    snapshot.phases.lap(prefix + "commit")
     path = store.checkpoint_url(req.name)
+    if ctx.group is not None and layout is None:
+        _commit_barrier(ctx.group, path)
+    snapshot.phases.lap(prefix + "commit")
     stream_phases = {} if streams is None else {prefix + k: v for k, v in streams.as_phases().items()}
     return p.CommittedResponse(
         request_id=req.request_id,
@@ -198,23 +198,22 @@ def _begin_on_every_node(attempt: Attempt, group: WriterGroup, layout: NodeLayou
 
 
 def begin_attempt(store: CheckpointStore, group: WriterGroup | None, req: p.PersistRequest) -> Attempt:
-    """This checkpoint's attempt (attempts.py): the coordinator makes its place, every rank learns where it is."""
-    attempt = Attempt(store, req.name, req.run_id, new_attempt_id(req.run_id), root_leased=req.root_leased)
-    refusal: str | None = None
-    if group is None or group.is_coordinator:
-        try:
-            attempt.begin()
-        except CheckpointExistsError as e:
-            if group is None:
-                raise
-            refusal = str(e)
-    if group is None:
+    """This checkpoint's attempt (attempts.py): the coordinator makes its place, every rank learns where it is.
+
+    In a group, ``held_or_begun``'s broadcast with nothing held: a refusal or a storage
+    error on the coordinator raises on every rank.
+    """
+    if group is not None:
+        attempt = held_or_begun(store, group, req, _never_held)
+        assert attempt is not None  # _never_held: nothing is held, so the attempt was begun
         return attempt
-    # A collective every rank reaches: a refusal on the coordinator raises on every rank.
-    attempt_id, refusal = group.share_from_coordinator((attempt.attempt_id, refusal))
-    if refusal is not None:
-        raise CheckpointExistsError(refusal)
-    return dataclasses.replace(attempt, attempt_id=attempt_id)
+    attempt = Attempt(store, req.name, req.run_id, new_attempt_id(req.run_id), root_leased=req.root_leased)
+    attempt.begin()
+    return attempt
+
+
+def _never_held() -> bool:
+    return False
 
 
 def held_or_begun(
