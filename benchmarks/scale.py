@@ -33,9 +33,11 @@ What is counted, from this benchmark only (the library is unchanged):
   between checkpoints (the idle writer's polls) is reported per second.
 * **Coordinator time**: ``ckpt.stats[i]["persist_phases_s"]`` of rank 0 (the writer's own
   laps: agree_and_replay, snapshot_checksums, write, manifest, commit), and, from the probe,
-  DCP's plan round (``_DistWrapper.reduce_scatter``: local plans, gather, global plan,
-  scatter) and write round (``_DistWrapper.all_reduce``: the data, the gather of results,
-  ``.metadata``, the broadcast), and ``create_global_plan`` alone.
+  the plan round (``overlapckpt.writer.group_save.plan``: the gather of local plans, the global
+  plan, the scatter, where the claims' verdict asks for one; ``_DistWrapper.reduce_scatter``
+  where DCP's own ``save`` runs) and the write round (``group_save.write`` and ``finish``: the
+  data, the gather of results and sections, ``.metadata``; ``_DistWrapper.all_reduce``), and
+  ``create_global_plan`` alone.
 * **Last snapshot to global commit**: rank 0's ``committed_at_unix_s`` (its writer's clock
   after the commit's publish) less the latest ``_persist`` entry over the ranks (one
   machine: one clock).
@@ -242,6 +244,12 @@ def _wrap_dcp() -> None:
     _DistWrapper.all_reduce = _timed("dcp_write_round", _DistWrapper.all_reduce)  # type: ignore[method-assign]
     DefaultSavePlanner.create_local_plan = _timed("create_local_plan", DefaultSavePlanner.create_local_plan)  # type: ignore[method-assign]
     DefaultSavePlanner.create_global_plan = _timed("create_global_plan", DefaultSavePlanner.create_global_plan)  # type: ignore[method-assign]
+    # The writers' own rounds where the coordinator commits alone (overlapckpt/writer/group_save.py).
+    from overlapckpt.writer import group_save
+
+    group_save.plan = _timed("dcp_plan_round", group_save.plan)  # type: ignore[assignment]
+    group_save.write = _timed("dcp_write_round", group_save.write)  # type: ignore[assignment]
+    group_save.finish = _timed("dcp_write_round", group_save.finish)  # type: ignore[assignment]
 
 
 def _wrap_writer_persist(out_dir: str) -> None:

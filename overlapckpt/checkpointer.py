@@ -358,7 +358,9 @@ class Checkpointer:
         snapshot's checksums, the write (with its parts ``write.to_storage``,
         ``write.checksums``, ``write.writeback_hints`` and ``write.fsync``, summed over the
         shard files and their threads), the manifest and the commit (on the rank that
-        commits: the coordinator of a distributed run).
+        commits: the coordinator of a distributed run). In a distributed run, ``plan_round``
+        appears at the first checkpoint of each layout only: the writers' plan round, which
+        later checkpoints of that layout skip.
         """
         return [asdict(s) for s in self._engine.parts.dispatcher.stats]
 

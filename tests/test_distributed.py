@@ -305,8 +305,13 @@ def test_fsdp2_uneven_shards_exact_and_reshard_both_ways(fsdp_results, tmp_path)
             assert torch.equal(stock.state_dict()[k[len("model."):]], v), k
 
 
-def test_hsdp_four_ranks_each_shard_written_once(tmp_path):
-    results = _launch("hsdp", 4, str(tmp_path))
+@pytest.fixture(scope="module")
+def hsdp_results(tmp_path_factory):
+    return _launch("hsdp", 4, str(tmp_path_factory.mktemp("hsdp")))
+
+
+def test_hsdp_four_ranks_each_shard_written_once(hsdp_results):
+    results = hsdp_results
     _check_exact(results, {"w1": 3, "w3-replay": 5}, 4)
     for name in ("w1", "w3-replay"):
         # Each local shard once: the state's bytes, plus the CPU step counters that both
@@ -393,3 +398,40 @@ def test_malformed_manifest_fields_are_a_named_error_on_every_rank(fsdp_results)
     for rank, r in enumerate(results):
         m = r["malformed_manifest"]
         assert m["error_type"] == "CorruptCheckpointError" and "malformed field" in m["error"], (rank, m)
+
+
+def _check_replanned(r: dict) -> None:
+    # The layout grew after step 5 (a param group added): more state at 6 than at 4.
+    assert r["state_keys"]["6"] > r["state_keys"]["4"], r["state_keys"]
+    assert r["versions"] == [2, 4, 6, 8], r
+    # The writers' plan round ran at the first checkpoint of each layout only (writer/save_plans.py);
+    # with DCP's own save, every checkpoint gathered and scattered the plans.
+    assert r["plan_rounds"] == [True, False, True, False], r["plan_rounds"]
+    assert r["loaded_equal"] == {"2": True, "4": True, "6": True, "8": True}, r["loaded_equal"]
+
+
+def _check_write_fails(results: list[dict], failing_rank: int) -> None:
+    for rank, r in enumerate(results):
+        assert r["error"] is not None and "No space left on device (injected at write 1)" in r["error"], (rank, r)
+        assert r["listed_after_failure"] == [], (rank, r)
+        # The fault survived: the next checkpoint commits on every rank.
+        assert r["later_error"] is None and r["listed"] == [4], (rank, r)
+    # Every other rank learns whose write failed, from the coordinator's commit barrier.
+    for rank, r in enumerate(results):
+        if rank != failing_rank:
+            assert f"the writer of rank {failing_rank} failed writing its shards" in r["error"], (rank, r["error"])
+
+
+def test_the_plan_round_runs_once_per_layout_and_every_checkpoint_is_exact_at_two_ranks(ddp_results):
+    for r in ddp_results:
+        _check_replanned(r["replan"])
+
+
+def test_a_shard_write_failing_on_one_rank_fails_every_rank_by_name_and_the_next_checkpoint_commits(ddp_results):
+    _check_write_fails([r["write_fails"] for r in ddp_results], failing_rank=1)
+
+
+def test_at_four_ranks_the_plans_are_reused_and_a_rank_s_write_failure_reaches_every_rank(hsdp_results):
+    for r in hsdp_results:
+        _check_replanned(r["replan"])
+    _check_write_fails([r["write_fails"] for r in hsdp_results], failing_rank=2)

@@ -71,12 +71,13 @@ class LocalShard:
         return self.tensor
 
 
-def _planner_kwargs() -> dict[str, Any]:
+def _planner_kwargs(dcp_plan_caching: bool) -> dict[str, Any]:
     accepted = inspect.signature(DefaultSavePlanner.__init__).parameters
     kwargs: dict[str, Any] = {}
-    # DCP caches the global plan across saves of the same layout where this torch has it.
+    # DCP caches the global plan across saves of the same layout where this torch has it
+    # (unless the caller keeps the plans itself: writer/save_plans.py).
     if "enable_plan_caching" in accepted:
-        kwargs["enable_plan_caching"] = True
+        kwargs["enable_plan_caching"] = dcp_plan_caching
     # An item several ranks hold is written once, by the lowest of them. The tensors' parts are
     # already dealt to one rank each (train/copying/ownership.py), so this moves only what every
     # rank holds whole: the optimizer's param_groups and scalars. Balanced by size instead, DCP
@@ -189,8 +190,8 @@ class CoveringSavePlanner(DefaultSavePlanner):
     # One per process: the writer's persists share it (its tensors are the same views each time).
     write_items = WriteItemsMemo()
 
-    def __init__(self, global_shapes: dict[str, tuple[int, ...]]) -> None:
-        super().__init__(**_planner_kwargs())
+    def __init__(self, global_shapes: dict[str, tuple[int, ...]], dcp_plan_caching: bool = True) -> None:
+        super().__init__(**_planner_kwargs(dcp_plan_caching))
         self.global_shapes = global_shapes
 
     def create_local_plan(self) -> Any:

@@ -55,7 +55,10 @@ SHAPES_FIELD = "shapes"
 # verdict carries the widest any rank proposed, which every rank then uses: what an
 # all-gather of the proposals after the commit decided before, without that collective.
 NEXT_WINDOW_FIELD = "next_window"
-_OWN_FIELDS = (SHAPES_FIELD, NEXT_WINDOW_FIELD)
+# Also this rank's own: its local save plan's digest and the plan round its cached plan came from
+# (save_plans.py). The verdict says whether every rank may skip DCP's plan round.
+PLANS_FIELD = "plans"
+_OWN_FIELDS = (SHAPES_FIELD, NEXT_WINDOW_FIELD, PLANS_FIELD)
 _MAX_SHOWN_BYTES = 120
 # While waiting for the other ranks' claims, look this often whether a writer was replaced.
 _MOVED_POLL_S = 0.25
@@ -68,6 +71,7 @@ class Agreement:
     sequence: int
     shapes_unchanged: bool = False
     next_window: int | None = None  # the widest window any rank proposed for the next checkpoint (None: none did)
+    plans_unchanged: bool = False  # every rank may reuse its save plan from the last plan round (save_plans.py)
 
 
 class KeyValueStore(Protocol):
@@ -98,7 +102,7 @@ def parse_claim(text: str) -> dict[str, Any]:
         return {"malformed": text[:_MAX_SHOWN_BYTES]}
     if claim == {"requested": None}:
         return claim  # a refusal: that rank requested no checkpoint in time
-    fields = {**_CLAIM_FIELDS, **_OPTIONAL_CLAIM_FIELDS, SHAPES_FIELD: str, NEXT_WINDOW_FIELD: int}
+    fields = {**_CLAIM_FIELDS, **_OPTIONAL_CLAIM_FIELDS, SHAPES_FIELD: str, NEXT_WINDOW_FIELD: int, PLANS_FIELD: str}
     if not isinstance(claim, dict) or not set(_CLAIM_FIELDS) <= set(claim) <= set(fields) or any(
         not isinstance(claim[k], fields[k]) or isinstance(claim[k], bool) for k in claim
     ):
@@ -171,7 +175,7 @@ class ClaimBoard:
             verdict = self._verdict(sequence)
         if verdict.refusal is not None:
             raise RankDisagreementError(verdict.refusal)
-        return Agreement(sequence, verdict.shapes_unchanged, verdict.next_window)
+        return Agreement(sequence, verdict.shapes_unchanged, verdict.next_window, verdict.plans_unchanged)
 
     def _decide(self, sequence: int, claim: dict[str, Any]) -> _Verdict:
         """The coordinator's verdict on every rank's claim: agreed when all match its own, else the refusal's text."""
@@ -192,10 +196,19 @@ class ClaimBoard:
             None,
             union_reusable([str(claims[r].get(SHAPES_FIELD, "")) for r in range(self.world_size)]),
             max(proposals) if proposals else None,
+            # A claim without the field (no plan of its own to reuse) makes every rank plan again.
+            union_reusable([str(claims[r].get(PLANS_FIELD, "")) for r in range(self.world_size)]),
         )
 
     def _post_verdict(self, sequence: int, verdict: _Verdict) -> None:
-        text = json.dumps({"refused": verdict.refusal, "shapes_unchanged": verdict.shapes_unchanged, "next_window": verdict.next_window})
+        text = json.dumps(
+            {
+                "refused": verdict.refusal,
+                "shapes_unchanged": verdict.shapes_unchanged,
+                "next_window": verdict.next_window,
+                "plans_unchanged": verdict.plans_unchanged,
+            }
+        )
         self.store.set(_VERDICT_KEY.format(sequence=sequence), text)
 
     def _verdict(self, sequence: int) -> _Verdict:
@@ -234,6 +247,7 @@ class ClaimBoard:
             refusal if isinstance(refusal, str) else None,
             verdict.get("shapes_unchanged") is True,
             next_window if isinstance(next_window, int) and not isinstance(next_window, bool) else None,
+            verdict.get("plans_unchanged") is True,
         )
 
     def _missing_claims(self, sequence: int, claims: dict[int, dict[str, Any]], verdict_missing: bool = False) -> str:
@@ -329,6 +343,7 @@ class _Verdict:
     refusal: str | None  # None: the ranks agreed
     shapes_unchanged: bool = False  # every rank may reuse its shape union (shape_union.py)
     next_window: int | None = None  # the widest window any rank proposed (window="auto")
+    plans_unchanged: bool = False  # every rank may skip DCP's plan round (save_plans.py)
 
 
 def _agreed_part(claim: dict[str, Any]) -> dict[str, Any]:

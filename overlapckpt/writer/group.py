@@ -47,6 +47,7 @@ from ..format.manifest_records import RankSection
 from ..format.shards import forget_cached_plans
 from ..protocol import REGROUP_WAIT_S, WriterGroupSpec
 from .claims import COORDINATOR_RANK, Agreement, ClaimBoard
+from .save_plans import SavePlanCache
 from .sealed_store import SealedStore
 from .shape_union import DigestedShapes, ShapeUnionCache
 
@@ -120,6 +121,7 @@ class WriterGroup:
     def _join(self) -> None:
         self.claims = self._claim_board()
         self.shapes = ShapeUnionCache()  # a new group gathers its union again
+        self.plans = SavePlanCache()  # and plans its saves again (save_plans.py)
         # The first generation's writers start together; a later one's join while others
         # are still failing out of the old group (WriterGroupSpec.regroup_join_timeout_s).
         # Gloo's rendezvous waits on the store under the store's timeout, and connects under the group's.

@@ -26,30 +26,20 @@ from ..format.entries import TensorEntry, build_state_dict
 from ..format.extra_state import encode
 from ..format.key_layout import TORCHTITAN
 from ..format.known_sums import KnownChecksums
-from ..format.manifest import (
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    CheckpointInfo,
-    ItemRecord,
-    Manifest,
-    RankSection,
-    parse_manifest,
-)
+from ..format.manifest import MANIFEST_NAME, CheckpointInfo, ItemRecord, RankSection, parse_manifest
 from ..format.peers import NodeLayout
 from ..format.shards import LocalShard
 from ..format.storage import CheckpointStore
 from ..format.tiers import LOCAL_TIER, ROOT_TIER
 from ..hostbuf import exact_view
-from .claims import NEXT_WINDOW_FIELD, SHAPES_FIELD
+from . import group_save
+from .claims import NEXT_WINDOW_FIELD, PLANS_FIELD, SHAPES_FIELD
 from .group import WriterGroup
 from .persist_context import PersistContext, PhaseClock, PreparedSnapshot
 from .replicas import node_layout
 from .retention import Retired
+from .snapshot_manifest import build_manifest, dtype_name
 from .tier_write import after_commit, held_or_begun, leads, write_tier
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def persist_snapshot(
@@ -77,22 +67,28 @@ def persist_snapshot(
     if missing or not req.tiers:
         raise InternalError(f"checkpoint {req.name} is for tiers {req.tiers}, but this writer has stores for {sorted(stores)}")
     agreed_window = req.proposed_next_window
+    tensors = _views(ctx, plan, req)
+    # DCP's state dict holds the slot's views: replay steps them in place, later.
+    state_dict = _state_dict(req, plan.entries, tensors)
+    saving: group_save.GroupSave | None = None
     if group is not None:
+        # The local plan is made before the claims, which say whether every rank may reuse its plan.
+        saving = group_save.prepare(group, state_dict)
         # Before any work: a rank that disagrees must not leave the others in a collective.
-        sequence, global_shapes, agreed_window = _agree_on_checkpoint(group, req, global_shapes)
+        sequence, global_shapes, agreed_window = _agree_on_checkpoint(group, req, global_shapes, saving)
     if group is None and all(stores[tier].is_committed(req.name) for tier in req.tiers):
         # Persisted again by the successor of a writer that died after the commit (the rename)
         # and before it answered: this run's own checkpoint of this step is a success.
         done = [_committed_already(stores[tier], tier, req, started, purge_later) for tier in req.tiers]
         return _merged(done)
-    tensors = _replayed_views(ctx, plan, req, on_replay)
+    _replay(ctx, plan, req, tensors, on_replay)
     phases = PhaseClock(started)
     phases.lap("agree_and_replay")
     # Per local part: the checksum of the host snapshot, checked against what DCP decodes at
     # load. The same algorithm as the stored bytes' (the storage writer's default_algorithm()).
     algorithm = default_algorithm()
     checksums = _snapshot_checksums(ctx.buffers[req.buffer_id], plan, algorithm)
-    snapshot = _prepare(group, req, plan.entries, tensors, checksums, algorithm, global_shapes, phases, started)
+    snapshot = _prepare(group, req, plan.entries, tensors, checksums, algorithm, global_shapes, phases, started, state_dict, saving)
     answers = _write_tiers(ctx, snapshot, purge_later)
     if group is not None:
         group.forget(sequence)
@@ -103,12 +99,13 @@ def persist_snapshot(
 
 
 def _agree_on_checkpoint(
-    group: WriterGroup, req: p.PersistRequest, global_shapes: dict[str, tuple[int, ...]]
+    group: WriterGroup, req: p.PersistRequest, global_shapes: dict[str, tuple[int, ...]], saving: group_save.GroupSave
 ) -> tuple[int, dict[str, tuple[int, ...]], int | None]:
-    """Every rank claims the same checkpoint, then learns every rank's tensors (a collective).
+    """Every rank claims the same checkpoint, then learns every rank's tensors (a collective unless the verdict reuses them).
 
     Answers the claim's sequence, the shapes, and the window every rank uses next (the
-    widest any rank proposed, carried by the coordinator's verdict).
+    widest any rank proposed, carried by the coordinator's verdict); ``saving`` learns
+    whether every rank reuses its save plan.
     """
     claim = {"name": req.name, "version": req.step, "requested": req.requested_step}
     if req.tiers != (ROOT_TIER,):  # ranks that would write different tiers would enter different collectives
@@ -116,34 +113,48 @@ def _agree_on_checkpoint(
     claim[SHAPES_FIELD] = group.shapes_claim(global_shapes)  # this rank's own: not compared (claims.py)
     if req.proposed_next_window is not None:
         claim[NEXT_WINDOW_FIELD] = req.proposed_next_window  # this rank's own too: the verdict takes the widest
+    claim[PLANS_FIELD] = group.plans.claim_field(saving.local_digest)  # and its plan's (save_plans.py)
     agreement = group.agree(claim)
+    saving.plans_unchanged = agreement.plans_unchanged
     # The manifest and the coverage check need every rank's tensors: pipeline stages hold different ones.
-    return agreement.sequence, group.union_of_shapes(global_shapes, reusable=agreement.shapes_unchanged), agreement.next_window
+    union = group.union_of_shapes(global_shapes, reusable=agreement.shapes_unchanged)
+    saving.planner.global_shapes = union  # the coordinator's coverage check, at a plan round
+    return agreement.sequence, union, agreement.next_window
 
 
-def _replayed_views(
-    ctx: PersistContext, plan: p.SetPlanRequest, req: p.PersistRequest, on_replay: Callable[[bool], None] | None
-) -> list[torch.Tensor]:
-    """The snapshot's tensors in its host slot, replayed to the checkpoint's version where ``req.replay`` asks."""
+def _views(ctx: PersistContext, plan: p.SetPlanRequest, req: p.PersistRequest) -> list[torch.Tensor]:
+    """The snapshot's tensors in its host slot, as they are (replayed later, in place, where ``req.replay`` asks)."""
     slot = ctx.buffers[req.buffer_id]
     # Exact-storage views: DCP writes them in place instead of cloning each (hostbuf.exact_view).
     if ctx.views is not None:
-        tensors = ctx.views.of(req.buffer_id, slot, plan)
-    else:
-        tensors = [exact_view(slot, off, e.dtype, e.shape) for e, off in zip(plan.entries, plan.offsets)]
-    if req.replay is not None:
-        from .replay import replay_to_version
+        return ctx.views.of(req.buffer_id, slot, plan)
+    return [exact_view(slot, off, e.dtype, e.shape) for e, off in zip(plan.entries, plan.offsets)]
 
-        # The training side hears of it before the slot is written, and once it holds the
-        # version: a successor of a writer killed in between must not replay it again.
-        if on_replay is not None:
-            on_replay(False)
-        if plan.replay_tables is None:
-            raise InternalError(f"the snapshot of step {req.step} needs replay, but its plan {req.plan_id} came without replay tables")
-        replay_to_version(plan.entries, tensors, req.replay, plan.replay_tables, ctx.buffers[req.replay.grad_buffer_id])
-        if on_replay is not None:
-            on_replay(True)
-    return tensors
+
+def _replay(
+    ctx: PersistContext, plan: p.SetPlanRequest, req: p.PersistRequest, tensors: list[torch.Tensor], on_replay: Callable[[bool], None] | None
+) -> None:
+    """``tensors`` (the slot's views) replayed to the checkpoint's version where ``req.replay`` asks."""
+    if req.replay is None:
+        return
+    from .replay import replay_to_version
+
+    # The training side hears of it before the slot is written, and once it holds the
+    # version: a successor of a writer killed in between must not replay it again.
+    if on_replay is not None:
+        on_replay(False)
+    if plan.replay_tables is None:
+        raise InternalError(f"the snapshot of step {req.step} needs replay, but its plan {req.plan_id} came without replay tables")
+    replay_to_version(plan.entries, tensors, req.replay, plan.replay_tables, ctx.buffers[req.replay.grad_buffer_id])
+    if on_replay is not None:
+        on_replay(True)
+
+
+def _state_dict(req: p.PersistRequest, entries: list[TensorEntry], tensors: list[torch.Tensor]) -> dict[str, Any]:
+    """What DCP saves: the tensors (whole, or shards of the global ones) and the small state."""
+    # The torchtitan layout saves the stateful objects as DCP items too, for TorchTitan's own manager.
+    stateful = req.extra_state.get("stateful", {}) if req.key_layout == TORCHTITAN else None
+    return build_state_dict(entries, [_part(e, t) for e, t in zip(entries, tensors)], req.small_state, req.key_layout, stateful)
 
 
 def _snapshot_checksums(slot: torch.Tensor, plan: p.SetPlanRequest, algorithm: str) -> list[str]:
@@ -169,11 +180,13 @@ def _prepare(
     global_shapes: dict[str, tuple[int, ...]],
     phases: PhaseClock,
     started: float,
+    state_dict: dict[str, Any],
+    saving: group_save.GroupSave | None,
 ) -> PreparedSnapshot:
     """The snapshot's manifest less the stored bytes' checksums, and DCP's state dict: once, for every tier."""
     parts = {
         e.key: ItemRecord(
-            dtype=_dtype_name(e.dtype),
+            dtype=dtype_name(e.dtype),
             shape=tuple(e.shape),
             checksum=checksum,
             offset=tuple(e.global_offset or (0,) * len(e.shape)),
@@ -193,12 +206,10 @@ def _prepare(
         ledger=req.ledger,
         stats=req.stats,
     )
-    sections = [section] if group is None else group.gather_sections(section)
-    manifest = _manifest(req, entries, global_shapes, sections, group)
-    # The torchtitan layout saves the stateful objects as DCP items too, for TorchTitan's own manager.
-    stateful = req.extra_state.get("stateful", {}) if req.key_layout == TORCHTITAN else None
-    state_dict = build_state_dict(entries, [_part(e, t) for e, t in zip(entries, tensors)], req.small_state, req.key_layout, stateful)
-    return PreparedSnapshot(req, entries, global_shapes, manifest, algorithm, known, state_dict, phases, started)
+    # In a group, the coordinator's manifest takes every rank's section once they are gathered
+    # (tier_write.py: before DCP's save, or in the write round); until then, this rank's own facts.
+    manifest = build_manifest(req, entries, global_shapes, [section] if group is None else None, group)
+    return PreparedSnapshot(req, entries, global_shapes, manifest, algorithm, known, state_dict, phases, started, saving, section)
 
 
 def _write_tiers(ctx: PersistContext, snapshot: PreparedSnapshot, purge_later: Retired) -> list[p.CommittedResponse]:
@@ -316,46 +327,3 @@ def _part(entry: TensorEntry, tensor: torch.Tensor) -> Any:
     if entry.is_whole:
         return tensor
     return LocalShard(tensor, entry.global_shape, entry.global_offset)
-
-
-def _manifest(
-    req: p.PersistRequest,
-    entries: list[TensorEntry],
-    global_shapes: dict[str, tuple[int, ...]],
-    sections: list[RankSection] | None,
-    group: WriterGroup | None,
-) -> Manifest:
-    """The manifest less its checksums (known at DCP's finish). Not the coordinator: only what CheckpointInfo needs."""
-    world_size = 1 if group is None else group.world_size
-    common: dict[str, Any] = {
-        "format_version": FORMAT_VERSION,
-        "step": req.step,
-        "requested_step": req.requested_step,
-        "mode": req.mode,
-        "window": req.window,
-        "torch_version": torch.__version__,
-        "created_at": time.time(),
-        "world_size": world_size,
-        "mesh_shape": (1,) if group is None else tuple(group.spec.mesh_shape),
-        "ledger": req.ledger,
-        "stats": req.stats,
-        "run_id": req.run_id,
-        "restored_from": req.restored_from,
-        "ancestors": tuple(req.ancestors),
-        "extra_state_index": tuple(sorted(req.extra_state.keys())),
-        "key_layout": req.key_layout,
-        "optimizer": req.optimizer,
-        # How each param group was replayed, and how exactly: the coordinator's own (every rank measures its groups alike).
-        "replay_arithmetic": tuple(req.replay.group_arithmetics) if req.replay is not None else (),
-    }
-    if sections is None:
-        return Manifest(nbytes=sum(e.nbytes for e in entries), items={}, **common)
-    nbytes = sum(s.nbytes for s in sections)
-    if world_size == 1:
-        (only,) = sections
-        items = {e.key: ItemRecord(dtype=_dtype_name(e.dtype), shape=tuple(e.shape), checksum=only.items[e.key].checksum) for e in entries}
-        return Manifest(nbytes=nbytes, items=items, extra_state=only.extra_state, **common)
-    # The tensors of the whole checkpoint, by global shape; each rank's parts and their CRC-32s in its section.
-    dtype_of = {key: part.dtype for s in sections for key, part in s.items.items()}
-    items = {key: ItemRecord(dtype=dtype_of.get(key, ""), shape=tuple(shape)) for key, shape in global_shapes.items()}
-    return Manifest(nbytes=nbytes, items=items, ranks=tuple(sections), **common)

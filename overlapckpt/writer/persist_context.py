@@ -10,17 +10,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import protocol as p
 from ..format.entries import TensorEntry
 from ..format.known_sums import KnownChecksums
-from ..format.manifest import Manifest
+from ..format.manifest import Manifest, RankSection
 from ..format.storage import CheckpointStore
 from .group import WriterGroup
 from .slot_views import SlotViews
+
+if TYPE_CHECKING:
+    from .group_save import GroupSave
 
 
 @dataclass
@@ -50,6 +53,10 @@ class PreparedSnapshot:
     state_dict: dict[str, Any]  # what DCP saves
     phases: PhaseClock
     started: float  # perf_counter at the persist's start
+    # In a group: the planner set up with state_dict, the local plan, and the verdict on reusing it (group_save.py).
+    saving: GroupSave | None = None
+    section: RankSection | None = None  # this rank's part of the manifest (a group's coordinator gathers every rank's)
+    sections_gathered: bool = False  # in a group: whether the coordinator's manifest holds every rank's section
 
 
 class PhaseClock:

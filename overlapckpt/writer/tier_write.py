@@ -15,24 +15,26 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import protocol as p
-from ..errors import CheckpointExistsError, CheckpointWriteError
+from ..errors import CheckpointExistsError, CheckpointWriteError, InternalError
 from ..format.attempts import Attempt, new_attempt_id
 from ..format.blob_macs import default_mac_algorithm
 from ..format.blobsums import ChecksummingFileSystem, StoredChecksums
 from ..format.checksumming_stream import StreamTimings
 from ..format.commit_writer import BeforeCommit
 from ..format.manifest import CheckpointInfo, dump_manifest
-from ..format.manifest_records import ExportRecord
+from ..format.manifest_records import ExportRecord, RankSection
 from ..format.peers import NodeLayout
 from ..format.shards import CoveringSavePlanner
 from ..format.signing import sign
 from ..format.storage import CheckpointStore
 from ..format.tiers import LOCAL_TIER, ROOT_TIER
+from . import group_save
 from .exports import write_exports
 from .group import WriterGroup
 from .persist_context import PersistContext, PreparedSnapshot
 from .replicas import agree_on_failure, replicate_attempt
 from .retention import Retired, remember_lineage, retire_old
+from .snapshot_manifest import build_manifest
 
 
 def write_tier(
@@ -113,7 +115,12 @@ def _write_and_publish(
             _begin_on_every_node(attempt, group, layout)
         if req.export_formats:  # one process only (the Checkpointer refuses it distributed): whole tensors
             exports.update(write_exports(store, attempt.directory, req.export_formats, snapshot.state_dict, req.extra_state, ctx.signing_key))
-        streams = _save(ctx, store, attempt.directory, snapshot, write_manifest)
+        if group is not None and layout is None and snapshot.saving is not None:
+            streams = _save_in_group(ctx, group, store, attempt.directory, snapshot, write_manifest, prefix)
+        else:
+            if group is not None and not snapshot.sections_gathered:  # the manifest is written inside DCP's save
+                _take_sections(group, snapshot, group.gather_sections(_own_section(snapshot)))
+            streams = _save(ctx, store, attempt.directory, snapshot, write_manifest)
         if not wrote_manifest:  # a rank that does not write the manifest: its write ends here
             phases.lap(prefix + "write")
         if layout is not None:
@@ -157,6 +164,28 @@ def _commit_barrier(group: WriterGroup, where: str) -> None:
     failure = group.share_from_coordinator(None)
     if failure is not None:
         raise CheckpointWriteError(f"committing {where} failed on the coordinating writer (rank 0): {failure}; nothing was committed")
+
+
+def _own_section(snapshot: PreparedSnapshot) -> RankSection:
+    if snapshot.section is None:
+        raise InternalError("a snapshot prepared in a writers' group came without this rank's manifest section")
+    return snapshot.section
+
+
+def _take_sections(group: WriterGroup, snapshot: PreparedSnapshot, sections: list[RankSection] | None) -> None:
+    """Every rank's sections gathered (``sections`` on the coordinator, None elsewhere): the coordinator's manifest holds them."""
+    if sections is not None:
+        snapshot.manifest = build_manifest(snapshot.req, snapshot.entries, snapshot.global_shapes, sections, group)
+    snapshot.sections_gathered = True
+
+
+def _commit_barrier_failed(group: WriterGroup, where: str, own_failure: BaseException) -> None:
+    """A rank whose own write failed: it waits in the commit barrier with the others, then raises its own error."""
+    try:
+        _commit_barrier(group, where)
+    except CheckpointWriteError:
+        pass  # the coordinator's account of this very failure: this rank's own says more
+    raise own_failure
 
 
 def after_commit(store: CheckpointStore, tier: str, req: p.PersistRequest, purge_later: Retired) -> tuple[list[str], list[str]]:
@@ -271,18 +300,13 @@ def _abandon(attempt: Attempt) -> None:
         pass
 
 
-def _save(
-    ctx: PersistContext, store: CheckpointStore, name: str, snapshot: PreparedSnapshot, write_manifest: BeforeCommit
-) -> StreamTimings | None:
-    """DCP's save of ``snapshot.state_dict`` into ``name``, with ``ctx``'s group and threads; where the shards' time went, when known.
+def _make_writer(ctx: PersistContext, store: CheckpointStore, name: str, snapshot: PreparedSnapshot, write_manifest: BeforeCommit) -> Any:
+    """The store's DCP writer into ``name``, with the snapshot's known checksums, and MACs under ``ctx.signing_key``.
 
     ``ctx.signing_key``: every blob gets a MAC under it (``format/blob_macs.py``), and the
     manifest's signature needs ``.metadata``'s bytes.
     """
-    import torch.distributed.checkpoint as dcp
-
-    signing_key, write_threads, group = ctx.signing_key, ctx.write_threads, ctx.group
-
+    signing_key, write_threads = ctx.signing_key, ctx.write_threads
     # Only a signature needs .metadata's bytes, and only more than one thread a thread count;
     # a store subclass written for make_writer(name, before_commit) keeps working without them.
     extra: dict[str, Any] = {"wants_metadata_bytes": True} if signing_key is not None else {}
@@ -299,6 +323,22 @@ def _save(
                 "cannot be signed; build it with CheckpointStore.make_writer's writer class"
             )
         fs.mac_key, fs.mac_algorithm = signing_key, default_mac_algorithm()
+    return writer
+
+
+def _timings(writer: Any) -> StreamTimings | None:
+    timings = getattr(getattr(writer, "fs", None), "timings", None)
+    return timings() if callable(timings) else None
+
+
+def _save(
+    ctx: PersistContext, store: CheckpointStore, name: str, snapshot: PreparedSnapshot, write_manifest: BeforeCommit
+) -> StreamTimings | None:
+    """DCP's save of ``snapshot.state_dict`` into ``name``, with ``ctx``'s group and threads; where the shards' time went, when known."""
+    import torch.distributed.checkpoint as dcp
+
+    group = ctx.group
+    writer = _make_writer(ctx, store, name, snapshot, write_manifest)
     planner = CoveringSavePlanner(snapshot.global_shapes)
     if group is None:
         with warnings.catch_warnings():
@@ -307,5 +347,45 @@ def _save(
             dcp.save(snapshot.state_dict, storage_writer=writer, planner=planner, no_dist=True)
     else:
         dcp.save(snapshot.state_dict, storage_writer=writer, planner=planner, process_group=group.group)
-    timings = getattr(getattr(writer, "fs", None), "timings", None)
-    return timings() if callable(timings) else None
+    return _timings(writer)
+
+
+def _save_in_group(
+    ctx: PersistContext,
+    group: WriterGroup,
+    store: CheckpointStore,
+    name: str,
+    snapshot: PreparedSnapshot,
+    write_manifest: BeforeCommit,
+    prefix: str,
+) -> StreamTimings | None:
+    """DCP's save where the coordinator commits alone: the plan round only when a plan changed, the write round ending on the coordinator.
+
+    A failure of the plan round raises on every rank from its own collective. After the
+    write round, the others wait in the commit barrier (``_commit_barrier``): a failure
+    on the coordinator, or of any rank's write, which it learns from the gather, goes
+    there, and every rank raises it (a rank whose own write failed, its own error).
+    """
+    assert snapshot.saving is not None
+    writer = _make_writer(ctx, store, name, snapshot, write_manifest)
+    plans_round = snapshot.saving.planned is None and not snapshot.saving.plans_unchanged
+    planned = group_save.plan(group, snapshot.saving, writer)
+    if plans_round:  # a phase of its own, only where it ran: the first checkpoint of each layout
+        snapshot.phases.lap(prefix + "plan_round")
+    # Every rank's manifest section rides in the write round's gather, where no earlier tier's gathered them.
+    section = None if snapshot.sections_gathered else _own_section(snapshot)
+    own_failure = group_save.write(group, snapshot.saving, writer, planned, section)
+    if section is not None:
+        _take_sections(group, snapshot, snapshot.saving.sections)
+    if not group.is_coordinator:
+        if own_failure is not None:
+            _commit_barrier_failed(group, store.checkpoint_url(snapshot.req.name), own_failure)
+        return _timings(writer)
+    try:
+        if own_failure is not None:
+            raise own_failure
+        group_save.finish(snapshot.saving, writer, planned)  # the manifest, then .metadata
+    except BaseException as e:
+        group.share_from_coordinator(f"{type(e).__name__}: {e}")  # the others wait in the commit barrier
+        raise
+    return _timings(writer)

@@ -257,6 +257,8 @@ def scenario_ddp(out: str) -> dict[str, Any]:
     result["commit_fails"] = commit_fails_on_the_coordinator(out, "CannotClearTheNameStore")
     result["begin_fails"] = commit_fails_on_the_coordinator(out, "CannotLookStore")
     result["listeners"] = listeners_opened(out)
+    result["replan"] = replanned("ddp", out)
+    result["write_fails"] = write_fails_on_a_rank(out, 1)
     return result
 
 
@@ -853,10 +855,124 @@ def scenario_fsdp_tp(out: str) -> dict[str, Any]:
     return result
 
 
+def replanned(kind: str, out: str) -> dict[str, Any]:
+    """A layout that changes mid-run (a param group added after step 5, as a fine-tune unfreezing layers does).
+
+    Checkpoints at steps 2, 4, 6 and 8, window 1. The writers' plan round runs at the
+    first checkpoint of each layout only (writer/save_plans.py): the test reads which
+    checkpoints ran one, and each checkpoint loaded back against the uninterrupted twin.
+    """
+    requests, steps, unfreeze_after = (2, 4, 6, 8), 8, 5
+    path = os.path.join(out, f"replan-{kind}")
+
+    def param_groups(model: nn.Module, step: int) -> list[dict[str, Any]]:
+        inner = getattr(model, "module", model)  # DDP's
+        groups = [{"params": list(inner.inp.parameters())}]
+        if step > unfreeze_after:
+            groups.append({"params": [p for n, p in inner.named_parameters() if not n.startswith("inp.")]})
+        return groups
+
+    def run(checkpointed: bool) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, Any]]:
+        model, _ = build(kind)
+        opt = torch.optim.AdamW(param_groups(model, 0), lr=1e-2, foreach=True)
+        ckpt = Checkpointer(model, opt, path, window=1) if checkpointed else None
+        sampler = Sampler(data_rank(kind))
+        states: dict[int, dict[str, torch.Tensor]] = {}
+        for it in range(1, steps + 1):
+            x, y = sampler.batch()
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if ckpt is not None:
+                if it in requests:
+                    ckpt.request()
+                ckpt.step()
+            states[it] = full_state(model, opt)
+            if it == unfreeze_after:
+                opt.add_param_group(param_groups(model, it + 1)[1])
+        if ckpt is None:
+            return states, {}
+        infos = ckpt.wait(timeout_s=120)
+        stats = ckpt.stats
+        ckpt.close()
+        return states, {"infos": infos, "stats": stats}
+
+    twin, _ = run(False)
+    _, run_result = run(True)
+    # The reference is rank 0's twin: DDP broadcasts rank 0's buffers, the others' drift.
+    box = [twin]
+    dist.broadcast_object_list(box, src=0)
+    twin = box[0]
+    loaded_equal = {}
+    for info in run_result["infos"]:
+        fresh, _ = build(kind)
+        fresh_opt = torch.optim.AdamW(param_groups(fresh, info.step), lr=1e-2, foreach=True)
+        load(info.path, fresh, fresh_opt, per_rank_state="skip")
+        got, want = full_state(fresh, fresh_opt), twin[info.step]
+        differing = sorted(set(got) ^ set(want)) + [k for k in want if k in got and not torch.equal(got[k], want[k])]
+        loaded_equal[str(info.step)] = differing == []
+        if differing:
+            loaded_equal[f"{info.step} differing"] = differing[:6]
+    return {
+        "versions": [i.step for i in run_result["infos"]],
+        "plan_rounds": ["plan_round" in s["persist_phases_s"] for s in run_result["stats"]],
+        "loaded_equal": loaded_equal,
+        "state_keys": {str(step): len(twin[step]) for step in requests},
+    }
+
+
+def write_fails_on_a_rank(out: str, failing_rank: int) -> dict[str, Any]:
+    """The first shard write of ``failing_rank``'s writer fails (fakes.FailingStore, ENOSPC) at checkpoint 2.
+
+    Every rank raises, named, and nothing is listed; the checkpoint of step 4 then commits
+    on every rank (the writers and their group survive the fault).
+    """
+    import fakes
+
+    rank = dist.get_rank()
+    os.environ[fakes.FAIL_AT_ENV] = "1" if rank == failing_rank else str(10**9)
+    os.environ[fakes.ONLY_NAME_ENV] = "step-000000002"
+    model, opt = build("plain")
+    path = os.path.join(out, "write-fails")
+    ckpt = Checkpointer(model, opt, path, window=1, collective_timeout_s=60.0, store_class=fakes.FailingStore)
+    sampler = Sampler(rank)
+    error: BaseException | None = None
+    try:
+        train_requesting_at_2(model, opt, sampler, ckpt, steps=2)
+        ckpt.wait(timeout_s=120)
+    except Exception as e:  # what we are here to see
+        error = e
+    listed_after_failure = [i.step for i in list_checkpoints(path)]
+    later_error = None
+    try:
+        for _ in range(2):  # steps 3 and 4, a checkpoint at 4
+            x, y = sampler.batch()
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        ckpt.request()
+        ckpt.step()
+        ckpt.wait(timeout_s=120)
+    except Exception as e:  # noqa: BLE001 - reported, the test fails on it
+        later_error = f"{type(e).__name__}: {e}"
+    outcome = _outcome(ckpt, path, error, 0.0)
+    os.environ.pop(fakes.FAIL_AT_ENV, None)
+    os.environ.pop(fakes.ONLY_NAME_ENV, None)
+    return {**outcome, "listed_after_failure": listed_after_failure, "later_error": later_error}
+
+
+def scenario_hsdp(out: str) -> dict[str, Any]:
+    result = scenario_exact("hsdp", out)
+    result["replan"] = replanned("hsdp", out)
+    result["write_fails"] = write_fails_on_a_rank(out, 2)
+    return result
+
+
 SCENARIOS = {
     "ddp": scenario_ddp,
     "fsdp": scenario_fsdp,
-    "hsdp": lambda out: scenario_exact("hsdp", out),
+    "hsdp": scenario_hsdp,
     "fsdp_tp": scenario_fsdp_tp,
     "netns": scenario_netns,
     "restart": lambda out: {"writer_restarted": writer_restarted(out)},
