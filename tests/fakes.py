@@ -78,6 +78,23 @@ class CannotClearTheNameStore(CheckpointStore):
         super().remove_tree(name)
 
 
+CANNOT_WRITE_NAMES_ENV = "OVERLAPCKPT_TEST_CANNOT_WRITE_NAMES"  # comma-separated checkpoint names
+
+
+class CannotMakeTheWriterStore(CheckpointStore):
+    """Fails on purpose to make DCP's writer for the checkpoints named in CANNOT_WRITE_NAMES_ENV (``make_writer`` raises PermissionError).
+
+    Set in one rank's environment only: that rank's writer cannot begin its share, while
+    the others are already on their way to the next collective.
+    """
+
+    def make_writer(self, name, before_commit, **kwargs):
+        names = os.environ.get(CANNOT_WRITE_NAMES_ENV, "").split(",")
+        if checkpoint_of_directory(name) in names:
+            raise PermissionError(13, f"Permission denied (injected: cannot make the writer of {checkpoint_of_directory(name)})", name)
+        return super().make_writer(name, before_commit, **kwargs)
+
+
 class CannotLookStore(CheckpointStore):
     """Fails on purpose, in the writer, to tell whether step-000000002 is committed (``is_committed`` raises PermissionError).
 

@@ -10,6 +10,7 @@ import select
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -272,3 +273,28 @@ def read_rank_results(paths: list[str], outputs: list[str]) -> list[dict]:
         assert "crashed" not in result, result.get("crashed")
         results.append(result)
     return results
+
+
+def on_every_rank(world_size: int, run: Callable[[int], Any], timeout_s: float = 60.0) -> list[Any]:
+    """``run(rank)`` for every rank at once, a thread each (ranks that meet in a store or a barrier); the answers in rank order.
+
+    An exception in a rank's thread is raised again here, once every thread has ended.
+    """
+    answers: list[Any] = [None] * world_size
+
+    def one(rank: int) -> None:
+        try:
+            answers[rank] = run(rank)
+        except Exception as e:  # raised again in the caller's thread below
+            answers[rank] = e
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout_s)
+    assert not any(t.is_alive() for t in threads), f"a rank's thread is still running after {timeout_s} s"
+    for answer in answers:
+        if isinstance(answer, Exception):
+            raise answer
+    return answers

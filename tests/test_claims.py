@@ -299,3 +299,24 @@ def test_a_claim_deleted_after_it_was_posted_is_a_named_refusal_without_waiting_
     with pytest.raises(RankDisagreementError, match=r"checkpoint #0: ranks \[1\] requested no checkpoint .*rank 0 requested it after step 3"):
         board.agree(CLAIM)
     assert store.inner.timeout == timedelta(seconds=60)  # the client's own timeout, put back after the one-request read
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_rank_that_failed_to_prepare_its_save_claims_its_error_and_every_rank_refuses_at_once_in_step(world_size):
+    """Its claim carries the error (persist.py makes the local plan before the claims): no rank waits out the
+    agreement timeout, and the next checkpoint's claims are in step on every rank."""
+    from helpers import on_every_rank
+
+    store = dist.HashStore()
+    boards = [ClaimBoard(SealedStore(store, KEY, ""), rank=r, world_size=world_size, agreement_timeout_s=60) for r in range(world_size)]
+    claim = {"name": "step-000000003", "version": 3, "requested": 3}
+
+    def first(rank: int) -> str:
+        with pytest.raises(RankDisagreementError) as refused:
+            boards[rank].agree({**claim, "failed": "ValueError: boom"} if rank == 1 else claim)
+        return str(refused.value)
+
+    for text in on_every_rank(world_size, first, timeout_s=30):
+        assert "checkpoint #0: the writer of rank 1 failed before it: ValueError: boom; nothing was committed" == text
+    agreed = on_every_rank(world_size, lambda rank: boards[rank].agree({**claim, "name": "step-000000005", "version": 5, "requested": 5}))
+    assert [a.sequence for a in agreed] == [1] * world_size

@@ -435,3 +435,24 @@ def test_at_four_ranks_the_plans_are_reused_and_a_rank_s_write_failure_reaches_e
     for r in hsdp_results:
         _check_replanned(r["replan"])
     _check_write_fails([r["write_fails"] for r in hsdp_results], failing_rank=2)
+
+
+def _check_cannot_make_writer(results: list[dict], failing_rank: int) -> None:
+    for rank, r in enumerate(results):
+        errors = r["cannot_make_writer"]["errors"]
+        assert errors["4"] is None and errors["8"] is None, (rank, errors)
+        assert r["cannot_make_writer"]["listed"] == [4, 8], (rank, r["cannot_make_writer"])
+        for step in ("2", "6"):  # 2: in the plan round's gather; 6: in the write round's (plans reused)
+            assert f"injected: cannot make the writer of step-00000000{step}" in errors[step], (rank, step, errors[step])
+            if rank == failing_rank:  # its own error, as the trainer reports a writer's
+                assert "builtins.PermissionError" in errors[step] and "the writer of rank" not in errors[step], (rank, step, errors[step])
+            else:
+                assert f"the writer of rank {failing_rank} failed" in errors[step], (rank, step, errors[step])
+        # The committed checkpoints: 4 planned again (the round of 2 failed), 8 reused 4's plans.
+        assert r["cannot_make_writer"]["plan_rounds"] == [True, False], (rank, r["cannot_make_writer"])
+
+
+def test_a_writer_that_cannot_be_set_up_on_one_rank_fails_every_rank_by_name_in_either_round(ddp_results, hsdp_results):
+    """Before, making the writer ran outside every collective's failure sharing: the others waited out the collective timeout."""
+    _check_cannot_make_writer(ddp_results, failing_rank=1)
+    _check_cannot_make_writer(hsdp_results, failing_rank=3)

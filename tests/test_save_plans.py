@@ -17,6 +17,8 @@ from overlapckpt.writer.claims import PLANS_FIELD, ClaimBoard
 from overlapckpt.writer.save_plans import LocalPlanDigests, PlannedSave, SavePlanCache
 from overlapckpt.writer.sealed_store import SealedStore
 
+from helpers import on_every_rank
+
 KEY = new_store_key()
 CLAIM = {"name": "step-000000003", "version": 3, "requested": 3}
 
@@ -75,33 +77,19 @@ class Ranks:
 
     def checkpoint(self, local_digests: list[str]) -> list[object]:
         """One checkpoint on every rank at once (a thread each): the central plan each rank writes with."""
-        plans: list[object] = [None] * len(self.boards)
         lock = threading.Lock()
 
-        def run(rank: int) -> None:
-            try:
-                agreement = self.boards[rank].agree({**CLAIM, PLANS_FIELD: self.caches[rank].claim_field(local_digests[rank])})
-                if agreement.plans_unchanged:
-                    plans[rank] = self.caches[rank].reused().central_plan
-                    return
-                with lock:
-                    self.rounds += 1
-                planned = PlannedSave(central_plan=("plan of", rank, tuple(local_digests)), metadata=None)
-                self.caches[rank].hold(planned, local_digests)
-                plans[rank] = planned.central_plan
-            except Exception as e:  # raised again in the test's thread below
-                plans[rank] = e
+        def run(rank: int) -> object:
+            agreement = self.boards[rank].agree({**CLAIM, PLANS_FIELD: self.caches[rank].claim_field(local_digests[rank])})
+            if agreement.plans_unchanged:
+                return self.caches[rank].reused().central_plan
+            with lock:
+                self.rounds += 1
+            planned = PlannedSave(central_plan=("plan of", rank, tuple(local_digests)), metadata=None)
+            self.caches[rank].hold(planned, local_digests)
+            return planned.central_plan
 
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(len(self.boards))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        assert not any(t.is_alive() for t in threads)
-        for plan in plans:
-            if isinstance(plan, Exception):
-                raise plan
-        return plans
+        return on_every_rank(len(self.boards), run)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

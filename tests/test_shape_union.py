@@ -14,6 +14,8 @@ from overlapckpt.writer.claims import ClaimBoard
 from overlapckpt.writer.sealed_store import SealedStore
 from overlapckpt.writer.shape_union import ShapeUnionCache, merged, shapes_digest
 
+from helpers import on_every_rank
+
 KEY = new_store_key()
 CLAIM = {"name": "step-000000003", "version": 3, "requested": 3}
 
@@ -29,7 +31,6 @@ class Ranks:
 
     def checkpoint(self, tables: list[dict[str, tuple[int, ...]]]) -> list[dict[str, tuple[int, ...]]]:
         """One checkpoint on every rank at once (a thread each): every rank's union, and whether it gathered."""
-        unions: list[object] = [None] * len(self.boards)
         gathered = threading.Barrier(len(self.boards))  # the all-gather: every rank or none
         lock = threading.Lock()
 
@@ -39,24 +40,12 @@ class Ranks:
             gathered.wait(timeout=30)
             return [(shapes_digest(table), table) for table in tables]  # what every rank's all-gather returns
 
-        def run(rank: int) -> None:
+        def run(rank: int) -> dict[str, tuple[int, ...]]:
             claim = {**CLAIM, "shapes": self.caches[rank].claim_field(tables[rank])}
-            try:
-                agreement = self.boards[rank].agree(claim)
-                unions[rank] = self.caches[rank].union(tables[rank], agreement.shapes_unchanged, gather)
-            except Exception as e:  # raised again in the test's thread below
-                unions[rank] = e
+            agreement = self.boards[rank].agree(claim)
+            return self.caches[rank].union(tables[rank], agreement.shapes_unchanged, gather)
 
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(len(self.boards))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        assert not any(t.is_alive() for t in threads)
-        for u in unions:
-            if isinstance(u, Exception):
-                raise u
-        return unions  # type: ignore[return-value]
+        return on_every_rank(len(self.boards), run)
 
 
 def test_the_union_is_gathered_once_per_set_of_tables_and_again_when_one_changes_or_a_writer_is_new():

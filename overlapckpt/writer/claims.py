@@ -46,7 +46,11 @@ COORDINATOR_RANK = 0  # the writer that compares the claims and posts the verdic
 _CLAIM_FIELDS = {"name": str, "version": int, "requested": int}
 # With a local tier: the tiers it goes to ("local,root"), so ranks that would write different tiers disagree here
 # instead of entering different collectives.
-_OPTIONAL_CLAIM_FIELDS = {"tiers": str}
+_OPTIONAL_CLAIM_FIELDS = {"tiers": str, "failed": str}
+# A rank whose writer failed before it could claim the checkpoint properly (preparing its save) still
+# claims it, with its error: the coordinator refuses the checkpoint at once, naming it, and the ranks'
+# claim sequences stay in step.
+FAILED_FIELD = "failed"
 # This rank's own fact, not part of what the ranks must agree on: its shape table's digest and the
 # gather its cached union came from (shape_union.py). The coordinator's verdict says whether every
 # rank may reuse its union.
@@ -188,6 +192,13 @@ class ClaimBoard:
         claims = self._claims(sequence, waited=True)
         if len(claims) < self.world_size:  # posted, then deleted by another client of the store before this read
             return _Verdict(self._missing_claims(sequence, claims))
+        failed = {r: c[FAILED_FIELD] for r, c in sorted(claims.items()) if FAILED_FIELD in c}
+        if failed:
+            return _Verdict(
+                f"checkpoint #{sequence}: "
+                + "; ".join(f"the writer of rank {r} failed before it: {text}" for r, text in failed.items())
+                + "; nothing was committed"
+            )
         mine = _agreed_part(parse_claim(json.dumps(claim, sort_keys=True)))
         if any(_agreed_part(c) != mine for c in claims.values()):
             return _Verdict(_disagreement(sequence, claims))

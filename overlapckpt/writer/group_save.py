@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from ..errors import CheckpointWriteError
 from ..format.manifest_records import RankSection
 from ..format.shards import CoveringSavePlanner
+from .claims import COORDINATOR_RANK as COORDINATOR
 from .group import WriterGroup
 from .save_plans import PlannedSave
 
@@ -59,26 +61,56 @@ def prepare(group: WriterGroup, state_dict: dict[str, Any]) -> GroupSave:
     return GroupSave(planner, local_plan, group.plans.digests.digest(local_plan))
 
 
-def plan(group: WriterGroup, save: GroupSave, writer: Any) -> PlannedSave:
-    """This rank's central plan: the one held, where the verdict says every rank holds its own, else a plan round (a collective)."""
+@dataclass
+class TierWriter:
+    """One tier's DCP storage writer, set up as ``dcp.save`` sets it up, with this rank's local plan as it prepared it; or why not."""
+
+    writer: Any  # None where making it failed
+    prepared_plan: Any  # None where setting it up failed
+    failure: BaseException | None  # making or setting up the writer failed on this rank
+
+
+def set_up(group: WriterGroup, save: GroupSave, make_writer: Callable[[], Any]) -> TierWriter:
+    """The tier's writer, made and set up, and the local plan it prepared (its directory made, an existing ``.metadata`` refused).
+
+    A failure here is carried by the next collective (the plan round's gather, or the write
+    round's), where the others already wait: it never leaves them until the collective timeout.
+    """
+    writer = None
+    try:
+        writer = make_writer()
+        _set_up_writer(writer, group)
+        return TierWriter(writer, writer.prepare_local_plan(save.local_plan), None)
+    except Exception as e:  # noqa: BLE001 - carried by the next collective, then raised
+        return TierWriter(writer, None, e)
+
+
+def plan(group: WriterGroup, save: GroupSave, tier: TierWriter) -> PlannedSave:
+    """This rank's central plan: the one held, where the verdict says every rank holds its own, else a plan round (a collective).
+
+    In a round, a failure of any rank's set-up or of the coordinator's planning raises on
+    every rank: the planning's as itself (a ``CoverageError``, say); a set-up's on its own
+    rank as itself, elsewhere as a ``CheckpointWriteError`` naming the rank.
+    """
     if save.planned is not None:
         return save.planned
     if save.plans_unchanged:
         save.planned = group.plans.reused()
         return save.planned
     group.plans.forget()  # until this round succeeds
+    mine: Any = (save.local_digest, tier.prepared_plan) if tier.failure is None else _Failed.of(tier.failure, group.rank)
     gathered: list[Any] | None = [None] * group.world_size if group.is_coordinator else None
-    dist.gather_object((save.local_digest, save.local_plan), gathered, dst=0, group=group.group)
+    dist.gather_object(mine, gathered, dst=0, group=group.group)
     answers: list[Any] | None = None
     metadata: Any = None
     if group.is_coordinator:
         assert gathered is not None
-        answers, metadata = _global_plans(save, writer, gathered)
+        answers, metadata = _global_plans(save, tier, gathered)
     box: list[Any] = [None]
     dist.scatter_object_list(box, answers, src=0, group=group.group)
     answer = box[0]
-    if isinstance(answer, _Failed):  # the coordinator's planning failed: every rank raises its error (a CoverageError, say)
-        answer.raise_it("planning the checkpoint", keep_type=True)
+    if isinstance(answer, _Failed):
+        answer.raise_it("preparing the checkpoint", group.rank)
     central_plan, local_digests = answer
     planned = PlannedSave(central_plan, metadata)
     group.plans.hold(planned, local_digests)
@@ -86,34 +118,36 @@ def plan(group: WriterGroup, save: GroupSave, writer: Any) -> PlannedSave:
     return planned
 
 
-def _global_plans(save: GroupSave, writer: Any, gathered: list[Any]) -> tuple[list[Any], Any]:
+def _global_plans(save: GroupSave, tier: TierWriter, gathered: list[Any]) -> tuple[list[Any], Any]:
     """On the coordinator: each rank's central plan with every rank's local digest, and the global metadata; or the failure for every rank."""
+    failed = [g for g in gathered if isinstance(g, _Failed)]
+    if failed:
+        return [failed[0]] * len(gathered), None
     try:
         global_plans, metadata = save.planner.create_global_plan([local for _, local in gathered])
-        global_plans = writer.prepare_global_plan(global_plans)
+        global_plans = tier.writer.prepare_global_plan(global_plans)
     except Exception as e:  # noqa: BLE001 - every rank raises it, from the scatter
-        return [_Failed.of(e, 0)] * len(gathered), None
+        return [_Failed.of(e, 0, everywhere=True)] * len(gathered), None
     digests = [digest for digest, _ in gathered]
     return [(central, digests) for central in global_plans], metadata
 
 
-def write(group: WriterGroup, save: GroupSave, writer: Any, planned: PlannedSave, section: RankSection | None) -> BaseException | None:
+def write(group: WriterGroup, save: GroupSave, tier: TierWriter, planned: PlannedSave, section: RankSection | None) -> BaseException | None:
     """This rank's shards, written; every rank's results (and ``section``, where given) gathered on the coordinator (a collective).
 
-    Answers this rank's own failure, if any. A rank whose write failed still joins the
-    gather (and then the commit barrier): the others are already waiting there.
+    Answers this rank's own failure, if any (its set-up's too). A rank whose write failed
+    still joins the gather (and then the commit barrier): the others are already waiting there.
     """
-    failure: BaseException | None = None
+    failure: BaseException | None = tier.failure
     results: Any = None
-    try:
-        _set_up_writer(writer, group)
-        writer.prepare_local_plan(save.local_plan)  # the directory, and DCP's refusal of an existing .metadata
-        final_plan = save.planner.finish_plan(planned.central_plan)
-        future = writer.write_data(final_plan, save.planner)
-        future.wait()
-        results = future.value()
-    except Exception as e:  # noqa: BLE001 - the coordinator hears of it in the gather; raised by the caller
-        failure = e
+    if failure is None:
+        try:
+            final_plan = save.planner.finish_plan(planned.central_plan)
+            future = tier.writer.write_data(final_plan, save.planner)
+            future.wait()
+            results = future.value()
+        except Exception as e:  # noqa: BLE001 - the coordinator hears of it in the gather; raised by the caller
+            failure = e
     gathered: list[Any] | None = [None] * group.world_size if group.is_coordinator else None
     outcome = _Failed.of(failure, group.rank) if failure is not None else results
     dist.gather_object((outcome, section), gathered, dst=0, group=group.group)
@@ -124,12 +158,12 @@ def write(group: WriterGroup, save: GroupSave, writer: Any, planned: PlannedSave
     return failure
 
 
-def finish(save: GroupSave, writer: Any, planned: PlannedSave) -> None:
+def finish(save: GroupSave, tier: TierWriter, planned: PlannedSave) -> None:
     """On the coordinator, after ``write``: every rank's failure raised, else DCP's finish (the manifest, then ``.metadata``)."""
     for result in save.gathered:
         if isinstance(result, _Failed):
-            result.raise_it("writing its shards", keep_type=False)
-    writer.finish(metadata=planned.metadata, results=save.gathered)
+            result.raise_it("writing its shards", COORDINATOR)
+    tier.writer.finish(metadata=planned.metadata, results=save.gathered)
 
 
 def _set_up_writer(writer: Any, group: WriterGroup) -> None:
@@ -147,18 +181,19 @@ class _Failed:
     rank: int
     exception: BaseException | None
     text: str
+    everywhere: bool = False  # raised as itself on every rank (the coordinator's planning: a CoverageError, say)
 
     @classmethod
-    def of(cls, e: BaseException, rank: int) -> _Failed:
+    def of(cls, e: BaseException, rank: int, everywhere: bool = False) -> _Failed:
         text = f"{type(e).__name__}: {e}"
         try:
             pickle.loads(pickle.dumps(e))
-            return cls(rank, e, text)
+            return cls(rank, e, text, everywhere)
         except Exception:  # noqa: BLE001 - an exception that does not pickle travels as text
-            return cls(rank, None, text)
+            return cls(rank, None, text, everywhere)
 
-    def raise_it(self, doing: str, keep_type: bool) -> None:
-        """The failure here: the exception itself (``keep_type``, where it pickled), else a CheckpointWriteError naming the rank."""
-        if keep_type and self.exception is not None:
+    def raise_it(self, doing: str, here: int) -> None:
+        """The failure on rank ``here``: its own error as itself, another rank's as a CheckpointWriteError naming that rank."""
+        if self.exception is not None and (self.everywhere or self.rank == here):
             raise self.exception
         raise CheckpointWriteError(f"the writer of rank {self.rank} failed {doing}: {self.text}") from self.exception

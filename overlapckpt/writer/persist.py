@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .. import protocol as p
-from ..errors import CheckpointExistsError, CheckpointWriteError, InternalError
+from ..errors import CheckpointExistsError, CheckpointWriteError, InternalError, RankDisagreementError
 from ..format.attempts import already_committed
 from ..format.checksum import default_algorithm, hex32, updater
 from ..format.entries import TensorEntry, build_state_dict
@@ -33,7 +33,7 @@ from ..format.storage import CheckpointStore
 from ..format.tiers import LOCAL_TIER, ROOT_TIER
 from ..hostbuf import exact_view
 from . import group_save
-from .claims import NEXT_WINDOW_FIELD, PLANS_FIELD, SHAPES_FIELD
+from .claims import FAILED_FIELD, NEXT_WINDOW_FIELD, PLANS_FIELD, SHAPES_FIELD
 from .group import WriterGroup
 from .persist_context import PersistContext, PhaseClock, PreparedSnapshot
 from .replicas import node_layout
@@ -67,15 +67,25 @@ def persist_snapshot(
     if missing or not req.tiers:
         raise InternalError(f"checkpoint {req.name} is for tiers {req.tiers}, but this writer has stores for {sorted(stores)}")
     agreed_window = req.proposed_next_window
-    tensors = _views(ctx, plan, req)
-    # DCP's state dict holds the slot's views: replay steps them in place, later.
-    state_dict = _state_dict(req, plan.entries, tensors)
     saving: group_save.GroupSave | None = None
     if group is not None:
-        # The local plan is made before the claims, which say whether every rank may reuse its plan.
-        saving = group_save.prepare(group, state_dict)
-        # Before any work: a rank that disagrees must not leave the others in a collective.
-        sequence, global_shapes, agreed_window = _agree_on_checkpoint(group, req, global_shapes, saving)
+        # The local plan is made before the claims, which say whether every rank may reuse its
+        # plan; it reads the views' shapes only (replay steps them in place, later). Its failure
+        # goes into this rank's claim, so every rank refuses the checkpoint at once.
+        preparing: BaseException | None = None
+        try:
+            tensors = _views(ctx, plan, req)
+            state_dict = _state_dict(req, plan.entries, tensors)
+            saving = group_save.prepare(group, state_dict)
+        except Exception as e:  # noqa: BLE001 - raised below, after the claims
+            preparing = e
+        # Before any collective: a rank that disagrees must not leave the others in one.
+        sequence, global_shapes, agreed_window = _agree_on_checkpoint(group, req, global_shapes, saving, preparing)
+        assert saving is not None  # else _agree_on_checkpoint raised
+    else:
+        tensors = _views(ctx, plan, req)
+        # DCP's state dict holds the slot's views: replay steps them in place, later.
+        state_dict = _state_dict(req, plan.entries, tensors)
     if group is None and all(stores[tier].is_committed(req.name) for tier in req.tiers):
         # Persisted again by the successor of a writer that died after the commit (the rename)
         # and before it answered: this run's own checkpoint of this step is a success.
@@ -99,13 +109,19 @@ def persist_snapshot(
 
 
 def _agree_on_checkpoint(
-    group: WriterGroup, req: p.PersistRequest, global_shapes: dict[str, tuple[int, ...]], saving: group_save.GroupSave
+    group: WriterGroup,
+    req: p.PersistRequest,
+    global_shapes: dict[str, tuple[int, ...]],
+    saving: group_save.GroupSave | None,
+    preparing: BaseException | None,
 ) -> tuple[int, dict[str, tuple[int, ...]], int | None]:
     """Every rank claims the same checkpoint, then learns every rank's tensors (a collective unless the verdict reuses them).
 
     Answers the claim's sequence, the shapes, and the window every rank uses next (the
     widest any rank proposed, carried by the coordinator's verdict); ``saving`` learns
-    whether every rank reuses its save plan.
+    whether every rank reuses its save plan. ``preparing``: this rank failed to prepare its
+    save (``saving`` is None); its claim says so, every rank refuses the checkpoint, and this
+    rank raises its own error.
     """
     claim = {"name": req.name, "version": req.step, "requested": req.requested_step}
     if req.tiers != (ROOT_TIER,):  # ranks that would write different tiers would enter different collectives
@@ -113,9 +129,17 @@ def _agree_on_checkpoint(
     claim[SHAPES_FIELD] = group.shapes_claim(global_shapes)  # this rank's own: not compared (claims.py)
     if req.proposed_next_window is not None:
         claim[NEXT_WINDOW_FIELD] = req.proposed_next_window  # this rank's own too: the verdict takes the widest
+    if saving is None or preparing is not None:
+        claim[FAILED_FIELD] = f"{type(preparing).__name__}: {preparing}"[:_FAILED_SHOWN_CHARS]
+        try:
+            group.agree(claim)  # refused on every rank: the coordinator's verdict names this failure
+        except RankDisagreementError:
+            pass
+        raise preparing if preparing is not None else InternalError("no save was prepared for the claims")
     claim[PLANS_FIELD] = group.plans.claim_field(saving.local_digest)  # and its plan's (save_plans.py)
     agreement = group.agree(claim)
-    saving.plans_unchanged = agreement.plans_unchanged
+    # Reused only with the shape union too: the coverage check of the union ran at the plan's round.
+    saving.plans_unchanged = agreement.plans_unchanged and agreement.shapes_unchanged
     # The manifest and the coverage check need every rank's tensors: pipeline stages hold different ones.
     union = group.union_of_shapes(global_shapes, reusable=agreement.shapes_unchanged)
     saving.planner.global_shapes = union  # the coordinator's coverage check, at a plan round
@@ -129,6 +153,10 @@ def _views(ctx: PersistContext, plan: p.SetPlanRequest, req: p.PersistRequest) -
     if ctx.views is not None:
         return ctx.views.of(req.buffer_id, slot, plan)
     return [exact_view(slot, off, e.dtype, e.shape) for e, off in zip(plan.entries, plan.offsets)]
+
+
+# How much of a preparing failure a claim carries (the store holds small values).
+_FAILED_SHOWN_CHARS = 300
 
 
 def _replay(

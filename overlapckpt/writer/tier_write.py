@@ -367,25 +367,27 @@ def _save_in_group(
     there, and every rank raises it (a rank whose own write failed, its own error).
     """
     assert snapshot.saving is not None
-    writer = _make_writer(ctx, store, name, snapshot, write_manifest)
+    tier = group_save.set_up(group, snapshot.saving, lambda: _make_writer(ctx, store, name, snapshot, write_manifest))
     plans_round = snapshot.saving.planned is None and not snapshot.saving.plans_unchanged
-    planned = group_save.plan(group, snapshot.saving, writer)
+    planned = group_save.plan(group, snapshot.saving, tier)
     if plans_round:  # a phase of its own, only where it ran: the first checkpoint of each layout
         snapshot.phases.lap(prefix + "plan_round")
     # Every rank's manifest section rides in the write round's gather, where no earlier tier's gathered them.
     section = None if snapshot.sections_gathered else _own_section(snapshot)
-    own_failure = group_save.write(group, snapshot.saving, writer, planned, section)
-    if section is not None:
-        _take_sections(group, snapshot, snapshot.saving.sections)
+    own_failure = group_save.write(group, snapshot.saving, tier, planned, section)
     if not group.is_coordinator:
+        if section is not None:
+            _take_sections(group, snapshot, None)
         if own_failure is not None:
             _commit_barrier_failed(group, store.checkpoint_url(snapshot.req.name), own_failure)
-        return _timings(writer)
+        return _timings(tier.writer)
     try:
         if own_failure is not None:
             raise own_failure
-        group_save.finish(snapshot.saving, writer, planned)  # the manifest, then .metadata
+        if section is not None:  # inside: a failure to build the manifest reaches the others in the barrier
+            _take_sections(group, snapshot, snapshot.saving.sections)
+        group_save.finish(snapshot.saving, tier, planned)  # the manifest, then .metadata
     except BaseException as e:
         group.share_from_coordinator(f"{type(e).__name__}: {e}")  # the others wait in the commit barrier
         raise
-    return _timings(writer)
+    return _timings(tier.writer)

@@ -259,6 +259,7 @@ def scenario_ddp(out: str) -> dict[str, Any]:
     result["listeners"] = listeners_opened(out)
     result["replan"] = replanned("ddp", out)
     result["write_fails"] = write_fails_on_a_rank(out, 1)
+    result["cannot_make_writer"] = writer_cannot_be_made_on_a_rank(out, 1)
     return result
 
 
@@ -878,19 +879,9 @@ def replanned(kind: str, out: str) -> dict[str, Any]:
         ckpt = Checkpointer(model, opt, path, window=1) if checkpointed else None
         sampler = Sampler(data_rank(kind))
         states: dict[int, dict[str, torch.Tensor]] = {}
-        for it in range(1, steps + 1):
-            x, y = sampler.batch()
-            loss = nn.functional.mse_loss(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            if ckpt is not None:
-                if it in requests:
-                    ckpt.request()
-                ckpt.step()
-            states[it] = full_state(model, opt)
-            if it == unfreeze_after:
-                opt.add_param_group(param_groups(model, it + 1)[1])
+        train(model, opt, sampler, unfreeze_after, ckpt=ckpt, requests=requests, states=states)
+        opt.add_param_group(param_groups(model, unfreeze_after + 1)[1])
+        train(model, opt, sampler, steps, ckpt=ckpt, requests=requests, states=states, start=unfreeze_after + 1)
         if ckpt is None:
             return states, {}
         infos = ckpt.wait(timeout_s=120)
@@ -962,10 +953,48 @@ def write_fails_on_a_rank(out: str, failing_rank: int) -> dict[str, Any]:
     return {**outcome, "listed_after_failure": listed_after_failure, "later_error": later_error}
 
 
+def writer_cannot_be_made_on_a_rank(out: str, failing_rank: int) -> dict[str, Any]:
+    """``failing_rank``'s writer cannot make its DCP writer (fakes.CannotMakeTheWriterStore) at checkpoints 2 and 6 of 2, 4, 6, 8.
+
+    Checkpoint 2 is the first of its layout (a plan round), 6 reuses the plans of 4: the
+    failure rides in the plan round's gather at 2 and in the write round's at 6. Every rank
+    raises both times, named, and 4 and 8 commit.
+    """
+    import fakes
+
+    rank = dist.get_rank()
+    if rank == failing_rank:
+        os.environ[fakes.CANNOT_WRITE_NAMES_ENV] = "step-000000002,step-000000006"
+    model, opt = build("plain")
+    path = os.path.join(out, "cannot-make-writer")
+    ckpt = Checkpointer(model, opt, path, window=1, collective_timeout_s=60.0, store_class=fakes.CannotMakeTheWriterStore)
+    sampler = Sampler(rank)
+    errors: dict[str, str | None] = {}
+    for step in range(1, 9):
+        x, y = sampler.batch()
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        if step % 2 == 0:
+            ckpt.request()
+        ckpt.step()
+        if step % 2 == 0:
+            try:
+                ckpt.wait(timeout_s=120)
+                errors[str(step)] = None
+            except Exception as e:  # what we are here to see
+                errors[str(step)] = f"{type(e).__name__}: {e}"[:1000]
+    phases = [sorted(s["persist_phases_s"]) for s in ckpt.stats]
+    outcome = _outcome(ckpt, path, None, 0.0)
+    os.environ.pop(fakes.CANNOT_WRITE_NAMES_ENV, None)
+    return {"errors": errors, "listed": outcome["listed"], "plan_rounds": ["plan_round" in p for p in phases]}
+
+
 def scenario_hsdp(out: str) -> dict[str, Any]:
     result = scenario_exact("hsdp", out)
     result["replan"] = replanned("hsdp", out)
     result["write_fails"] = write_fails_on_a_rank(out, 2)
+    result["cannot_make_writer"] = writer_cannot_be_made_on_a_rank(out, 3)
     return result
 
 
