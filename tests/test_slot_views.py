@@ -64,20 +64,26 @@ def test_a_new_plan_replaces_the_old_plans_views_of_a_slot():
 
 
 def test_snapshot_checksums_taken_in_the_slot_equal_each_views_own():
-    """The writer hashes each entry where it lies in the slot (writer/persist.py), not through a wrapper per tensor."""
+    """The writer hashes each entry where it lies in the slot (writer/snapshot_sums.py), not through a wrapper per tensor:
+    the small entries at once, the large one on its thread."""
     from overlapckpt.format.manifest import tensor_checksum
     from overlapckpt.hostbuf import exact_view
-    from overlapckpt.writer.persist import _snapshot_checksums
+    from overlapckpt.writer.snapshot_sums import THREADED_MIN_BYTES, SnapshotChecksums
 
     g = torch.Generator().manual_seed(2)
-    slot = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=g)
-    shapes = [(torch.float32, (3, 4)), (torch.bfloat16, (7,)), (torch.int64, ()), (torch.float32, (0, 3))]
+    large = THREADED_MIN_BYTES // 4  # float32 elements: one entry of exactly the threaded size
+    slot = torch.randint(0, 256, (256 + 4 * large,), dtype=torch.uint8, generator=g)
+    shapes = [(torch.float32, (3, 4)), (torch.bfloat16, (7,)), (torch.int64, ()), (torch.float32, (0, 3)), (torch.float32, (large,))]
     entries = [
         TensorEntry(key=f"k{i}", path=(f"k{i}",), role="param", param_fqn=None, dtype=dtype, shape=shape, nbytes=torch.empty(shape, dtype=dtype).nbytes)
         for i, (dtype, shape) in enumerate(shapes)
     ]
-    plan = p.SetPlanRequest(plan_id=1, entries=entries, offsets=(0, 64, 128, 192))
+    plan = p.SetPlanRequest(plan_id=1, entries=entries, offsets=(0, 64, 128, 192, 256))
     for algorithm in ("crc32c", "crc32"):
         expected = [tensor_checksum(exact_view(slot, off, e.dtype, e.shape), algorithm) for e, off in zip(entries, plan.offsets)]
-        assert _snapshot_checksums(slot, plan, algorithm) == expected
-    assert _snapshot_checksums(slot, plan, "crc32c")[3] == "00000000"  # an empty tensor, as tensor_checksum says
+        sums = SnapshotChecksums(slot, [e.nbytes for e in entries], plan.offsets, algorithm)
+        try:
+            assert sums.all() == expected
+            assert sums.of(3) == "00000000"  # an empty tensor, as tensor_checksum says
+        finally:
+            sums.close()

@@ -20,6 +20,8 @@ would not match its bytes, and a verified load refuses the blob: nothing is hidd
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy
 import torch
 
@@ -41,10 +43,13 @@ class KnownChecksums:
 
     def __init__(self, algorithm: str) -> None:
         self.algorithm = algorithm
-        self._by_span: dict[tuple[int, int], int] = {}
+        self._by_span: dict[tuple[int, int], int | Callable[[], int]] = {}
 
-    def add(self, tensor: torch.Tensor, checksum: int) -> None:
-        """``checksum`` is of ``tensor``'s bytes in ``self.algorithm``; small or strided tensors are skipped."""
+    def add(self, tensor: torch.Tensor, checksum: int | Callable[[], int]) -> None:
+        """``checksum`` is of ``tensor``'s bytes in ``self.algorithm`` (or gives it, once it is known: it may wait).
+
+        Small or strided tensors are skipped.
+        """
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes >= KNOWN_SUM_MIN_BYTES and tensor.device.type == "cpu" and tensor.is_contiguous():
             self._by_span[(tensor.data_ptr(), nbytes)] = checksum
@@ -53,7 +58,8 @@ class KnownChecksums:
         """The known checksum of exactly these bytes, or None (hash them)."""
         if view.nbytes < KNOWN_SUM_MIN_BYTES or not self._by_span or not view.c_contiguous:
             return None
-        return self._by_span.get((buffer_address(view), view.nbytes))
+        known = self._by_span.get((buffer_address(view), view.nbytes))
+        return known() if callable(known) else known
 
 
 def extend(update: Updater, algorithm: str, running: int, view: memoryview, known: KnownChecksums | None) -> tuple[int, bool]:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .. import protocol as p
 from ..errors import CheckpointExistsError, CheckpointWriteError, InternalError, RankDisagreementError
 from ..format.attempts import already_committed
-from ..format.checksum import default_algorithm, hex32, updater
+from ..format.checksum import default_algorithm
 from ..format.entries import TensorEntry, build_state_dict
 from ..format.extra_state import encode
 from ..format.key_layout import TORCHTITAN
@@ -39,6 +39,7 @@ from .persist_context import PersistContext, PhaseClock, PreparedSnapshot
 from .replicas import node_layout
 from .retention import Retired
 from .snapshot_manifest import build_manifest, dtype_name
+from .snapshot_sums import SnapshotChecksums
 from .tier_write import after_commit, held_or_begun, leads, write_tier
 
 
@@ -97,9 +98,12 @@ def persist_snapshot(
     # Per local part: the checksum of the host snapshot, checked against what DCP decodes at
     # load. The same algorithm as the stored bytes' (the storage writer's default_algorithm()).
     algorithm = default_algorithm()
-    checksums = _snapshot_checksums(ctx.buffers[req.buffer_id], plan, algorithm)
-    snapshot = _prepare(group, req, plan.entries, tensors, checksums, algorithm, global_shapes, phases, started, state_dict, saving)
-    answers = _write_tiers(ctx, snapshot, purge_later)
+    sums = SnapshotChecksums(ctx.buffers[req.buffer_id], [e.nbytes for e in plan.entries], plan.offsets, algorithm)
+    try:  # the large entries are hashed on a thread while DCP writes them (snapshot_sums.py)
+        snapshot = _prepare(group, req, plan.entries, tensors, sums, algorithm, global_shapes, phases, started, state_dict, saving)
+        answers = _write_tiers(ctx, snapshot, purge_later)
+    finally:
+        sums.close()  # joined before the answer: the slot may be released after it
     if group is not None:
         group.forget(sequence)
     answer = _merged(answers)
@@ -185,25 +189,12 @@ def _state_dict(req: p.PersistRequest, entries: list[TensorEntry], tensors: list
     return build_state_dict(entries, [_part(e, t) for e, t in zip(entries, tensors)], req.small_state, req.key_layout, stateful)
 
 
-def _snapshot_checksums(slot: torch.Tensor, plan: p.SetPlanRequest, algorithm: str) -> list[str]:
-    """Each entry's checksum (as ``tensor_checksum`` gives it), hashed where its bytes lie in the slot.
-
-    One buffer over the whole slot, sliced per entry: a ctypes array per tensor cost 8 us
-    each, 0.3 s of a persist at 40,000 tensors (2-core VM). The slot holds the snapshot as
-    replayed: its views were stepped in place.
-    """
-    update = updater(algorithm)
-    mapped: Any = slot.numpy() if slot.numel() else b""  # the slot's bytes (uint8), shared with it
-    data = memoryview(mapped)
-    return [hex32(update(data[offset : offset + e.nbytes], 0)) for e, offset in zip(plan.entries, plan.offsets)]
-
-
 def _prepare(
     group: WriterGroup | None,
     req: p.PersistRequest,
     entries: list[TensorEntry],
     tensors: list[torch.Tensor],
-    checksums: list[str],
+    sums: SnapshotChecksums,
     algorithm: str,
     global_shapes: dict[str, tuple[int, ...]],
     phases: PhaseClock,
@@ -211,33 +202,43 @@ def _prepare(
     state_dict: dict[str, Any],
     saving: group_save.GroupSave | None,
 ) -> PreparedSnapshot:
-    """The snapshot's manifest less the stored bytes' checksums, and DCP's state dict: once, for every tier."""
-    parts = {
-        e.key: ItemRecord(
-            dtype=dtype_name(e.dtype),
-            shape=tuple(e.shape),
-            checksum=checksum,
-            offset=tuple(e.global_offset or (0,) * len(e.shape)),
-        )
-        for e, checksum in zip(entries, checksums)
-    }
-    # DCP stores these very bytes next: their checksums are not computed a second time (known_sums.py).
+    """DCP's state dict and the snapshot's manifest less its checksums (filled once the sections are known): once, for every tier."""
+    # DCP stores these very bytes next: their checksums are not computed a second time (known_sums.py),
+    # and a write that reaches a large entry before the hashing thread waits for that one.
     known = KnownChecksums(algorithm)
-    for t, checksum in zip(tensors, checksums):
-        known.add(t, int(checksum, 16))
+    for i, t in enumerate(tensors):
+        known.add(t, functools.partial(_known_sum, sums, i))
     phases.lap("snapshot_checksums")
-    section = RankSection(
-        rank=0 if group is None else group.rank,
-        nbytes=sum(e.nbytes for e in entries),
-        items=parts,
-        extra_state=encode(req.extra_state, "extra_state"),
-        ledger=req.ledger,
-        stats=req.stats,
-    )
-    # In a group, the coordinator's manifest takes every rank's section once they are gathered
-    # (tier_write.py: before DCP's save, or in the write round); until then, this rank's own facts.
-    manifest = build_manifest(req, entries, global_shapes, [section] if group is None else None, group)
-    return PreparedSnapshot(req, entries, global_shapes, manifest, algorithm, known, state_dict, phases, started, saving, section)
+    extra_state = encode(req.extra_state, "extra_state")
+
+    def own_section() -> RankSection:
+        # Built when the manifest needs it (at the commit, or for the ranks' gather): after the
+        # write where it can be, so that the hashing thread ran beside the write.
+        parts = {
+            e.key: ItemRecord(
+                dtype=dtype_name(e.dtype),
+                shape=tuple(e.shape),
+                checksum=checksum,
+                offset=tuple(e.global_offset or (0,) * len(e.shape)),
+            )
+            for e, checksum in zip(entries, sums.all())
+        }
+        return RankSection(
+            rank=0 if group is None else group.rank,
+            nbytes=sum(e.nbytes for e in entries),
+            items=parts,
+            extra_state=extra_state,
+            ledger=req.ledger,
+            stats=req.stats,
+        )
+
+    # Until the sections are taken (tier_write.py), this rank's own facts: what CheckpointInfo needs.
+    manifest = build_manifest(req, entries, global_shapes, None, group)
+    return PreparedSnapshot(req, entries, global_shapes, manifest, algorithm, known, state_dict, phases, started, saving, own_section)
+
+
+def _known_sum(sums: SnapshotChecksums, index: int) -> int:
+    return int(sums.of(index), 16)
 
 
 def _write_tiers(ctx: PersistContext, snapshot: PreparedSnapshot, purge_later: Retired) -> list[p.CommittedResponse]:

@@ -55,8 +55,10 @@ class PreparedSnapshot:
     started: float  # perf_counter at the persist's start
     # In a group: the planner set up with state_dict, the local plan, and the verdict on reusing it (group_save.py).
     saving: GroupSave | None = None
-    section: RankSection | None = None  # this rank's part of the manifest (a group's coordinator gathers every rank's)
-    sections_gathered: bool = False  # in a group: whether the coordinator's manifest holds every rank's section
+    # This rank's part of the manifest, made when first needed (it waits for the snapshot's checksums);
+    # the coordinator's manifest holds every rank's once they are taken (tier_write.py).
+    own_section: Callable[[], RankSection] | None = None
+    sections_gathered: bool = False
 
 
 class PhaseClock:

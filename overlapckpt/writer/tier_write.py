@@ -91,6 +91,8 @@ def _write_and_publish(
         # Called by DCP's finish() on the coordinator with the checksums every rank computed
         # of the blobs it stored, and of .metadata's bytes, right before .metadata appears.
         where = store.checkpoint_url(req.name)
+        if group is None and not snapshot.sections_gathered:  # one process: its own section, its checksums hashed by now
+            _take_sections(None, snapshot, [_own_section(snapshot)])
         if checksums.algorithm != snapshot.algorithm:
             raise CheckpointWriteError(
                 f"the shards of {where} were checksummed with {checksums.algorithm!r} and its tensors with {snapshot.algorithm!r}; "
@@ -167,12 +169,12 @@ def _commit_barrier(group: WriterGroup, where: str) -> None:
 
 
 def _own_section(snapshot: PreparedSnapshot) -> RankSection:
-    if snapshot.section is None:
-        raise InternalError("a snapshot prepared in a writers' group came without this rank's manifest section")
-    return snapshot.section
+    if snapshot.own_section is None:
+        raise InternalError("a snapshot was prepared without this rank's manifest section")
+    return snapshot.own_section()
 
 
-def _take_sections(group: WriterGroup, snapshot: PreparedSnapshot, sections: list[RankSection] | None) -> None:
+def _take_sections(group: WriterGroup | None, snapshot: PreparedSnapshot, sections: list[RankSection] | None) -> None:
     """Every rank's sections gathered (``sections`` on the coordinator, None elsewhere): the coordinator's manifest holds them."""
     if sections is not None:
         snapshot.manifest = build_manifest(snapshot.req, snapshot.entries, snapshot.global_shapes, sections, group)

@@ -1,0 +1,85 @@
+"""The snapshot's checksums: small entries at once, large ones on a thread beside the write, every one the entry's CRC."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from overlapckpt.errors import InternalError
+from overlapckpt.format.checksum import CRC32C, hex32, updater
+from overlapckpt.format.known_sums import KnownChecksums
+from overlapckpt.writer import snapshot_sums
+from overlapckpt.writer.snapshot_sums import THREADED_MIN_BYTES, SnapshotChecksums
+
+
+def _slot(sizes: list[int]) -> tuple[torch.Tensor, list[int]]:
+    offsets, at = [], 0
+    for n in sizes:
+        offsets.append(at)
+        at += n
+    generator = torch.Generator().manual_seed(3)
+    return torch.randint(0, 256, (at,), dtype=torch.uint8, generator=generator), offsets
+
+
+def test_every_entry_s_checksum_is_its_crc_and_the_stream_takes_the_large_ones_from_here():
+    sizes = [64, THREADED_MIN_BYTES, 7, 3 * THREADED_MIN_BYTES + 5, 0]
+    slot, offsets = _slot(sizes)
+    sums = SnapshotChecksums(slot, sizes, offsets, CRC32C)
+    try:
+        update = updater(CRC32C)
+        data = memoryview(slot.numpy())
+        expected = [hex32(update(data[o : o + n], 0)) for o, n in zip(offsets, sizes)]
+        assert sums.all() == expected
+        known = KnownChecksums(CRC32C)
+        large = slot[offsets[3] : offsets[3] + sizes[3]]
+        known.add(large, lambda: int(sums.of(3), 16))
+        assert known.checksum_of(memoryview(large.numpy())) == int(expected[3], 16)
+    finally:
+        sums.close()
+
+
+def test_the_large_entries_are_hashed_off_the_persist_s_path_and_a_waiter_gets_each_as_it_is_done(monkeypatch):
+    """The constructor returns with the large entries unhashed; the thread is joined by close()."""
+    let_it_hash = threading.Event()
+    real = updater(CRC32C)
+
+    def held_for_large(data, value):
+        if len(data) >= THREADED_MIN_BYTES:
+            assert let_it_hash.wait(timeout=30)
+        return real(data, value)
+
+    monkeypatch.setattr(snapshot_sums, "updater", lambda algorithm: held_for_large)
+    sizes = [10, 2 * THREADED_MIN_BYTES]
+    slot, offsets = _slot(sizes)
+    sums = SnapshotChecksums(slot, sizes, offsets, CRC32C)  # would hang here if it hashed the large one itself
+    assert sums.of(0) == hex32(real(memoryview(slot.numpy())[:10], 0))
+    got: list[str] = []
+    waiter = threading.Thread(target=lambda: got.append(sums.of(1)))
+    waiter.start()
+    let_it_hash.set()
+    waiter.join(timeout=30)
+    assert got == [hex32(real(memoryview(slot.numpy())[offsets[1] :], 0))]
+    sums.close()
+    assert not any(t.name == "overlapckpt-snapshot-sums" for t in threading.enumerate())
+
+
+def test_a_hashing_failure_is_raised_to_whoever_waits_for_that_entry(monkeypatch):
+    class BrokenHash(Exception):
+        pass
+
+    def broken_for_large(data, value):
+        if len(data) >= THREADED_MIN_BYTES:
+            raise BrokenHash("injected")
+        return updater(CRC32C)(data, value)
+
+    monkeypatch.setattr(snapshot_sums, "updater", lambda algorithm: broken_for_large)
+    sizes = [10, THREADED_MIN_BYTES]
+    slot, offsets = _slot(sizes)
+    sums = SnapshotChecksums(slot, sizes, offsets, CRC32C)
+    try:
+        with pytest.raises(InternalError, match="hashing the snapshot failed: BrokenHash: injected"):
+            sums.of(1)
+    finally:
+        sums.close()
