@@ -83,3 +83,31 @@ def test_a_hashing_failure_is_raised_to_whoever_waits_for_that_entry(monkeypatch
             sums.of(1)
     finally:
         sums.close()
+
+
+def test_a_write_that_overtakes_the_thread_hashes_its_entry_itself_once(monkeypatch):
+    """The write may reach the entries in another order: it never waits behind an entry it does not need yet."""
+    first_released = threading.Event()
+    real = updater(CRC32C)
+    hashed_sizes: list[int] = []
+    lock = threading.Lock()
+    first, second = 2 * THREADED_MIN_BYTES, 3 * THREADED_MIN_BYTES
+
+    def held_for_the_first(data, value):
+        if len(data) == first:
+            assert first_released.wait(timeout=30)
+        with lock:
+            hashed_sizes.append(len(data))
+        return real(data, value)
+
+    monkeypatch.setattr(snapshot_sums, "updater", lambda algorithm: held_for_the_first)
+    sizes = [first, second]
+    slot, offsets = _slot(sizes)
+    sums = SnapshotChecksums(slot, sizes, offsets, CRC32C)  # its thread is held in the first entry
+    try:
+        assert sums.of(1) == hex32(real(memoryview(slot.numpy())[offsets[1] :], 0))  # returns with the first still held
+        first_released.set()
+        assert sums.of(0) == hex32(real(memoryview(slot.numpy())[:first], 0))
+    finally:
+        sums.close()
+    assert sorted(hashed_sizes) == [first, second]  # each hashed once: the thread skipped the one the write took

@@ -6,8 +6,9 @@ stream takes a large entry's from here instead of hashing its bytes again
 (``format/known_sums.py``). Hashing the whole snapshot before the write put a pass over
 every byte ahead of it: 0.07 s of a 768 MiB persist's 0.46 s on tmpfs, where the write
 itself took 0.26 s (``benchmarks/results/limits/durable/durable.md``). CRC-32C releases
-the GIL, so a thread hashes the large entries while the write runs, and a write that
-reaches an entry before the thread waits for that entry alone. Small entries are hashed
+the GIL, so a thread hashes the large entries while the write runs; a write that reaches
+an entry the thread is hashing waits for that entry alone, and one the thread has not begun
+it hashes itself. Small entries are hashed
 at once, as before: at 30,000 tensors a thread would only trade the GIL with the write.
 
 The slot may be released once the persist answers, so the thread is always joined
@@ -35,7 +36,7 @@ class SnapshotChecksums:
     """Each entry's checksum (8 hex digits), by entry index: the small ones at once, the large ones as the thread gets to them."""
 
     def __init__(self, slot: torch.Tensor, nbytes: Sequence[int], offsets: Sequence[int], algorithm: str) -> None:
-        update = updater(algorithm)
+        update = self._update = updater(algorithm)
         mapped: Any = slot.numpy() if slot.numel() else b""  # the slot's bytes (uint8), shared with it
         # One buffer over the whole slot, sliced per entry: a ctypes array per tensor cost 8 us each,
         # 0.3 s of a persist at 40,000 tensors (2-core VM).
@@ -46,6 +47,7 @@ class SnapshotChecksums:
         ]
         self._large = [i for i, s in enumerate(self._sums) if s is None]
         self._ready = threading.Condition()
+        self._busy: set[int] = set()  # entries being hashed, by the thread or by a caller of of()
         self._failure: BaseException | None = None
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -56,20 +58,35 @@ class SnapshotChecksums:
     def _hash_large(self, update: Any) -> None:
         try:
             for i in self._large:
-                if self._stopping:
-                    return
-                off, n = self._spans[i]
-                checksum = hex32(update(self._data[off : off + n], 0))  # the GIL is released while it hashes
                 with self._ready:
-                    self._sums[i] = checksum
-                    self._ready.notify_all()
+                    if self._stopping:
+                        return
+                    if self._sums[i] is not None or i in self._busy:  # the write took it already
+                        continue
+                    self._busy.add(i)
+                self._store(i, hex32(update(self._data[slice(*self._bounds(i))], 0)))  # the GIL is released while it hashes
         except BaseException as e:  # noqa: BLE001 - raised in every waiter
             with self._ready:
                 self._failure = e
                 self._ready.notify_all()
 
+    def _bounds(self, index: int) -> tuple[int, int]:
+        off, n = self._spans[index]
+        return off, off + n
+
+    def _store(self, index: int, checksum: str) -> None:
+        with self._ready:
+            self._sums[index] = checksum
+            self._busy.discard(index)
+            self._ready.notify_all()
+
     def of(self, index: int) -> str:
-        """Entry ``index``'s checksum, waiting for the thread where it has not hashed it yet."""
+        """Entry ``index``'s checksum: hashed here where the thread has not begun it, else waited for.
+
+        The write may reach the entries in another order than the thread: an entry the
+        thread has not begun is hashed by the caller (and skipped by the thread), so no
+        write waits behind entries it does not need yet.
+        """
         checksum = self._sums[index]
         if checksum is not None:
             return checksum
@@ -77,10 +94,20 @@ class SnapshotChecksums:
             while self._sums[index] is None:
                 if self._failure is not None:
                     raise InternalError(f"hashing the snapshot failed: {type(self._failure).__name__}: {self._failure}") from self._failure
-                if self._stopping or self._thread is None:
-                    raise InternalError("the snapshot's checksums were asked for after the persist closed them")
+                if index not in self._busy:
+                    self._busy.add(index)
+                    break
                 self._ready.wait()
-            return self._sums[index]  # type: ignore[return-value]
+            else:
+                return self._sums[index]  # type: ignore[return-value]
+        try:
+            checksum = hex32(self._update(self._data[slice(*self._bounds(index))], 0))
+        except BaseException:
+            with self._ready:
+                self._busy.discard(index)
+            raise
+        self._store(index, checksum)
+        return checksum
 
     def all(self) -> list[str]:
         """Every entry's checksum, in entry order (waits for the thread's)."""
