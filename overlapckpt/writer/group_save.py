@@ -110,6 +110,8 @@ def plan(group: WriterGroup, save: GroupSave, tier: TierWriter) -> PlannedSave:
     dist.scatter_object_list(box, answers, src=0, group=group.group)
     answer = box[0]
     if isinstance(answer, _Failed):
+        if tier.failure is not None:  # this rank's own set-up failed too: its own error, traceback and all
+            raise tier.failure
         answer.raise_it("preparing the checkpoint", group.rank)
     central_plan, local_digests = answer
     planned = PlannedSave(central_plan, metadata)
@@ -132,20 +134,26 @@ def _global_plans(save: GroupSave, tier: TierWriter, gathered: list[Any]) -> tup
     return [(central, digests) for central in global_plans], metadata
 
 
-def write(group: WriterGroup, save: GroupSave, tier: TierWriter, planned: PlannedSave, section: RankSection | None) -> BaseException | None:
-    """This rank's shards, written; every rank's results (and ``section``, where given) gathered on the coordinator (a collective).
+def write(
+    group: WriterGroup, save: GroupSave, tier: TierWriter, planned: PlannedSave, make_section: Callable[[], RankSection] | None
+) -> BaseException | None:
+    """This rank's shards, written; every rank's results (and manifest section, where ``make_section``) gathered on the coordinator.
 
-    Answers this rank's own failure, if any (its set-up's too). A rank whose write failed
-    still joins the gather (and then the commit barrier): the others are already waiting there.
+    The section is made after the write: it waits for the snapshot's checksums, which are
+    hashed beside the write (``snapshot_sums.py``). Answers this rank's own failure, if any
+    (its set-up's and its section's too). A rank that failed still joins the gather (and then
+    the commit barrier): the others are already waiting there.
     """
     failure: BaseException | None = tier.failure
     results: Any = None
+    section: RankSection | None = None
     if failure is None:
         try:
             final_plan = save.planner.finish_plan(planned.central_plan)
             future = tier.writer.write_data(final_plan, save.planner)
             future.wait()
             results = future.value()
+            section = make_section() if make_section is not None else None
         except Exception as e:  # noqa: BLE001 - the coordinator hears of it in the gather; raised by the caller
             failure = e
     gathered: list[Any] | None = [None] * group.world_size if group.is_coordinator else None
@@ -153,16 +161,21 @@ def write(group: WriterGroup, save: GroupSave, tier: TierWriter, planned: Planne
     dist.gather_object((outcome, section), gathered, dst=0, group=group.group)
     if gathered is not None:
         save.gathered = [outcome for outcome, _ in gathered]
-        if section is not None:  # every rank sends one, or none does (the same tiers on every rank)
+        if make_section is not None:  # every rank asks for one, or none does (the same tiers on every rank)
             save.sections = [theirs for _, theirs in gathered]
     return failure
 
 
-def finish(save: GroupSave, tier: TierWriter, planned: PlannedSave) -> None:
-    """On the coordinator, after ``write``: every rank's failure raised, else DCP's finish (the manifest, then ``.metadata``)."""
+def raise_failures(save: GroupSave) -> None:
+    """On the coordinator, after ``write``: the first rank's failure the gather brought, naming the rank (its section is missing too)."""
     for result in save.gathered:
         if isinstance(result, _Failed):
-            result.raise_it("writing its shards", COORDINATOR)
+            result.raise_it("writing its shards (or setting up its writer)", COORDINATOR)
+
+
+def finish(save: GroupSave, tier: TierWriter, planned: PlannedSave) -> None:
+    """On the coordinator, after ``write``: every rank's failure raised, else DCP's finish (the manifest, then ``.metadata``)."""
+    raise_failures(save)
     tier.writer.finish(metadata=planned.metadata, results=save.gathered)
 
 

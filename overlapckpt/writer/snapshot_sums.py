@@ -105,6 +105,7 @@ class SnapshotChecksums:
         except BaseException:
             with self._ready:
                 self._busy.discard(index)
+                self._ready.notify_all()  # a waiter for this entry hashes it itself, or raises
             raise
         self._store(index, checksum)
         return checksum

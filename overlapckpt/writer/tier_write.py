@@ -9,6 +9,7 @@ node publishes (``replicas.py``); in the root (and on one node) the coordinator 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import warnings
 from collections.abc import Callable
@@ -375,10 +376,10 @@ def _save_in_group(
     if plans_round:  # a phase of its own, only where it ran: the first checkpoint of each layout
         snapshot.phases.lap(prefix + "plan_round")
     # Every rank's manifest section rides in the write round's gather, where no earlier tier's gathered them.
-    section = None if snapshot.sections_gathered else _own_section(snapshot)
-    own_failure = group_save.write(group, snapshot.saving, tier, planned, section)
+    with_sections = not snapshot.sections_gathered
+    own_failure = group_save.write(group, snapshot.saving, tier, planned, functools.partial(_own_section, snapshot) if with_sections else None)
     if not group.is_coordinator:
-        if section is not None:
+        if with_sections:
             _take_sections(group, snapshot, None)
         if own_failure is not None:
             _commit_barrier_failed(group, store.checkpoint_url(snapshot.req.name), own_failure)
@@ -386,7 +387,8 @@ def _save_in_group(
     try:
         if own_failure is not None:
             raise own_failure
-        if section is not None:  # inside: a failure to build the manifest reaches the others in the barrier
+        group_save.raise_failures(snapshot.saving)  # before the sections: a rank that failed sent none
+        if with_sections:  # inside: a failure to build the manifest reaches the others in the barrier
             _take_sections(group, snapshot, snapshot.saving.sections)
         group_save.finish(snapshot.saving, tier, planned)  # the manifest, then .metadata
     except BaseException as e:
