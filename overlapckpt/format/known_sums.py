@@ -54,17 +54,18 @@ class KnownChecksums:
         if nbytes >= KNOWN_SUM_MIN_BYTES and tensor.device.type == "cpu" and tensor.is_contiguous():
             self._by_span[(tensor.data_ptr(), nbytes)] = checksum
 
+    def _known(self, view: memoryview) -> int | Callable[[], int] | None:
+        if view.nbytes < KNOWN_SUM_MIN_BYTES or not self._by_span or not view.c_contiguous:
+            return None
+        return self._by_span.get((buffer_address(view), view.nbytes))
+
     def holds(self, view: memoryview) -> bool:
         """Whether these bytes are a snapshot tensor's, whose checksum is known or will be (never waits for it)."""
-        if view.nbytes < KNOWN_SUM_MIN_BYTES or not self._by_span or not view.c_contiguous:
-            return False
-        return (buffer_address(view), view.nbytes) in self._by_span
+        return self._known(view) is not None
 
     def checksum_of(self, view: memoryview) -> int | None:
         """The known checksum of exactly these bytes, or None (hash them)."""
-        if view.nbytes < KNOWN_SUM_MIN_BYTES or not self._by_span or not view.c_contiguous:
-            return None
-        known = self._by_span.get((buffer_address(view), view.nbytes))
+        known = self._known(view)
         return known() if callable(known) else known
 
 

@@ -46,11 +46,11 @@ COORDINATOR_RANK = 0  # the writer that compares the claims and posts the verdic
 _CLAIM_FIELDS = {"name": str, "version": int, "requested": int}
 # With a local tier: the tiers it goes to ("local,root"), so ranks that would write different tiers disagree here
 # instead of entering different collectives.
-_OPTIONAL_CLAIM_FIELDS = {"tiers": str, "failed": str}
 # A rank whose writer failed before it could claim the checkpoint properly (preparing its save) still
 # claims it, with its error: the coordinator refuses the checkpoint at once, naming it, and the ranks'
 # claim sequences stay in step.
 FAILED_FIELD = "failed"
+_OPTIONAL_CLAIM_FIELDS = {"tiers": str, FAILED_FIELD: str}
 # This rank's own fact, not part of what the ranks must agree on: its shape table's digest and the
 # gather its cached union came from (shape_union.py). The coordinator's verdict says whether every
 # rank may reuse its union.
@@ -358,5 +358,5 @@ class _Verdict:
 
 
 def _agreed_part(claim: dict[str, Any]) -> dict[str, Any]:
-    """What every rank must claim alike: the claim less this rank's own facts (its shapes digest, its window proposal)."""
+    """What every rank must claim alike: the claim less this rank's own facts (its shapes and plan digests, its window proposal)."""
     return {k: v for k, v in claim.items() if k not in _OWN_FIELDS}

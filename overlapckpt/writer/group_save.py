@@ -174,8 +174,7 @@ def raise_failures(save: GroupSave) -> None:
 
 
 def finish(save: GroupSave, tier: TierWriter, planned: PlannedSave) -> None:
-    """On the coordinator, after ``write``: every rank's failure raised, else DCP's finish (the manifest, then ``.metadata``)."""
-    raise_failures(save)
+    """On the coordinator, after ``write`` and ``raise_failures``: DCP's finish (the manifest, then ``.metadata``)."""
     tier.writer.finish(metadata=planned.metadata, results=save.gathered)
 
 

@@ -133,13 +133,14 @@ def _agree_on_checkpoint(
     claim[SHAPES_FIELD] = group.shapes_claim(global_shapes)  # this rank's own: not compared (claims.py)
     if req.proposed_next_window is not None:
         claim[NEXT_WINDOW_FIELD] = req.proposed_next_window  # this rank's own too: the verdict takes the widest
-    if saving is None or preparing is not None:
+    if preparing is not None:
         claim[FAILED_FIELD] = f"{type(preparing).__name__}: {preparing}"[:_FAILED_SHOWN_CHARS]
         try:
             group.agree(claim)  # refused on every rank: the coordinator's verdict names this failure
         except RankDisagreementError:
             pass
-        raise preparing if preparing is not None else InternalError("no save was prepared for the claims")
+        raise preparing
+    assert saving is not None  # made, where preparing did not fail
     claim[PLANS_FIELD] = group.plans.claim_field(saving.local_digest)  # and its plan's (save_plans.py)
     agreement = group.agree(claim)
     # Reused only with the shape union too: the coverage check of the union ran at the plan's round.
@@ -234,7 +235,7 @@ def _prepare(
 
     # Until the sections are taken (tier_write.py), this rank's own facts: what CheckpointInfo needs.
     manifest = build_manifest(req, entries, global_shapes, None, group)
-    return PreparedSnapshot(req, entries, global_shapes, manifest, algorithm, known, state_dict, phases, started, saving, own_section)
+    return PreparedSnapshot(req, entries, global_shapes, manifest, algorithm, known, state_dict, phases, started, own_section, saving)
 
 
 def _known_sum(sums: SnapshotChecksums, index: int) -> int:

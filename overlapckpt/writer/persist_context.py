@@ -53,11 +53,11 @@ class PreparedSnapshot:
     state_dict: dict[str, Any]  # what DCP saves
     phases: PhaseClock
     started: float  # perf_counter at the persist's start
-    # In a group: the planner set up with state_dict, the local plan, and the verdict on reusing it (group_save.py).
-    saving: GroupSave | None = None
     # This rank's part of the manifest, made when first needed (it waits for the snapshot's checksums);
     # the coordinator's manifest holds every rank's once they are taken (tier_write.py).
-    own_section: Callable[[], RankSection] | None = None
+    own_section: Callable[[], RankSection]
+    # In a group: the planner set up with state_dict, the local plan, and the verdict on reusing it (group_save.py).
+    saving: GroupSave | None = None
     sections_gathered: bool = False
 
 

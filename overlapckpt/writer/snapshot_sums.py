@@ -52,10 +52,10 @@ class SnapshotChecksums:
         self._stopping = False
         self._thread: threading.Thread | None = None
         if self._large:
-            self._thread = threading.Thread(target=self._hash_large, args=(update,), name="overlapckpt-snapshot-sums", daemon=True)
+            self._thread = threading.Thread(target=self._hash_large, name="overlapckpt-snapshot-sums", daemon=True)
             self._thread.start()
 
-    def _hash_large(self, update: Any) -> None:
+    def _hash_large(self) -> None:
         try:
             for i in self._large:
                 with self._ready:
@@ -64,15 +64,15 @@ class SnapshotChecksums:
                     if self._sums[i] is not None or i in self._busy:  # the write took it already
                         continue
                     self._busy.add(i)
-                self._store(i, hex32(update(self._data[slice(*self._bounds(i))], 0)))  # the GIL is released while it hashes
+                self._store(i, self._hash(i))
         except BaseException as e:  # noqa: BLE001 - raised in every waiter
             with self._ready:
                 self._failure = e
                 self._ready.notify_all()
 
-    def _bounds(self, index: int) -> tuple[int, int]:
+    def _hash(self, index: int) -> str:
         off, n = self._spans[index]
-        return off, off + n
+        return hex32(self._update(self._data[off : off + n], 0))  # the GIL is released while it hashes
 
     def _store(self, index: int, checksum: str) -> None:
         with self._ready:
@@ -101,7 +101,7 @@ class SnapshotChecksums:
             else:
                 return self._sums[index]  # type: ignore[return-value]
         try:
-            checksum = hex32(self._update(self._data[slice(*self._bounds(index))], 0))
+            checksum = self._hash(index)
         except BaseException:
             with self._ready:
                 self._busy.discard(index)

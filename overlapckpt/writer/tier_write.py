@@ -9,14 +9,13 @@ node publishes (``replicas.py``); in the root (and on one node) the coordinator 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 from .. import protocol as p
-from ..errors import CheckpointExistsError, CheckpointWriteError, InternalError
+from ..errors import CheckpointExistsError, CheckpointWriteError
 from ..format.attempts import Attempt, new_attempt_id
 from ..format.blob_macs import default_mac_algorithm
 from ..format.blobsums import ChecksummingFileSystem, StoredChecksums
@@ -93,7 +92,7 @@ def _write_and_publish(
         # of the blobs it stored, and of .metadata's bytes, right before .metadata appears.
         where = store.checkpoint_url(req.name)
         if group is None and not snapshot.sections_gathered:  # one process: its own section, its checksums hashed by now
-            _take_sections(None, snapshot, [_own_section(snapshot)])
+            _take_sections(None, snapshot, [snapshot.own_section()])
         if checksums.algorithm != snapshot.algorithm:
             raise CheckpointWriteError(
                 f"the shards of {where} were checksummed with {checksums.algorithm!r} and its tensors with {snapshot.algorithm!r}; "
@@ -122,7 +121,7 @@ def _write_and_publish(
             streams = _save_in_group(ctx, group, store, attempt.directory, snapshot, write_manifest, prefix)
         else:
             if group is not None and not snapshot.sections_gathered:  # the manifest is written inside DCP's save
-                _take_sections(group, snapshot, group.gather_sections(_own_section(snapshot)))
+                _take_sections(group, snapshot, group.gather_sections(snapshot.own_section()))
             streams = _save(ctx, store, attempt.directory, snapshot, write_manifest)
         if not wrote_manifest:  # a rank that does not write the manifest: its write ends here
             phases.lap(prefix + "write")
@@ -148,7 +147,7 @@ def _publish(attempt: Attempt, group: WriterGroup | None, layout: NodeLayout | N
         except Exception as e:
             if layout is None:
                 if group is not None:  # the others wait in _commit_barrier's collective: they learn it there
-                    group.share_from_coordinator(f"{type(e).__name__}: {e}")
+                    _fail_commit_barrier(group, e)
                 raise
             publish_failure = e
     if layout is not None:
@@ -169,10 +168,9 @@ def _commit_barrier(group: WriterGroup, where: str) -> None:
         raise CheckpointWriteError(f"committing {where} failed on the coordinating writer (rank 0): {failure}; nothing was committed")
 
 
-def _own_section(snapshot: PreparedSnapshot) -> RankSection:
-    if snapshot.own_section is None:
-        raise InternalError("a snapshot was prepared without this rank's manifest section")
-    return snapshot.own_section()
+def _fail_commit_barrier(group: WriterGroup, failure: BaseException) -> None:
+    """On the coordinator, in place of ``_commit_barrier``'s None: ``failure``, which every other rank raises there."""
+    group.share_from_coordinator(f"{type(failure).__name__}: {failure}")
 
 
 def _take_sections(group: WriterGroup | None, snapshot: PreparedSnapshot, sections: list[RankSection] | None) -> None:
@@ -377,7 +375,7 @@ def _save_in_group(
         snapshot.phases.lap(prefix + "plan_round")
     # Every rank's manifest section rides in the write round's gather, where no earlier tier's gathered them.
     with_sections = not snapshot.sections_gathered
-    own_failure = group_save.write(group, snapshot.saving, tier, planned, functools.partial(_own_section, snapshot) if with_sections else None)
+    own_failure = group_save.write(group, snapshot.saving, tier, planned, snapshot.own_section if with_sections else None)
     if not group.is_coordinator:
         if with_sections:
             _take_sections(group, snapshot, None)
@@ -392,6 +390,6 @@ def _save_in_group(
             _take_sections(group, snapshot, snapshot.saving.sections)
         group_save.finish(snapshot.saving, tier, planned)  # the manifest, then .metadata
     except BaseException as e:
-        group.share_from_coordinator(f"{type(e).__name__}: {e}")  # the others wait in the commit barrier
+        _fail_commit_barrier(group, e)  # the others wait in the commit barrier
         raise
     return _timings(tier.writer)
