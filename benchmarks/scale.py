@@ -180,6 +180,24 @@ def _leaf_bytes(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tup
     return 0, 0
 
 
+def _round_peers(name: str, kwargs: dict[str, Any]) -> tuple[int, int]:
+    """(peers this rank exchanges a message with in the round, the round's sequential ring steps): a flat root
+    talks to every other rank of the group, any other rank to the root; an all-gather is a ring of group size - 1 steps."""
+    import torch.distributed as dist
+
+    group = kwargs.get("group")
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    if name in ("gather", "scatter", "broadcast"):
+        root = kwargs.get("group_dst", kwargs.get("group_src"))
+        if root is None:
+            global_root = kwargs.get("dst", kwargs.get("src"))
+            root = dist.get_group_rank(group, global_root) if group is not None and global_root is not None else global_root
+        return (size - 1 if root == me else 1), 0
+    if name in ("all_gather", "all_gather_into_tensor"):
+        return size - 1, size - 1
+    return size - 1, 0
+
+
 def _wrap_collectives() -> None:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
@@ -193,6 +211,9 @@ def _wrap_collectives() -> None:
                 sent, received = _leaf_bytes(name, args, kwargs)
                 COUNTERS.add(f"round.{name}")
                 COUNTERS.add("rounds")
+                peers, ring = _round_peers(name, kwargs)
+                COUNTERS.add("round_peers", peers)
+                COUNTERS.add("ring_steps", ring)
                 COUNTERS.add("coll_bytes_sent", sent)
                 COUNTERS.add("coll_bytes_received", received)
             elif depth == 0 and name in ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list"):
@@ -451,12 +472,16 @@ def _launch(world: int, args: argparse.Namespace, work: str) -> dict[str, Any]:
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")]))}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-        os.path.abspath(__file__), "--worker", spec_path,
-    ]
     started = time.perf_counter()
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout_s + 600)
+    per_node = args.ranks_per_node
+    if per_node and world > per_node:
+        proc = _launch_on_nodes(world, per_node, spec_path, env, args.timeout_s + 600)
+    else:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+            os.path.abspath(__file__), "--worker", spec_path,
+        ]
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout_s + 600)
     ranks = []
     for r in range(world):
         path = os.path.join(out_dir, f"rank{r}.json")
@@ -472,6 +497,30 @@ def _launch(world: int, args: argparse.Namespace, work: str) -> dict[str, Any]:
         with open(os.path.join(probe_dir, name)) as f:
             writers += [json.loads(line) for line in f if line.strip()]
     return {"world": world, "launch_s": time.perf_counter() - started, "ranks": ranks, "writers": writers}
+
+
+def _launch_on_nodes(world: int, per_node: int, spec_path: str, env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
+    """``world`` ranks as nodes of ``per_node`` ranks: one network namespace per node, joined by a bridge, each with
+    its torchrun agent (``tests/netns_hosts.py``; needs root and iproute2). Node 0's agent hosts the store."""
+    sys.path.insert(0, os.path.join(_REPO, "tests"))
+    from netns_hosts import bridged_hosts
+
+    if world % per_node:
+        raise SystemExit(f"--ranks-per-node {per_node} does not divide world size {world}; pick world sizes that are multiples of it")
+    nodes = world // per_node
+    with bridged_hosts(nodes) as hosts:
+        agents = []
+        for node, (ns, ifname, _) in enumerate(hosts):
+            command = [
+                "ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
+                f"--nproc-per-node={per_node}", f"--node-rank={node}", f"--master-addr={hosts[0][2]}", "--master-port=29500",
+                os.path.abspath(__file__), "--worker", spec_path,
+            ]
+            node_env = {**env, "GLOO_SOCKET_IFNAME": ifname, "TORCHELASTIC_ERROR_FILE": ""}
+            agents.append(subprocess.Popen(command, env=node_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outputs = [agent.communicate(timeout=timeout_s) for agent in agents]
+    failed = next((a.returncode for a in agents if a.returncode), 0)
+    return subprocess.CompletedProcess(agents[0].args, failed, "".join(o for o, _ in outputs), "".join(e for _, e in outputs))
 
 
 # ---- the store's own cost: one client's round trip, and the server's rate under several clients ---------------------
@@ -581,8 +630,12 @@ def summarize(run: dict[str, Any], warmup: int) -> dict[str, Any]:
                 "coll_bytes_coordinator": rank_coll[0][2],
                 "coll_bytes_other_max": max((b for _, _, b in rank_coll[1:]), default=0.0),
                 "coll_bytes_total": sum(b for _, _, b in rank_coll),
+                "round_peers_coordinator": coord.get("round_peers", 0.0),
+                "round_peers_other_max": max((w["counts"].get("round_peers", 0.0) for w in recs[1:]), default=0.0),
+                "ring_steps_max": max(w["counts"].get("ring_steps", 0.0) for w in recs),
                 "coll_by_name_rank0": _by_op(coord, "coll"),
                 "pickled_bytes_rank0": {k[5:]: int(v) for k, v in coord.items() if k.endswith(".pickled_bytes")},
+                "round_nodes": stat.get("writer_round_nodes", 1),
                 "phases_s": phases,
                 "persist_s_rank0": stat["persist_s"],
                 "dcp_plan_round_s": coord.get("time.dcp_plan_round_s", 0.0),
@@ -644,6 +697,9 @@ CKPT_FIGURES = [
     ("collective bytes, coordinator", "coll_bytes_coordinator", "count"),
     ("collective bytes, other rank (max)", "coll_bytes_other_max", "count"),
     ("collective bytes, all ranks", "coll_bytes_total", "count"),
+    ("peer messages, coordinator", "round_peers_coordinator", "count"),
+    ("peer messages, other rank (max)", "round_peers_other_max", "count"),
+    ("ring steps, longest rank", "ring_steps_max", "count"),
     ("coordinator persist_s", "persist_s_rank0", "time"),
     ("coord. agree_and_replay s", "phases_s.agree_and_replay", "time"),
     ("coord. write s (DCP save)", "phases_s.write", "time"),
@@ -759,7 +815,8 @@ def render(command: str, machine: str, summaries: list[dict[str, Any]], figures:
         f"machine: {machine}",
         f"state: {args.layers} Linear({args.width}, {args.width}) layers, AdamW, {args.parallelism}; every={args.every}, keep={args.keep}; "
         f"{args.checkpoints} checkpoints per world size (the first {args.warmup} warm-up, not in the figures), then one after "
-        f"{args.idle_s:g} s idle (its idle writers' polls only), {args.restores} restores",
+        f"{args.idle_s:g} s idle (its idle writers' polls only), {args.restores} restores; "
+        + (f"nodes of {args.ranks_per_node} ranks (a network namespace each)" if args.ranks_per_node else "one node"),
         "counts: steady-state median over the checkpoints (exact: the same on every one, else [min..max]);",
         "times: median (min/p90/max) in ms over the steady-state checkpoints, or over the restores",
         "",
@@ -782,7 +839,7 @@ def render(command: str, machine: str, summaries: list[dict[str, Any]], figures:
             f"  N={s['world']}: store server connections {s['server_connections']}, files per checkpoint directory "
             f"{s['files_per_checkpoint']}, idle writer store ops/s/rank {s['idle_store_ops_per_s_per_rank']:.2f}, "
             f"training-side store ops during the steps {s['train_store_ops']:.0f}, training-side collective calls during the steps "
-            f"{s['train_coll_calls']:.0f}, launch {s['launch_s']:.0f} s"
+            f"{s['train_coll_calls']:.0f}, launch {s['launch_s']:.0f} s; the writers' rounds through {steady['round_nodes']} node(s)' leaders"
         )
         lines.append(f"    steady checkpoint, rank 0 store ops by kind {steady['store_by_op_rank0']}; last rank {steady['store_by_op_rank1']}")
         lines.append(f"    steady checkpoint, rank 0 collective calls {steady['coll_by_name_rank0']}; pickled bytes {steady['pickled_bytes_rank0']}")
@@ -818,6 +875,10 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--timeout-s", type=float, default=300.0)
+    parser.add_argument(
+        "--ranks-per-node", type=int, default=0,
+        help="run each world larger than this as nodes of this many ranks, one network namespace each (root, iproute2); 0: one node",
+    )
     parser.add_argument("--idle-s", type=float, default=5.0, help="idle pause before a last checkpoint, which measures the idle writers' polls")
     parser.add_argument("--store-clients", type=int, default=4, help="client processes of the store's rate measurement")
     parser.add_argument("--store-seconds", type=float, default=5.0)

@@ -37,7 +37,7 @@ from .train.copying.stream_copier import make_copier
 from .train.copying.transfer import Copier
 from .train.lifecycle.engine import SnapshotEngine
 from .train.lifecycle.engine_parts import BuiltUnits, RunCallbacks
-from .train.run.distributed import DistributedRun, is_distributed, node_keys_of, set_up_distributed
+from .train.run.distributed import DistributedRun, is_distributed, set_up_distributed
 from .train.run.lineage import Lineage
 from .train.run.preemption import PreemptionGuard, default_grace_s
 from .train.run.run_identity import agreed_run_id, take_root_lease
@@ -233,7 +233,7 @@ def _local_tier(s: CheckpointerSettings, distributed: DistributedRun | None) -> 
         return None
     local_dir = s.tier.local_dir if s.tier.local_dir is not None else default_local_dir(s.storage.path)
     if distributed is not None:
-        layout = NodeLayout.from_keys(node_keys_of(distributed.group))
+        layout = NodeLayout(distributed.writer_spec.round_nodes)  # every rank's node, learnt at the set-up
         layout.check_replicas(s.tier.local_replicas)
         if layout.node_count > 1:
             if s.tier.local_replicas == 0:

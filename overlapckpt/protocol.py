@@ -51,6 +51,9 @@ class WriterGroupSpec:
     node_of_rank: tuple[int, ...] = ()
     local_replicas: int = 0
     replica_bytes_per_s: float = 0.0
+    # Each rank's node, by rank, in every distributed run: the writers' rounds go through each
+    # node's leader where the ranks span nodes (writer/node_tree.py).
+    round_nodes: tuple[int, ...] = ()
 
     @property
     def regroup_join_timeout_s(self) -> float:
@@ -252,6 +255,8 @@ class CommittedResponse:
     agreed_next_window: int | None = None  # window="auto": the window every rank uses next
     # Each tier it committed in, in order, with its directory there (``info`` is the last one's).
     tier_paths: dict[str, str] = field(default_factory=dict)
+    # How many nodes' leaders the writers' rounds went through (writer/node_tree.py): 1 where flat.
+    round_nodes: int = 1
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,9 @@ Per checkpoint, in this order:
 5. **Window**: for ``window="auto"``, every rank proposes a window for the next
    checkpoint from its own measurements; the widest proposal is handed to every
    engine, so all ranks use the same one.
+
+Where the ranks span nodes, the coordinator's gathers and broadcasts go through each
+node's lowest rank (``node_tree.py``): one message per node at the coordinator.
 """
 
 from __future__ import annotations
@@ -44,9 +47,11 @@ import torch.distributed as dist
 
 from ..errors import RankDisagreementError
 from ..format.manifest_records import RankSection
+from ..format.peers import NodeLayout
 from ..format.shards import forget_cached_plans
 from ..protocol import REGROUP_WAIT_S, WriterGroupSpec
 from .claims import COORDINATOR_RANK, Agreement, ClaimBoard
+from .node_tree import NodeTree
 from .save_plans import SavePlanCache
 from .sealed_store import SealedStore
 from .shape_union import DigestedShapes, ShapeUnionCache
@@ -140,6 +145,10 @@ class WriterGroup:
         self.group = dist.group.WORLD
         if join_timeout != self._timeout:
             _set_group_timeout(self._timeout, self.group)  # every collective after the join: the collective timeout
+        # On several nodes, the rounds go through each node's leader (node_tree.py); its groups
+        # are the generation's too (destroy_process_group ends them with the world's).
+        layout = NodeLayout(tuple(self.spec.round_nodes)) if len(self.spec.round_nodes) == self.world_size else None
+        self.tree = NodeTree(layout, self.rank, self._timeout) if layout is not None and NodeTree.wanted(layout) else None
 
     def reconnect(self) -> None:
         """A new client connection to the store, after a store error (the group's own connections are gloo's)."""
@@ -167,6 +176,7 @@ class WriterGroup:
         in the old group waits out the collective timeout instead of failing at once.
         """
         self.group = None
+        self.tree = None  # its groups end with the world's
         if dist.is_initialized():
             dist.destroy_process_group()
         forget_cached_plans()  # the new group's ranks plan afresh, the replacement has no cache
@@ -228,8 +238,14 @@ class WriterGroup:
 
     def gather_sections(self, section: RankSection) -> list[RankSection] | None:
         """Every rank's manifest section on the coordinator (None elsewhere)."""
+        return self.gather_on_coordinator(section)
+
+    def gather_on_coordinator(self, value: Any) -> list[Any] | None:
+        """Every rank's ``value``, by rank, on the coordinator (None elsewhere): a collective, through the nodes' leaders where there are several."""
+        if self.tree is not None:
+            return self.tree.gather(value, self.world_size, COORDINATOR_RANK)
         out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
-        dist.gather_object(section, out, dst=0, group=self.group)
+        dist.gather_object(value, out, dst=COORDINATOR_RANK, group=self.group)
         return out
 
     def shapes_claim(self, local: dict[str, tuple[int, ...]]) -> str:
@@ -246,9 +262,11 @@ class WriterGroup:
         return gathered
 
     def share_from_coordinator(self, value: Any) -> Any:
-        """The coordinator's ``value`` on every rank (a collective)."""
+        """The coordinator's ``value`` on every rank (a collective, through the nodes' leaders where there are several)."""
+        if self.tree is not None:
+            return self.tree.broadcast(value, COORDINATOR_RANK)
         box = [value]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        dist.broadcast_object_list(box, src=COORDINATOR_RANK, group=self.group)
         return box[0]
 
     def close(self) -> None:

@@ -156,9 +156,8 @@ def write(
             section = make_section() if make_section is not None else None
         except Exception as e:  # noqa: BLE001 - the coordinator hears of it in the gather; raised by the caller
             failure = e
-    gathered: list[Any] | None = [None] * group.world_size if group.is_coordinator else None
     outcome = _Failed.of(failure, group.rank) if failure is not None else results
-    dist.gather_object((outcome, section), gathered, dst=0, group=group.group)
+    gathered = group.gather_on_coordinator((outcome, section))
     if gathered is not None:
         save.gathered = [outcome for outcome, _ in gathered]
         if make_section is not None:  # every rank asks for one, or none does (the same tiers on every rank)

@@ -109,6 +109,8 @@ def persist_snapshot(
     answer = _merged(answers)
     answer.agreed_next_window = agreed_window
     answer.persist_s = time.perf_counter() - started
+    if group is not None and group.tree is not None:
+        answer.round_nodes = len(group.tree.leaders)
     return answer
 
 

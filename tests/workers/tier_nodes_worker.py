@@ -95,6 +95,7 @@ def run(phase: str, out: str, root: str, tiers: str) -> dict[str, Any]:
         losses[it] = float(loss.detach())
         ckpt.step()
     result["committed"] = [(i.step, i.path) for i in ckpt.wait(timeout_s=120)]
+    result["round_nodes"] = [s["writer_round_nodes"] for s in ckpt.stats]  # the writers' rounds through each node's leader
     result["losses"] = losses
     result["log"] = records.lines
     state = {"model": model.state_dict(), "optimizer": opt.state_dict()}

@@ -108,6 +108,7 @@ class SnapshotStats:
     persist_phases_s: dict[str, float] = field(default_factory=dict)  # where persist_s went, by phase (the writer's)
     path: str | None = None  # the last tier's directory (the root's, when it went there)
     tier_paths: dict[str, str] = field(default_factory=dict)  # each tier it committed in, with its directory
+    writer_round_nodes: int = 1  # the nodes whose leaders carried the writers' rounds (1: one round among all ranks)
     ledger: dict[str, Any] | None = None
 
 

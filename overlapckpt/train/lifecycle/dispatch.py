@@ -284,6 +284,7 @@ class PersistDispatcher:
             stats.ledger = sent.snapshot.ledger.to_json()
             stats.path = response.info.path
             stats.tier_paths = dict(response.tier_paths)
+            stats.writer_round_nodes = response.round_nodes
             if response.agreed_next_window is not None:
                 self._agreed_window = response.agreed_next_window
             self.stats.append(stats)
@@ -364,6 +365,7 @@ def commit_figures(stats: SnapshotStats) -> dict[str, Any]:
         "time_to_commit_s": stats.time_to_commit_s,
         "committed_at_unix_s": stats.committed_at_unix_s,
         "writer_restarts": stats.writer_restarts,
+        "writer_round_nodes": stats.writer_round_nodes,
         "path": stats.path,
     }
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...errors import ConfigError
-from ...format.peers import node_key
+from ...format.peers import NodeLayout, node_key
 from ...protocol import WriterGroupSpec, new_store_key
 from ..copying.layout import CheckpointScope
 
@@ -119,6 +119,9 @@ def set_up_distributed(
         key_prefix=str(key_prefix),
         store_key=bytes(store_key),
         replaced_when_dead=replaced_when_dead,
+        # The writers' rounds go through each node's leader (writer/node_tree.py); the local
+        # tier's replicas use the same nodes (builder.py).
+        round_nodes=NodeLayout.from_keys(node_keys_of(group)).node_of_rank,
     )
     scope = CheckpointScope(rank=rank, world_size=world, plain_holders=plain_holders(model, group))
     return DistributedRun(scope=scope, group=group, writer_spec=spec, store=store)
