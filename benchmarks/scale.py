@@ -297,12 +297,24 @@ def _wrap_writer_persist(out_dir: str) -> None:
                 "counts": _delta(after, before),
                 "idle_s": entered - last["t"],
                 "idle_counts": _delta(before, last["counts"]),
+                "sockets": _open_sockets(),
             }
             last["t"], last["counts"] = left, after
             with open(os.path.join(out_dir, f"writer-{os.getpid()}.jsonl"), "a") as f:
                 f.write(json.dumps(record) + "\n")
 
     process._persist = persist  # type: ignore[assignment]
+
+
+def _open_sockets() -> int:
+    """This process's open sockets (its gloo groups' connections, the store's client, its pipes to the trainer)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            continue
+    return count
 
 
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -633,6 +645,7 @@ def summarize(run: dict[str, Any], warmup: int) -> dict[str, Any]:
                 "round_peers_coordinator": coord.get("round_peers", 0.0),
                 "round_peers_other_max": max((w["counts"].get("round_peers", 0.0) for w in recs[1:]), default=0.0),
                 "ring_steps_max": max(w["counts"].get("ring_steps", 0.0) for w in recs),
+                "sockets_per_writer_max": max(w.get("sockets", 0) for w in recs),
                 "coll_by_name_rank0": _by_op(coord, "coll"),
                 "pickled_bytes_rank0": {k[5:]: int(v) for k, v in coord.items() if k.endswith(".pickled_bytes")},
                 "round_nodes": stat.get("writer_round_nodes", 1),
@@ -700,6 +713,7 @@ CKPT_FIGURES = [
     ("peer messages, coordinator", "round_peers_coordinator", "count"),
     ("peer messages, other rank (max)", "round_peers_other_max", "count"),
     ("ring steps, longest rank", "ring_steps_max", "count"),
+    ("open sockets per writer (max)", "sockets_per_writer_max", "count"),
     ("coordinator persist_s", "persist_s_rank0", "time"),
     ("coord. agree_and_replay s", "phases_s.agree_and_replay", "time"),
     ("coord. write s (DCP save)", "phases_s.write", "time"),

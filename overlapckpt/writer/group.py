@@ -52,6 +52,7 @@ from ..format.shards import forget_cached_plans
 from ..protocol import REGROUP_WAIT_S, WriterGroupSpec
 from .claims import COORDINATOR_RANK, Agreement, ClaimBoard
 from .node_tree import NodeTree
+from .open_files import raise_open_file_limit
 from .save_plans import SavePlanCache
 from .sealed_store import SealedStore
 from .shape_union import DigestedShapes, ShapeUnionCache
@@ -94,6 +95,7 @@ class WriterGroup:
         self._timeout = timedelta(seconds=spec.timeout_s)
         self._prefix = run_keys_prefix(spec)
         self._warned_forged_generation = False
+        raise_open_file_limit(self.world_size)  # gloo's sockets, one per rank: before the first group forms
         self._connect()
         for name in spec.lost_names:
             self.mark_lost(name)  # before the generation moves: a live writer then knows to drop it
