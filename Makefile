@@ -89,6 +89,7 @@ bench: install
 	$(PY) benchmarks/restore_listing.py
 	-$(PY) benchmarks/tiers_nodes.py --out benchmarks/results/tiers-nodes  # needs root (network namespaces): skipped, saying why, elsewhere
 	$(PY) benchmarks/scale.py --worlds 2,4,8 --out benchmarks/results/scale --name make-bench  # docs/scale.md's run1 went to 16
+	$(PY) benchmarks/group_formation.py --worlds 2,4,8 --out benchmarks/results/scale/make-bench  # docs/scale.md's went to 16
 
 # The performance goals in one run on one code (benchmarks/results/limits/README.md holds the table):
 # time to durable against the raw write and the peers (local disk, tmpfs), a small checkpoint in each
