@@ -256,7 +256,7 @@ class CommittedResponse:
     # Each tier it committed in, in order, with its directory there (``info`` is the last one's).
     tier_paths: dict[str, str] = field(default_factory=dict)
     # How many nodes' leaders the writers' rounds went through (writer/node_tree.py): 1 where flat.
-    round_nodes: int = 1
+    round_node_count: int = 1
 
 
 @dataclass(frozen=True)

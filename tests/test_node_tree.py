@@ -36,8 +36,10 @@ def test_the_tree_gathers_and_broadcasts_what_the_flat_rounds_do_at_2_and_4_rank
 
 
 def test_a_writer_gone_from_its_node_fails_the_gather_on_its_leader_and_the_coordinator_by_name(tmp_path):
+    # The groups' timeout (600 s) is longer than this launch may take (180 s): each rank's
+    # answer came from the failure itself, carried, never from waiting out a timeout.
     results = launch_ranks(WORKER, "member_dies", 4, str(tmp_path), timeout_s=180)
     assert results[3] == {"ended": True}
     assert results[1] == {"gathered": None}  # its node's gather reached its leader: its part is done
     assert "error" in results[2], results[2]  # the leader whose node's gather broke
-    assert results[0]["error"].startswith("a round of the writers' group failed on the writer of rank 2: "), results[0]
+    assert results[0]["error"].startswith("a round of the writers' group failed on the writer of rank 2, which leads its node: "), results[0]

@@ -145,7 +145,7 @@ def test_two_nodes_replicate_the_local_tier_and_resume_from_the_newest_reachable
             # One answer per checkpoint, naming the last tier it went to: step 6 went to both.
             committed = [(step, path.startswith(tiers)) for step, path in result["committed"]]
             assert committed == [(3, True), (6, False)], (rank, result["committed"])
-            # The root's and the tier's rounds went through the 2 nodes' leaders (writer/node_tree.py).
+            # The writers' group formed its rounds through the 2 nodes' leaders (writer/node_tree.py) for each checkpoint.
             assert result["round_nodes"] == [2, 2], (rank, result["round_nodes"])
         shard_sets = []
         for node in (0, 1):

@@ -150,7 +150,7 @@ class WriterGroup:
         # On several nodes, the rounds go through each node's leader (node_tree.py); its groups
         # are the generation's too (destroy_process_group ends them with the world's).
         layout = NodeLayout(tuple(self.spec.round_nodes)) if len(self.spec.round_nodes) == self.world_size else None
-        self.tree = NodeTree(layout, self.rank, self._timeout) if layout is not None and NodeTree.wanted(layout) else None
+        self.tree = NodeTree(layout, self.rank, self._timeout) if layout is not None and NodeTree.pays_for(layout) else None
 
     def reconnect(self) -> None:
         """A new client connection to the store, after a store error (the group's own connections are gloo's)."""

@@ -6,19 +6,23 @@ gather or broadcast in the writers' gloo group is one message per rank at the co
 ring through every rank. Here each node's lowest rank speaks for its node, as the tier
 listing's does (``restore/tiers.py``): a round is one collective inside each node (its
 leader and its ranks) and one among the leaders, so the coordinator exchanges one message
-per node, and every ring is a node's or the leaders'. What arrives is the same list, by
-rank, as the flat round's (``tests/test_node_tree.py``).
+per node and per rank of its own node, and the ring of each steady-state round is a node's
+or the leaders'. What arrives is the same list, by rank, as the flat round's
+(``tests/test_node_tree.py``). The rounds of a new layout (DCP's plan round, the shape
+union) and the local tier's across nodes stay flat.
 
-A failed hop never leaves a rank waiting where the flat round would not: a leader whose
-node's collective failed (a writer of its node died) still joins the leaders' round,
-carrying the failure, and a leader whose leaders' round failed passes that on to its node;
-each rank raises it as the collective's own error (a ``RuntimeError``, which the group's
-regroup reads as a broken group, ``WriterGroup.regroups_after``).
+A hop that fails at once (a writer of the node died: its connections closed) is carried to
+the next: a leader whose node's gather failed still joins the leaders' gather with the
+failure, and a leader whose leaders' broadcast failed passes it on to its node, so no rank
+waits out the collective timeout there. A hop that failed by timing out is not carried:
+the next hop's ranks began waiting at the same time and have given up, or are about to, and
+joining it would wait a second timeout. Every rank raises a ``RuntimeError``, which the
+group's regroup reads as a broken group (``WriterGroup.regroups_after``).
 """
 
 from __future__ import annotations
 
-import logging
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -27,7 +31,9 @@ import torch.distributed as dist
 
 from ..format.peers import NodeLayout
 
-log = logging.getLogger("overlapckpt")
+# A hop that failed after this share of the collective timeout timed out (or nearly): the next
+# hop's ranks are giving up on their own, and are not told.
+_CARRIED_UNTIL_SHARE_OF_TIMEOUT = 0.5
 
 
 @dataclass
@@ -38,7 +44,9 @@ class _Broken:
     text: str
 
     def raise_it(self) -> None:
-        raise RuntimeError(f"a round of the writers' group failed on the writer of rank {self.rank}: {self.text}")
+        raise RuntimeError(
+            f"a round of the writers' group failed on the writer of rank {self.rank}, which leads its node: {self.text}"
+        )
 
 
 class NodeTree:
@@ -46,6 +54,7 @@ class NodeTree:
 
     def __init__(self, layout: NodeLayout, rank: int, timeout: timedelta) -> None:
         self.rank = rank
+        self._carried_until_s = timeout.total_seconds() * _CARRIED_UNTIL_SHARE_OF_TIMEOUT
         ranks_of_node: list[list[int]] = [[] for _ in range(layout.node_count)]
         for r, node in enumerate(layout.node_of_rank):
             ranks_of_node[node].append(r)
@@ -67,7 +76,7 @@ class NodeTree:
         self.leaders_group = leaders_group if self.is_leader else None
 
     @staticmethod
-    def wanted(layout: NodeLayout) -> bool:
+    def pays_for(layout: NodeLayout) -> bool:
         """Whether the rounds go through the nodes' leaders: more than one node, and some node with more than one rank."""
         return layout.node_count > 1 and len(layout.node_of_rank) > layout.node_count
 
@@ -81,11 +90,12 @@ class NodeTree:
         broken: RuntimeError | None = None
         if self.node_group is not None:
             out: list[Any] | None = [None] * len(self.node_ranks) if self.is_leader else None
+            started = time.monotonic()
             try:
                 dist.gather_object(value, out, dst=self.leader, group=self.node_group)
                 node_values = out
             except RuntimeError as e:
-                if not self.is_leader:
+                if not self.is_leader or time.monotonic() - started >= self._carried_until_s:
                     raise
                 # The other leaders are in the leaders' gather already: it carries this, then this rank raises.
                 broken, node_values = e, _Broken(self.rank, str(e))
@@ -108,15 +118,15 @@ class NodeTree:
     def broadcast(self, value: Any, coordinator: int) -> Any:
         """``coordinator``'s ``value`` on every rank: the leaders' broadcast, then each node's from its leader."""
         box = [value]
-        broken: _Broken | None = None
         if self.is_leader:
+            started = time.monotonic()
             try:
                 dist.broadcast_object_list(box, src=coordinator, group=self.leaders_group)
             except RuntimeError as e:
-                if self.node_group is None:
-                    raise
-                broken = _Broken(self.rank, str(e))
-                box = [broken]  # the node's ranks are already in its broadcast
+                if self.node_group is not None and time.monotonic() - started < self._carried_until_s:
+                    # The node's ranks are already in its broadcast: they raise it there.
+                    dist.broadcast_object_list([_Broken(self.rank, str(e))], src=self.leader, group=self.node_group)
+                raise
         if self.node_group is not None:
             dist.broadcast_object_list(box, src=self.leader, group=self.node_group)
         if isinstance(box[0], _Broken):

@@ -21,7 +21,8 @@ OTHER_OPEN_FILES = 512
 
 
 def open_files_needed(world_size: int) -> int:
-    """Open files a writer of a group of ``world_size`` ranks may hold: a socket per other rank, twice over (its node's and the leaders' groups), and the rest."""
+    """Open files a writer of a group of ``world_size`` ranks may hold: a socket per other rank in the group of every
+    rank, at most as many again in its node's and the leaders' groups (``node_tree.py``: K + N/K), and the rest."""
     return 2 * world_size + OTHER_OPEN_FILES
 
 
@@ -36,16 +37,22 @@ def raise_open_file_limit(world_size: int) -> None:
     if soft == resource.RLIM_INFINITY or soft >= needed:
         return
     target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    refused: str | None = None
     if target > soft:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             soft = target
-        except (OSError, ValueError) as e:
-            log.warning("overlapckpt: could not raise the writer's open-file limit from %d to %d: %s", soft, target, e)
-    if soft < needed:
-        log.warning(
-            "overlapckpt: the writer of a %d-rank group may need %d open files (a socket per rank), but its limit is %d "
-            "(hard limit %d): the writers' group may fail to form with 'Too many open files'. Raise the hard limit "
-            "for the job (ulimit -Hn, or LimitNOFILE= in its systemd unit, or the container's --ulimit nofile=)",
-            world_size, needed, soft, hard,
-        )
+        except (OSError, ValueError) as e:  # a system cap below the hard limit (macOS's OPEN_MAX), say
+            refused = f"raising it to {target} was refused ({e})"
+    if soft >= needed:
+        return
+    hard_text = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+    fix = (
+        "raise the system's own cap on a process's open files" if refused is not None
+        else "raise the hard limit for the job (ulimit -Hn, or LimitNOFILE= in its systemd unit, or the container's --ulimit nofile=)"
+    )
+    log.warning(
+        "overlapckpt: the writer of a %d-rank group may need %d open files (a socket per rank), but its limit is %d "
+        "(hard limit %s)%s: the writers' group may fail to form with 'Too many open files'. To fix it, %s",
+        world_size, needed, soft, hard_text, f"; {refused}" if refused is not None else "", fix,
+    )

@@ -110,7 +110,7 @@ def persist_snapshot(
     answer.agreed_next_window = agreed_window
     answer.persist_s = time.perf_counter() - started
     if group is not None and group.tree is not None:
-        answer.round_nodes = len(group.tree.leaders)
+        answer.round_node_count = len(group.tree.leaders)
     return answer
 
 

@@ -29,16 +29,19 @@ from helpers import write_rank_result_and_leave  # noqa: E402
 
 COORDINATOR = 0
 TIMEOUT = timedelta(seconds=30)
+# Longer than the test waits for the launch (180 s): a failure that reached a rank by timing out
+# would end that rank too late, so the test sees only failures that arrived at once.
+TIMEOUT_LONGER_THAN_THE_TEST = timedelta(seconds=600)
 
 
-def _store() -> dist.TCPStore:
+def _store(timeout: timedelta = TIMEOUT) -> dist.TCPStore:
     rank = int(os.environ["RANK"])
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=rank == 0, timeout=TIMEOUT)
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=rank == 0, timeout=timeout)
 
 
-def _join(store: dist.TCPStore, prefix: str) -> None:
+def _join(store: dist.TCPStore, prefix: str, timeout: timedelta = TIMEOUT) -> None:
     dist.init_process_group(
-        "gloo", store=dist.PrefixStore(prefix, store), rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=TIMEOUT
+        "gloo", store=dist.PrefixStore(prefix, store), rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout
     )
 
 
@@ -68,7 +71,7 @@ def same(out: str) -> dict[str, Any]:
     for i, nodes in enumerate(layouts):
         _join(store, f"layout{i}/")
         layout = NodeLayout(nodes)
-        entry: dict[str, Any] = {"wanted": NodeTree.wanted(layout)}
+        entry: dict[str, Any] = {"wanted": NodeTree.pays_for(layout)}
         if entry["wanted"]:
             tree = NodeTree(layout, rank, TIMEOUT)
             flat: list[Any] | None = [None] * world if rank == COORDINATOR else None
@@ -90,9 +93,9 @@ def same(out: str) -> dict[str, Any]:
 def member_dies(out: str) -> dict[str, Any]:
     """Nodes (0, 0, 1, 1): rank 3 ends before the gather. Its leader (rank 2) and the coordinator raise; rank 1 is done."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = _store()
-    _join(store, "dies/")
-    tree = NodeTree(NodeLayout((0, 0, 1, 1)), rank, TIMEOUT)
+    store = _store(TIMEOUT_LONGER_THAN_THE_TEST)
+    _join(store, "dies/", TIMEOUT_LONGER_THAN_THE_TEST)
+    tree = NodeTree(NodeLayout((0, 0, 1, 1)), rank, TIMEOUT_LONGER_THAN_THE_TEST)
     dist.barrier()
     result: dict[str, Any] = {}
     if rank == 3:

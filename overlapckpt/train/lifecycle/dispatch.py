@@ -284,7 +284,7 @@ class PersistDispatcher:
             stats.ledger = sent.snapshot.ledger.to_json()
             stats.path = response.info.path
             stats.tier_paths = dict(response.tier_paths)
-            stats.writer_round_nodes = response.round_nodes
+            stats.writer_round_nodes = response.round_node_count
             if response.agreed_next_window is not None:
                 self._agreed_window = response.agreed_next_window
             self.stats.append(stats)
