@@ -275,6 +275,26 @@ def test_a_writer_killed_while_replicas_are_sent_leaves_that_version_unlisted_an
         assert not [n for n in os.listdir(directory) if n.endswith(".replica-part")]
 
 
+def test_a_writer_killed_in_the_roots_write_round_through_the_nodes_leaders_loses_that_version_and_the_next_commit(tmp_path):
+    # Root checkpoints only, through the rounds of each node's leader: rank 3's writer hangs in
+    # its shard write of version 2 and is SIGKILLed there, while its node's leader (rank 2)
+    # waits for it in the write round's gather. The leader carries the failure to rank 0's
+    # writer; the writers regroup around rank 3's replacement; versions 4 and 6 commit everywhere.
+    root = str(tmp_path / "root")
+    with two_hosts() as hosts:
+        out = str(tmp_path / "root-kill")
+        results = _launch(hosts, "root_kill", out, root, str(tmp_path / "tiers"), FIRST_PORT + 30)
+    assert results[3]["killed"] and results[3]["restarts"] == 1, results[3]
+    for rank, result in enumerate(results):
+        assert result["committed"] == [4, 6], (rank, result)
+        assert result["round_nodes"] == [2, 2], (rank, result)
+        assert result["errors"] == [], (rank, result)  # no rank raises while max_writer_restarts lasts
+    assert [step_of_name(n) for n in CheckpointStore(root).committed_names()] == [4, 6]
+    # Rank 0's writer heard of it from rank 2, which leads rank 3's node, in the leaders' gather.
+    lost = [line for line in results[0]["log"] if "checkpoint step-000000002 was lost" in line]
+    assert lost and "a round of the writers' group failed on the writer of rank 2, which leads its node" in lost[0], results[0]["log"]
+
+
 def test_a_preemption_lifts_the_replicas_rate_cap_so_its_checkpoint_reaches_every_node_within_the_grace(tmp_path):
     # Replicas are capped at 1 KiB/s here: a rank's ~200 KiB shard would take minutes, far
     # beyond the grace (TORCH_ELASTIC_SHUTDOWN_TIMEOUT 30 s, less a margin). Before the cap

@@ -150,6 +150,63 @@ def kill_during_replication(out: str, root: str, tiers: str) -> dict[str, Any]:
     return {"node": node, "killed": killed[0] if killed else None, "committed": committed, "errors": errors, "restarts": ckpt.writer_restarts}
 
 
+def kill_in_root_write(out: str, root: str) -> dict[str, Any]:
+    """Root checkpoints only, every 2 steps: rank 3's writer hangs in its first shard write of version 2 (fakes.BlockingOnceStore)
+    and is SIGKILLed there, while its node's leader (rank 2) waits for it in the write round's gather through the nodes' leaders.
+    Version 2 is lost on every rank; 4 and 6 commit on every rank."""
+    import fakes
+
+    rank = dist.get_rank()
+    fifo = os.path.join(out, "root-kill.fifo")
+    os.environ[fakes.BLOCK_ONCE_MARKER_ENV] = os.path.join(out, f"blocked-once-rank{rank}")
+    if rank == 3:
+        os.environ[fakes.BLOCK_FIFO_ENV] = fifo
+        os.environ[fakes.ONLY_NAME_ENV] = "step-000000002"
+        os.mkfifo(fifo)
+    else:
+        os.environ[fakes.ONLY_NAME_ENV] = "none"
+    torch.manual_seed(0)
+    model = TinyNet(width=32, features=16, outputs=8, dropout=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sampler = StatefulSampler(seed=100 + rank, features=16, outputs=8)
+    records = LogLines()
+    logging.getLogger("overlapckpt").addHandler(records)
+    ckpt = Checkpointer(model, opt, root, every=2, store_class=fakes.BlockingOnceStore, collective_timeout_s=60, agreement_timeout_s=60)
+    killed: list[bool] = []
+    killer = None
+    if rank == 3:
+
+        def kill_when_writing() -> None:
+            with open(fifo) as f:  # the writer announces it is inside its shard write
+                f.readline()
+            os.kill(ckpt.writer_pid, signal.SIGKILL)
+            killed.append(True)
+
+        killer = threading.Thread(target=kill_when_writing, daemon=True)
+        killer.start()
+    errors: list[str] = []
+    for it in range(1, 7):
+        x, y = sampler.next_batch(16)
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad.div_(dist.get_world_size())
+        opt.step()
+        ckpt.step()
+        if it == 3 and killer is not None:
+            killer.join(timeout=120)
+        if it in (2, 4, 6):
+            try:
+                ckpt.wait(timeout_s=150)  # each version settled (committed, or lost) before the next
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                errors.append(f"{type(e).__name__}: {e}")
+    committed = [s["step"] for s in ckpt.stats]
+    return {"killed": bool(killed), "committed": committed, "errors": errors, "restarts": ckpt.writer_restarts,
+            "round_nodes": [s["writer_round_nodes"] for s in ckpt.stats], "log": records.lines}
+
+
 def _kill_writer_once_replicas_flow(pid: int, tier: str, timeout_s: float) -> str | None:
     """SIGKILL the writer once a replica is arriving in this node's tier (a ``.replica-part`` file); what was seen."""
     deadline = time.monotonic() + timeout_s
@@ -211,6 +268,7 @@ def main() -> None:
     scenarios: dict[str, Callable[[], dict[str, Any]]] = {
         "preempt": lambda: preempted(out, root, tiers),  # exits by the signal
         "kill": lambda: kill_during_replication(out, root, tiers),
+        "root_kill": lambda: kill_in_root_write(out, root),
         "first": lambda: run(phase, out, root, tiers),
         "resume": lambda: run(phase, out, root, tiers),
         "sharded_first": lambda: run(phase, out, root, tiers),
