@@ -26,7 +26,11 @@ from typing import Any
 
 WORKER = r"""
 import json, os, sys
+from datetime import timedelta
 import torch.distributed as dist
+
+sys.path.insert(0, sys.argv[5])  # benchmarks/
+from open_sockets import open_sockets as sockets
 
 class Counting(dist.Store):
     def __init__(self, inner):
@@ -64,15 +68,6 @@ class Counting(dist.Store):
     def set_timeout(self, timeout):
         return self.inner.set_timeout(timeout)
 
-def sockets():
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        except OSError:
-            pass
-    return n
-
 rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 inner = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=120))
 store = Counting(inner)
@@ -102,7 +97,10 @@ def measure(world: int, lazy: bool, work: str) -> list[dict[str, Any]]:
         env["TORCH_GLOO_LAZY_INIT"] = "1"
     port = _free_port()
     procs = [
-        subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(world), str(port), out], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(r), str(world), str(port), out, os.path.dirname(os.path.abspath(__file__))],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )
         for r in range(world)
     ]
     for p in procs:

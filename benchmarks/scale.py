@@ -66,6 +66,8 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from open_sockets import open_sockets  # benchmarks/, on the path of every process the probe runs in
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _REPO = os.path.dirname(_HERE)
 PROBE_DIR_ENV = "OVERLAPCKPT_SCALE_PROBE_DIR"
@@ -297,24 +299,13 @@ def _wrap_writer_persist(out_dir: str) -> None:
                 "counts": _delta(after, before),
                 "idle_s": entered - last["t"],
                 "idle_counts": _delta(before, last["counts"]),
-                "sockets": _open_sockets(),
+                "sockets": open_sockets(),  # its gloo groups' connections, the store's client, its pipes to the trainer
             }
             last["t"], last["counts"] = left, after
             with open(os.path.join(out_dir, f"writer-{os.getpid()}.jsonl"), "a") as f:
                 f.write(json.dumps(record) + "\n")
 
     process._persist = persist  # type: ignore[assignment]
-
-
-def _open_sockets() -> int:
-    """This process's open sockets (its gloo groups' connections, the store's client, its pipes to the trainer)."""
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        except OSError:
-            continue
-    return count
 
 
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:

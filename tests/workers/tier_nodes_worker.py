@@ -186,14 +186,7 @@ def kill_in_root_write(out: str, root: str) -> dict[str, Any]:
         killer.start()
     errors: list[str] = []
     for it in range(1, 7):
-        x, y = sampler.next_batch(16)
-        loss = nn.functional.mse_loss(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad.div_(dist.get_world_size())
-        opt.step()
+        _data_parallel_step(model, opt, sampler, mean=True)
         ckpt.step()
         if it == 3 and killer is not None:
             killer.join(timeout=120)
@@ -205,6 +198,19 @@ def kill_in_root_write(out: str, root: str) -> dict[str, Any]:
     committed = [s["step"] for s in ckpt.stats]
     return {"killed": bool(killed), "committed": committed, "errors": errors, "restarts": ckpt.writer_restarts,
             "round_nodes": [s["writer_round_nodes"] for s in ckpt.stats], "log": records.lines}
+
+
+def _data_parallel_step(model: nn.Module, opt: torch.optim.Optimizer, sampler: StatefulSampler, mean: bool) -> None:
+    """One step with the gradients summed over the ranks (``mean``: then divided by their count), as DDP would."""
+    x, y = sampler.next_batch(16)
+    loss = nn.functional.mse_loss(model(x), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        if mean:
+            p.grad.div_(dist.get_world_size())
+    opt.step()
 
 
 def _kill_writer_once_replicas_flow(pid: int, tier: str, timeout_s: float) -> str | None:
@@ -249,13 +255,7 @@ def preempted(out: str, root: str, tiers: str) -> None:
         model, opt, root, local_every=1000, local_dir=tier, replica_mib_per_s=1 / 1024, save_on_signal=(signal.SIGTERM,),
     )
     for step in range(1, 100_000):  # the signal ends it, long before
-        x, y = sampler.next_batch(16)
-        loss = nn.functional.mse_loss(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-        opt.step()
+        _data_parallel_step(model, opt, sampler, mean=False)
         ckpt.step()
         if step == 3:
             os.write(sys.stdout.fileno(), f"READY {rank}\n".encode())  # one write: the other rank's line cannot split it
