@@ -3,9 +3,11 @@
     python benchmarks/group_formation.py [--worlds 2,4,8,16] [--out benchmarks/results/scale]
 
 Each world size runs that many processes on this machine, each joining one gloo group
-(``init_process_group``) over a TCPStore, as the writers do (``overlapckpt/writer/group.py``),
-once as torch makes it by default (every pair of ranks connected when the group is made) and
-once with ``TORCH_GLOO_LAZY_INIT=1`` (a pair connected at its first message). The store each
+(``init_process_group``) over a TCPStore, three ways: as torch makes it by default (every pair
+of ranks connected when the group is made, each pair named by a number each rank draws); with
+``GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER=1``, as the writers make theirs
+(``overlapckpt/writer/group.py``: pairs named by the ranks' numbers); and with
+``TORCH_GLOO_LAZY_INIT=1`` (a pair connected at its first message). The store each
 rank hands gloo is a ``torch.distributed.Store`` subclass around the TCPStore client that
 counts the requests gloo's C++ makes through it, the values it reads and their bytes, until
 the group is made; then each rank's open sockets once a first barrier ran. Counts are exact
@@ -89,12 +91,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def measure(world: int, lazy: bool, work: str) -> list[dict[str, Any]]:
-    out = tempfile.mkdtemp(dir=work, prefix=f"w{world}-{'lazy' if lazy else 'mesh'}-")
+# (label, the environment that makes it)
+MODES = (
+    ("full mesh (torch's default)", {}),
+    ("full mesh, pairs named by rank (GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER=1: the writers')", {"GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER": "1"}),
+    ("lazy (TORCH_GLOO_LAZY_INIT=1)", {"TORCH_GLOO_LAZY_INIT": "1"}),
+)
+
+
+def measure(world: int, mode: str, mode_env: dict[str, str], work: str) -> list[dict[str, Any]]:
+    out = tempfile.mkdtemp(dir=work, prefix=f"w{world}-")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("TORCH_GLOO_LAZY_INIT", None)
-    if lazy:
-        env["TORCH_GLOO_LAZY_INIT"] = "1"
+    for name in ("TORCH_GLOO_LAZY_INIT", "GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER"):
+        env.pop(name, None)
+    env.update(mode_env)
     port = _free_port()
     procs = [
         subprocess.Popen(
@@ -109,7 +119,7 @@ def measure(world: int, lazy: bool, work: str) -> list[dict[str, Any]]:
     for r in range(world):
         path = os.path.join(out, f"rank{r}.json")
         if not os.path.exists(path):
-            raise RuntimeError(f"world {world} ({'lazy' if lazy else 'full mesh'}): rank {r} wrote no result")
+            raise RuntimeError(f"world {world} ({mode}): rank {r} wrote no result")
         with open(path) as f:
             results.append(json.load(f))
     return results
@@ -126,12 +136,12 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for world in worlds:
-            for lazy in (False, True):
-                ranks = measure(world, lazy, work)
+            for mode, mode_env in MODES:
+                ranks = measure(world, mode, mode_env, work)
                 rows.append(
                     {
                         "world": world,
-                        "lazy": lazy,
+                        "mode": mode,
                         "requests_per_rank_max": max(r["formed"]["requests"] for r in ranks),
                         "reads_per_rank_max": max(r["formed"]["reads"] for r in ranks),
                         "read_bytes_per_rank_max": max(r["formed"]["read_bytes"] for r in ranks),
@@ -150,7 +160,7 @@ def main() -> None:
     ]
     for row in rows:
         lines.append(
-            f"| {row['world']} | {'lazy (TORCH_GLOO_LAZY_INIT=1)' if row['lazy'] else 'full mesh (default)'} | {row['requests_per_rank_max']} | "
+            f"| {row['world']} | {row['mode']} | {row['requests_per_rank_max']} | "
             f"{row['reads_per_rank_max']} | {row['read_bytes_per_rank_max']:,} | {row['read_bytes_all_ranks']:,} | {row['sockets_after_barrier_max']} |"
         )
     os.makedirs(args.out, exist_ok=True)
