@@ -54,6 +54,13 @@ class NodeLayout:
     def ranks_on(self, node: int) -> list[int]:
         return [r for r, n in enumerate(self.node_of_rank) if n == node]
 
+    def ranks_by_node(self) -> list[list[int]]:
+        """Every node's ranks, in rank order, indexed by node: one pass over the ranks (``ranks_on`` for each node is one per node)."""
+        ranks: list[list[int]] = [[] for _ in range(self.node_count)]
+        for r, node in enumerate(self.node_of_rank):
+            ranks[node].append(r)
+        return ranks
+
     def leader(self, node: int) -> int:
         """The node's lowest rank: the one that makes, publishes and retires the node's checkpoint directories."""
         return self.ranks_on(node)[0]

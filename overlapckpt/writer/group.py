@@ -47,7 +47,6 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import RankDisagreementError
-from ..format.manifest_records import RankSection
 from ..format.peers import NodeLayout
 from ..format.shards import forget_cached_plans
 from ..protocol import REGROUP_WAIT_S, WriterGroupSpec
@@ -246,10 +245,6 @@ class WriterGroup:
 
     def missing_claim(self) -> RankDisagreementError | None:
         return self.claims.missing_claim()
-
-    def gather_sections(self, section: RankSection) -> list[RankSection] | None:
-        """Every rank's manifest section on the coordinator (None elsewhere)."""
-        return self.gather_on_coordinator(section)
 
     def gather_on_coordinator(self, value: Any) -> list[Any] | None:
         """Every rank's ``value``, by rank, on the coordinator (None elsewhere): a collective, through the nodes' leaders where there are several."""

@@ -55,9 +55,7 @@ class NodeTree:
     def __init__(self, layout: NodeLayout, rank: int, timeout: timedelta) -> None:
         self.rank = rank
         self._carried_until_s = timeout.total_seconds() * _CARRIED_UNTIL_SHARE_OF_TIMEOUT
-        ranks_of_node: list[list[int]] = [[] for _ in range(layout.node_count)]
-        for r, node in enumerate(layout.node_of_rank):
-            ranks_of_node[node].append(r)
+        ranks_of_node = layout.ranks_by_node()
         self.node_ranks = ranks_of_node[layout.node_of_rank[rank]]
         self.leader = self.node_ranks[0]
         self.leaders = [ranks[0] for ranks in ranks_of_node]

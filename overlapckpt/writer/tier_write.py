@@ -121,7 +121,7 @@ def _write_and_publish(
             streams = _save_in_group(ctx, group, store, attempt.directory, snapshot, write_manifest, prefix)
         else:
             if group is not None and not snapshot.sections_gathered:  # the manifest is written inside DCP's save
-                _take_sections(group, snapshot, group.gather_sections(snapshot.own_section()))
+                _take_sections(group, snapshot, group.gather_on_coordinator(snapshot.own_section()))
             streams = _save(ctx, store, attempt.directory, snapshot, write_manifest)
         if not wrote_manifest:  # a rank that does not write the manifest: its write ends here
             phases.lap(prefix + "write")
