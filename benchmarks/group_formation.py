@@ -3,11 +3,14 @@
     python benchmarks/group_formation.py [--worlds 2,4,8,16] [--out benchmarks/results/scale]
 
 Each world size runs that many processes on this machine, each joining one gloo group
-(``init_process_group``) over a TCPStore, three ways: as torch makes it by default (every pair
-of ranks connected when the group is made, each pair named by a number each rank draws); with
-``GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER=1``, as the writers make theirs
-(``overlapckpt/writer/group.py``: pairs named by the ranks' numbers); and with
-``TORCH_GLOO_LAZY_INIT=1`` (a pair connected at its first message). The store each
+(``init_process_group``) over a TCPStore, four ways: as torch makes it by default (every pair
+of ranks connected when the group is made, each pair named by a number each rank draws, every
+rank's address read with a wait and a get); with ``GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER=1``
+(pairs named by the ranks' numbers); with ``GLOO_ENABLE_STORE_V2_API=1`` as well, as the writers
+make theirs (``overlapckpt/writer/gloo_world.py``: the addresses read with one ``multi_get`` per
+128 ranks); and with ``TORCH_GLOO_LAZY_INIT=1`` (a pair connected at its first message). The
+counts are of the store's calls; a TCPStore ``get`` or ``multi_get`` waits for its keys first,
+one more round trip to the server each. The store each
 rank hands gloo is a ``torch.distributed.Store`` subclass around the TCPStore client that
 counts the requests gloo's C++ makes through it, the values it reads and their bytes, until
 the group is made; then each rank's open sockets once a first barrier ran. Counts are exact
@@ -65,6 +68,8 @@ class Counting(dist.Store):
     def delete_key(self, key):
         self.requests += 1
         return self.inner.delete_key(key)
+    def has_extended_api(self):
+        return self.inner.has_extended_api()
     def num_keys(self):
         return self.inner.num_keys()
     def set_timeout(self, timeout):
@@ -94,7 +99,11 @@ def _free_port() -> int:
 # (label, the environment that makes it)
 MODES = (
     ("full mesh (torch's default)", {}),
-    ("full mesh, pairs named by rank (GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER=1: the writers')", {"GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER": "1"}),
+    ("full mesh, pairs named by rank (GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER=1)", {"GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER": "1"}),
+    (
+        "full mesh, pairs named by rank, addresses read in batches (GLOO_ENABLE_STORE_V2_API=1 too: the writers')",
+        {"GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER": "1", "GLOO_ENABLE_STORE_V2_API": "1"},
+    ),
     ("lazy (TORCH_GLOO_LAZY_INIT=1)", {"TORCH_GLOO_LAZY_INIT": "1"}),
 )
 
@@ -102,7 +111,7 @@ MODES = (
 def measure(world: int, mode: str, mode_env: dict[str, str], work: str) -> list[dict[str, Any]]:
     out = tempfile.mkdtemp(dir=work, prefix=f"w{world}-")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    for name in ("TORCH_GLOO_LAZY_INIT", "GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER"):
+    for name in ("TORCH_GLOO_LAZY_INIT", "GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER", "GLOO_ENABLE_STORE_V2_API"):
         env.pop(name, None)
     env.update(mode_env)
     port = _free_port()

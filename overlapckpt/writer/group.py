@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from datetime import timedelta
 from typing import Any
@@ -51,6 +50,7 @@ from ..format.peers import NodeLayout
 from ..format.shards import forget_cached_plans
 from ..protocol import REGROUP_WAIT_S, WriterGroupSpec
 from .claims import COORDINATOR_RANK, Agreement, ClaimBoard
+from .gloo_world import form_gloo_world
 from .node_tree import NodeTree
 from .open_files import raise_open_file_limit
 from .save_plans import SavePlanCache
@@ -66,11 +66,6 @@ _REGROUP_POLL_S = 0.1
 # A checkpoint lost to a regroup, by name: a replacement writer that is handed it refuses it
 # too, so that no rank waits for a claim the others will never make.
 LOST_PREFIX = "lost/"
-# Gloo names each pair of a group by the ranks' numbers instead of a number each rank draws per
-# pair: a rank's entry in the store then holds its address alone, not one pair number per rank,
-# and forming a group of N writers reads 154·N bytes per rank instead of N·(154 + 8·N), 8.7 GB
-# through the store in all at 1,024 ranks instead of 0.16 GB (benchmarks/group_formation.py).
-GLOO_RANK_AS_SEQUENCE_NUMBER_ENV = "GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER"
 
 
 def run_keys_prefix(spec: WriterGroupSpec) -> str:
@@ -138,18 +133,9 @@ class WriterGroup:
         # are still failing out of the old group (WriterGroupSpec.regroup_join_timeout_s).
         # Gloo's rendezvous waits on the store under the store's timeout, and connects under the group's.
         join_timeout = self._timeout if self.generation == 0 else timedelta(seconds=self.spec.regroup_join_timeout_s)
-        # Every writer of the run sets it before it forms a group (a job's own setting, the same on
-        # every rank, is kept): the ranks must agree on how pairs are named.
-        os.environ.setdefault(GLOO_RANK_AS_SEQUENCE_NUMBER_ENV, "1")
         self._base.set_timeout(join_timeout)
         try:
-            dist.init_process_group(
-                "gloo",
-                store=dist.PrefixStore(self._where() + "pg/", self._base),
-                rank=self.rank,
-                world_size=self.world_size,
-                timeout=join_timeout,
-            )
+            form_gloo_world(dist.PrefixStore(self._where() + "pg/", self._base), self.rank, self.world_size, join_timeout)
         finally:
             self._base.set_timeout(self._timeout)
         self.group = dist.group.WORLD
