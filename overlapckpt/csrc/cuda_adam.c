@@ -161,3 +161,51 @@ void overlapckpt_cuda_foreach_adam_f32(float *param, const float *grad, float *e
         FOREACH_CASES(WD_L2_CONTRACTED)
     }
 }
+
+/* Several steps of one tensor, each element carried through all of them while it is in cache.
+ *
+ * Replay steps a copy group W times. One step per pass reads and writes param and both moments
+ * from memory W times: about 28 bytes per element and step, which bounds the pass on memory
+ * bandwidth, not arithmetic. Here the tensor goes in blocks of BLOCK_ELEMENTS: each block is
+ * stepped through every step before the next block, so param and the moments come from memory
+ * once and only each step's gradient streams. Every element still meets the same operations in
+ * the same order as in W single-step calls: the same bits (tests/test_replay_steps.py).
+ *
+ * ``grad_addresses[s]`` is step s's gradient; ``scalars`` holds each step's float scalars in
+ * the single-step function's order (7 fused, 8 foreach), ``flags`` its int flags (3 each). */
+#define BLOCK_ELEMENTS 2048
+#define FUSED_FLOATS 7
+#define FOREACH_FLOATS 8
+#define STEP_FLAGS 3
+
+void overlapckpt_cuda_fused_adam_f32_steps(float *param, const int64_t *grad_addresses, float *exp_avg,
+                                           float *exp_avg_sq, float *max_exp_avg_sq, int64_t count, int64_t steps,
+                                           const float *scalars, const int32_t *flags) {
+    for (int64_t begin = 0; begin < count; begin += BLOCK_ELEMENTS) {
+        int64_t n = count - begin < BLOCK_ELEMENTS ? count - begin : BLOCK_ELEMENTS;
+        for (int64_t s = 0; s < steps; ++s) {
+            const float *f = scalars + s * FUSED_FLOATS;
+            const int32_t *k = flags + s * STEP_FLAGS;
+            overlapckpt_cuda_fused_adam_f32(param + begin, (const float *)(intptr_t)grad_addresses[s] + begin,
+                                            exp_avg + begin, exp_avg_sq + begin,
+                                            max_exp_avg_sq ? max_exp_avg_sq + begin : 0, n, f[0], f[1], f[2], f[3],
+                                            f[4], f[5], f[6], k[0], k[1], k[2]);
+        }
+    }
+}
+
+void overlapckpt_cuda_foreach_adam_f32_steps(float *param, const int64_t *grad_addresses, float *exp_avg,
+                                             float *exp_avg_sq, float *max_exp_avg_sq, int64_t count, int64_t steps,
+                                             const float *scalars, const int32_t *flags) {
+    for (int64_t begin = 0; begin < count; begin += BLOCK_ELEMENTS) {
+        int64_t n = count - begin < BLOCK_ELEMENTS ? count - begin : BLOCK_ELEMENTS;
+        for (int64_t s = 0; s < steps; ++s) {
+            const float *f = scalars + s * FOREACH_FLOATS;
+            const int32_t *k = flags + s * STEP_FLAGS;
+            overlapckpt_cuda_foreach_adam_f32(param + begin, (const float *)(intptr_t)grad_addresses[s] + begin,
+                                              exp_avg + begin, exp_avg_sq + begin,
+                                              max_exp_avg_sq ? max_exp_avg_sq + begin : 0, n, f[0], f[1], f[2], f[3],
+                                              f[4], f[5], f[6], f[7], k[0], k[1], k[2]);
+        }
+    }
+}

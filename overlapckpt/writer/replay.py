@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .. import cuda_adam_native
 from ..beta_powers import BetaPowerTables
 from ..device_adam_step import check_arithmetic_names, replay_hyperparameters, step_like_the_device
 from ..format.entries import ROLE_OPTIM, ROLE_PARAM, TensorEntry
@@ -41,8 +42,6 @@ def warm_up() -> None:
     (benchmarks/results/small-checkpoint/before-warm-up.txt). One AdamW step of one element
     here, and the C pass loaded (built on first use), leave the first replay nothing to import.
     """
-    from .. import cuda_adam_native
-
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.AdamW([param])
     param.grad = torch.zeros(1)
@@ -104,20 +103,33 @@ def _replay_group(
         if fqn in state:
             optimizer.state[params[fqn]] = dict(state[fqn])
     try:
-        for record in steps:
-            i = record.step - log.base_step
-            for pg, (g, names) in zip(optimizer.param_groups, sorted(groups_fqns.items())):
-                for k, v in replay_hyperparameters(record.hyperparameters[g]).items():
-                    pg[k] = v
-                for f in names:
-                    p = params[f]
-                    if f in record.grad_none:
-                        p.grad = None
-                    else:
-                        p.grad = view_bytes(grad_buffer, tables.grad_offsets[(i, f)], p.dtype, tuple(p.shape))
-            step_like_the_device(optimizer, arithmetics, replay.powers)
+        # Each tensor's emulated steps wait and run in one pass over it at the end of the block
+        # (cuda_adam_native.steps_deferred): its elements are carried through every step while in
+        # cache, so param and moments cross memory once, not once a step. Nothing reads them between steps.
+        with cuda_adam_native.steps_deferred():
+            _step_through(replay, log, tables, steps, groups_fqns, optimizer, arithmetics, grad_buffer)
     finally:
         # The params are the slot's views, kept for later persists (slot_views.py): no .grad may
         # keep the gradient buffer's mapping alive past its release, a failed replay's included.
         for p in params.values():
             p.grad = None
+
+
+def _step_through(
+    replay: _Replay, log: ReplayLog, tables: ReplayTables, steps: list[Any], groups_fqns: dict[int, list[str]],
+    optimizer: torch.optim.Optimizer, arithmetics: list[str | None], grad_buffer: torch.Tensor,
+) -> None:
+    """Each logged step in turn: the step's hyperparameters and gradients (views of the buffer), then the step."""
+    params = replay.params
+    for record in steps:
+        i = record.step - log.base_step
+        for pg, (g, names) in zip(optimizer.param_groups, sorted(groups_fqns.items())):
+            for k, v in replay_hyperparameters(record.hyperparameters[g]).items():
+                pg[k] = v
+            for f in names:
+                p = params[f]
+                if f in record.grad_none:
+                    p.grad = None
+                else:
+                    p.grad = view_bytes(grad_buffer, tables.grad_offsets[(i, f)], p.dtype, tuple(p.shape))
+        step_like_the_device(optimizer, arithmetics, replay.powers)
