@@ -103,7 +103,9 @@ bench-limits: install
 	$(PY) benchmarks/small_checkpoint.py --out $(LIMITS)/small-checkpoint.txt
 	$(PY) benchmarks/short_every.py --out $(LIMITS)/short-every.md
 	{ echo '$$ python benchmarks/fused_replay_speed.py --repeats 9'; $(PY) benchmarks/fused_replay_speed.py --repeats 9; echo; \
-	  echo '$$ python benchmarks/fused_replay_speed.py --repeats 9 --threads 2'; $(PY) benchmarks/fused_replay_speed.py --repeats 9 --threads 2; } > $(LIMITS)/replay-arithmetic.txt
+	  echo '$$ python benchmarks/fused_replay_speed.py --repeats 9 --threads 2'; $(PY) benchmarks/fused_replay_speed.py --repeats 9 --threads 2; echo; \
+	  echo '$$ python benchmarks/fused_replay_speed.py --repeats 7 --threads 2 --elements 100000000'; \
+	  $(PY) benchmarks/fused_replay_speed.py --repeats 7 --threads 2 --elements 100000000; } > $(LIMITS)/replay-arithmetic.txt
 	$(PY) benchmarks/harness.py --size tiny --methods baseline,dcp_async_process,torch_checkpointing_async,overlapckpt_w1,overlapckpt_w8_replay --out $(LIMITS)/steps
 
 # 2 CPU ranks (gloo), DDP then FSDP2: overlapckpt against dcp.async_save, about 6 minutes on 2 cores.
