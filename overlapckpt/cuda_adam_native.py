@@ -110,13 +110,16 @@ def _run_chunks(calls: Sequence[Callable[[], Any]]) -> None:
         future.result()  # every chunk done (and any error raised) before the tensors are read
 
 
+def _addresses_at(tensors: list[torch.Tensor], has_max: bool, begin: int) -> list[int | None]:
+    """param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq (None without amsgrad) at element ``begin`` (float32: 4 bytes each)."""
+    return [t.data_ptr() + 4 * begin for t in tensors[:4]] + [tensors[4].data_ptr() + 4 * begin if has_max else None]
+
+
 def _in_parallel(function: Any, tensors: list[torch.Tensor], has_max: bool, scalars: tuple[Any, ...]) -> None:
     """``function(pointers..., count, *scalars)`` over the tensors, split across the writer's threads where large."""
-    bases = [t.data_ptr() for t in tensors[:4]] + [tensors[4].data_ptr() if has_max else None]
-    calls = []
-    for begin, n in _chunks(tensors[0].numel()):
-        pointers = [None if b is None else b + 4 * begin for b in bases]  # float32: 4 bytes an element
-        calls.append(functools.partial(function, *pointers, n, *scalars))
+    calls = [
+        functools.partial(function, *_addresses_at(tensors, has_max, begin), n, *scalars) for begin, n in _chunks(tensors[0].numel())
+    ]
     _run_chunks(calls)
 
 
@@ -153,13 +156,11 @@ def _steps_in_parallel(function: Any, floats: int, queued: list[tuple[list[torch
     scalars = (ctypes.c_float * (steps * floats))(*(x for _, _, s in queued for x in s[:floats]))
     flags = (ctypes.c_int32 * (steps * _STEP_FLAGS))(*(int(x) for _, _, s in queued for x in s[floats:]))
     gradients = [held[1].data_ptr() for held, _, _ in queued]
-    bases = [t.data_ptr() for t in tensors[:4]] + [tensors[4].data_ptr() if has_max else None]
-    calls, keep = [], []
+    calls = []
     for begin, n in _chunks(tensors[0].numel()):
-        addresses = (ctypes.c_int64 * steps)(*(g + 4 * begin for g in gradients))  # float32: 4 bytes an element
-        keep.append(addresses)  # alive until every call returned
-        p, _, m, v, mx = [None if b is None else b + 4 * begin for b in bases]
-        calls.append(functools.partial(function, p, ctypes.addressof(addresses), m, v, mx, n, steps, scalars, flags))
+        p, _, m, v, mx = _addresses_at(tensors, has_max, begin)  # the one gradient's address: each step's is below
+        step_gradients = (ctypes.c_int64 * steps)(*(g + 4 * begin for g in gradients))  # held by the call until it runs
+        calls.append(functools.partial(function, p, step_gradients, m, v, mx, n, steps, scalars, flags))
     _run_chunks(calls)
 
 

@@ -16,7 +16,11 @@ import torch
 from overlapckpt import cuda_adam_native
 from overlapckpt.adam_step_arguments import AdamGroupTensors, AdamHyperparameters
 from overlapckpt.foreach_adam_math import step_like_cuda_foreach_adam
+from overlapckpt.format.entries import ROLE_OPTIM, ROLE_PARAM, TensorEntry
+from overlapckpt.format.manifest_records import GroupArithmetic
 from overlapckpt.fused_adam_math import step_like_cuda_fused_adam
+from overlapckpt.protocol import GradientStep, ReplayLog, ReplayTables
+from overlapckpt.writer.replay import replay_to_version
 
 pytestmark = pytest.mark.skipif(cuda_adam_native.library() is None, reason="the native helper cannot be built here (no C compiler)")
 
@@ -91,11 +95,6 @@ def test_the_writers_replay_of_four_logged_steps_equals_the_emulation_one_step_a
     """``replay_to_version`` steps a copy group through four logged steps inside ``steps_deferred``: two parameters
     (one has no gradient at the third step, so it is not stepped there) end bit for bit where the emulation, one
     call a step, takes them."""
-    from overlapckpt.format.entries import ROLE_OPTIM, ROLE_PARAM, TensorEntry
-    from overlapckpt.format.manifest_records import GroupArithmetic
-    from overlapckpt.protocol import GradientStep, ReplayLog, ReplayTables
-    from overlapckpt.writer.replay import replay_to_version
-
     sizes = {"a": 6_000, "b": 300}
     generator = torch.Generator().manual_seed(9)
     names = ["step", "exp_avg", "exp_avg_sq"]
