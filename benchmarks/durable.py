@@ -10,6 +10,8 @@ storage (a directory on the local disk, and one on tmpfs), with fsync on:
 
 - overlapckpt, window 1: ``request()`` to the commit, from one ``Checkpointer`` kept
   open, as in a job (its writer process and host slot exist already);
+- the same with ``OVERLAPCKPT_PIPELINED_PERSIST=0``: the request sent once every copy
+  landed, so the write follows the copy (what the pipelined persist saves);
 - ``dcp.async_save(..., async_checkpointer_type=PROCESS)``: the call to its future's
   result, DCP's checkpoint process kept between saves as DCP keeps it;
 - the same with ``DefaultStager`` (shared memory; asynchronous staging needs CUDA):
@@ -51,6 +53,10 @@ from torch import nn
 MIB = 2**20
 
 
+# overlapckpt with OVERLAPCKPT_PIPELINED_PERSIST=0: each snapshot sent once all its copies landed.
+SERIAL_LABEL = "overlapckpt window=1, copy then write (not pipelined)"
+
+
 def _model(mib: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     # The moments exist; the gradients stay, so each later step changes every byte.
     return build_model(mib)
@@ -75,13 +81,29 @@ class _Overlapckpt:
     """One Checkpointer for the whole run, as a training job keeps it."""
 
     def __init__(
-        self, model: nn.Module, opt: torch.optim.Optimizer, root: str, writer_threads: int | None, signing_key: str | None = None
+        self,
+        model: nn.Module,
+        opt: torch.optim.Optimizer,
+        root: str,
+        writer_threads: int | None,
+        signing_key: str | None = None,
+        pipelined: bool = True,
     ) -> None:
         from overlapckpt import Checkpointer
+        from overlapckpt.train.lifecycle.pipelined_persist import PIPELINED_PERSIST_ENV
 
         self.opt = opt
         rss_before = _status_mib("self", "VmRSS")
-        self.ckpt = Checkpointer(model, opt, root, lease=False, keep=2, writer_threads=writer_threads, signing_key=signing_key)
+        # Read when the Checkpointer is built: "0" sends each snapshot once its copies landed (the write follows the copy).
+        previous = os.environ.get(PIPELINED_PERSIST_ENV)
+        os.environ[PIPELINED_PERSIST_ENV] = "1" if pipelined else "0"
+        try:
+            self.ckpt = Checkpointer(model, opt, root, lease=False, keep=2, writer_threads=writer_threads, signing_key=signing_key)
+        finally:
+            if previous is None:
+                os.environ.pop(PIPELINED_PERSIST_ENV, None)
+            else:
+                os.environ[PIPELINED_PERSIST_ENV] = previous
         self.splits: list[dict[str, float]] = []  # per save: where its time to durable went
         self.cold_s = self.save_s()
         self.trainer_extra_rss_mib = _status_mib("self", "VmRSS") - rss_before  # the host slot, mostly
@@ -211,9 +233,11 @@ def _storage_run(model: nn.Module, opt: torch.optim.Optimizer, base: str, repeat
     shutil.rmtree(base, ignore_errors=True)
     os.makedirs(base)
     ours = _Overlapckpt(model, opt, os.path.join(base, "ours"), writer_threads)
+    # The same Checkpointer with its write after the copy, not beside it: what the pipelined persist saves.
+    serial = _Overlapckpt(model, opt, os.path.join(base, "serial"), writer_threads, pipelined=False)
     staged = _DcpWithStager() if _DcpWithStager.available() else None
     titan2 = _torch_checkpointing(os.path.join(base, "tc"))
-    steady: dict[str, list[float]] = {"overlapckpt window=1": [], "dcp.async_save PROCESS": [], "raw write": []}
+    steady: dict[str, list[float]] = {"overlapckpt window=1": [], SERIAL_LABEL: [], "dcp.async_save PROCESS": [], "raw write": []}
     if staged is not None:
         steady[staged.label] = []
     if titan2 is not None:
@@ -233,6 +257,7 @@ def _storage_run(model: nn.Module, opt: torch.optim.Optimizer, base: str, repeat
                 dcp_cold = None if dcp_was_running else dcp_s
                 continue
             steady["overlapckpt window=1"].append(ours.save_s())
+            steady[SERIAL_LABEL].append(serial.save_s())
             steady["dcp.async_save PROCESS"].append(dcp_s)
             if staged is not None and staged_s is not None:
                 steady[staged.label].append(staged_s)
@@ -242,6 +267,7 @@ def _storage_run(model: nn.Module, opt: torch.optim.Optimizer, base: str, repeat
             steady["raw write"].append(raw_s)
     finally:
         writer_peak = ours.close()
+        serial.close()
         if staged is not None:
             staged.close()
         if titan2 is not None:
@@ -438,7 +464,7 @@ def _report(result: dict[str, Any]) -> str:
             cold_text = "–" if cold is None else f"{cold:.2f} s"
             lines.append(f"| {name} | {spread_text(ts)} | {raw / _median(ts):.0%} | {cold_text} |")
         ours = _median(run["steady_s"]["overlapckpt window=1"])
-        peers = {k: _median(v) for k, v in run["steady_s"].items() if k not in ("overlapckpt window=1", "raw write") and v}
+        peers = {k: _median(v) for k, v in run["steady_s"].items() if k not in ("overlapckpt window=1", SERIAL_LABEL, "raw write") and v}
         strongest = min(peers, key=lambda k: peers[k])
         ratios = ", ".join(f"{ours / v:.2f}× {k}" for k, v in peers.items())
         # torch_checkpointing calls no fsync: its own figure is the time to the page cache.

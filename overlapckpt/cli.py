@@ -290,11 +290,17 @@ def _quiet_on_closed_pipe(command: Any, args: argparse.Namespace) -> int:
 def cmd_build_native(args: argparse.Namespace) -> int:
     """Build the optional native helpers now, into the user's cache (they are otherwise built on first use)."""
     from .cuda_adam_native import build as build_fused_adam
+    from .landing_page import build as build_landing_words
     from .train.copying.native import build as build_gather
     from .train.copying.tensor_passes import build as build_passes
 
     missing = 0
-    for what, build in (("host values gather", build_gather), ("hooks' passes", build_passes), ("fused Adam replay", build_fused_adam)):
+    for what, build in (
+        ("host values gather", build_gather),
+        ("hooks' passes", build_passes),
+        ("fused Adam replay", build_fused_adam),
+        ("landing words", build_landing_words),
+    ):
         built = build()
         missing += built is None
         say(f"{what:18} {built if built is not None else 'not built: its Python twin runs (see the log for why)'}")

@@ -194,6 +194,9 @@ class PersistRequest:
     optimizer: str | None = None  # the optimizer class(es) by full name, checked when it is loaded
     tiers: tuple[str, ...] = ("root",)  # where it goes, in order (format/tiers.py): the local tier first
     local_keep: int | None = None  # the local tier's retention
+    # Pipelined (landing_page.py): sent before its copies, the buffer id of the landing page that
+    # says how much of the slot holds it; None: every byte was in the slot when it was sent.
+    landing_buffer_id: int | None = None
 
 
 @dataclass(frozen=True)

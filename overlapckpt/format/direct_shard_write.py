@@ -133,7 +133,10 @@ def _write_file(writer: Any, planner: Any, path: Any, storage_key: str, items: l
             if item.type == WriteItemType.BYTE_IO:
                 results.append(_DCP["_write_item"](writer.transforms, stream, planner.resolve_data(item), item, storage_key, *dcp_item_args))
         tensor_items = [item for item in items if item.type != WriteItemType.BYTE_IO]
-        if _orders_by_size(writer):
+        if getattr(planner, "before_reading", None) is not None:
+            # A pipelined snapshot: its tensors land in slot order, and are written so (writer/slot_landing.py).
+            tensor_items.sort(key=planner.slot_order)
+        elif _orders_by_size(writer):
             tensor_items.sort(key=_DCP["_item_size"])  # stable, as DCP's loader sorts them: the same file
         for item in tensor_items:
             tensor = planner.resolve_data(item).detach().cpu()

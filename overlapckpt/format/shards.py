@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,6 +194,20 @@ class CoveringSavePlanner(DefaultSavePlanner):
     def __init__(self, global_shapes: dict[str, tuple[int, ...]], dcp_plan_caching: bool = True) -> None:
         super().__init__(**_planner_kwargs(dcp_plan_caching))
         self.global_shapes = global_shapes
+        # A pipelined snapshot (writer/slot_landing.py): called with each tensor before its bytes are
+        # read, it returns once they have landed in the host slot. None: every byte is there.
+        self.before_reading: Callable[[torch.Tensor], None] | None = None
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        data = super().resolve_data(write_item)
+        if self.before_reading is not None and isinstance(data, torch.Tensor):
+            self.before_reading(data)
+        return data
+
+    def slot_order(self, write_item: WriteItem) -> int:
+        """Where an item's tensor lies in memory: a pipelined snapshot's items are written in the order they land."""
+        obj = self.lookup_object(write_item.index)
+        return obj.data_ptr() if isinstance(obj, torch.Tensor) else 0
 
     def create_local_plan(self) -> Any:
         if _create_write_items is None:  # a torch without DCP's item helper: DCP plans every item

@@ -38,6 +38,7 @@ from .group import WriterGroup
 from .persist_context import PersistContext, PhaseClock, PreparedSnapshot
 from .replicas import node_layout
 from .retention import Retired
+from .slot_landing import SlotLanding
 from .snapshot_manifest import build_manifest, dtype_name
 from .snapshot_sums import SnapshotChecksums
 from .tier_write import after_commit, held_or_begun, leads, write_tier
@@ -69,6 +70,10 @@ def persist_snapshot(
         raise InternalError(f"checkpoint {req.name} is for tiers {req.tiers}, but this writer has stores for {sorted(stores)}")
     agreed_window = req.proposed_next_window
     saving: group_save.GroupSave | None = None
+    # Pipelined: sent while its copies land; every read of the slot waits for its bytes (slot_landing.py).
+    landing = SlotLanding.of(ctx.buffers, req)
+    if landing is not None and group is not None:
+        raise InternalError(f"checkpoint {req.name} came pipelined in a distributed run: pipelined persists are for runs of one process")
     if group is not None:
         # The local plan is made before the claims, which say whether every rank may reuse its
         # plan; it reads the views' shapes only (replay steps them in place, later). Its failure
@@ -98,9 +103,10 @@ def persist_snapshot(
     # Per local part: the checksum of the host snapshot, checked against what DCP decodes at
     # load. The same algorithm as the stored bytes' (the storage writer's default_algorithm()).
     algorithm = default_algorithm()
-    sums = SnapshotChecksums(ctx.buffers[req.buffer_id], [e.nbytes for e in plan.entries], plan.offsets, algorithm)
+    sums = SnapshotChecksums(ctx.buffers[req.buffer_id], [e.nbytes for e in plan.entries], plan.offsets, algorithm, landing)
     try:  # the large entries are hashed on a thread while DCP writes them (snapshot_sums.py)
         snapshot = _prepare(group, req, plan.entries, tensors, sums, algorithm, global_shapes, phases, started, state_dict, saving)
+        snapshot.landing = landing
         answers = _write_tiers(ctx, snapshot, purge_later)
     finally:
         sums.close()  # joined before the answer: the slot may be released after it
@@ -213,10 +219,13 @@ def _prepare(
         known.add(t, functools.partial(_known_sum, sums, i))
     phases.lap("snapshot_checksums")
     extra_state = encode(req.extra_state, "extra_state")
+    landing = sums.landing
 
     def own_section() -> RankSection:
         # Built when the manifest needs it (at the commit, or for the ranks' gather): after the
         # write where it can be, so that the hashing thread ran beside the write.
+        if landing is not None:
+            landing.wait_all()  # every byte landed, and the request holds the copy's figures (the manifest's)
         parts = {
             e.key: ItemRecord(
                 dtype=dtype_name(e.dtype),

@@ -24,6 +24,7 @@ from .slot_views import SlotViews
 
 if TYPE_CHECKING:
     from .group_save import GroupSave
+    from .slot_landing import SlotLanding
 
 
 @dataclass
@@ -59,6 +60,7 @@ class PreparedSnapshot:
     # In a group: the planner set up with state_dict, the local plan, and the verdict on reusing it (group_save.py).
     saving: GroupSave | None = None
     sections_gathered: bool = False
+    landing: SlotLanding | None = None  # pipelined: its bytes still landing in the slot (slot_landing.py)
 
 
 class PhaseClock:

@@ -26,6 +26,7 @@ import torch
 from ..errors import InternalError
 from ..format.checksum import hex32, updater
 from ..format.known_sums import KNOWN_SUM_MIN_BYTES
+from .slot_landing import SlotLanding
 
 # Entries of at least this many bytes are hashed on the thread (the known-sum threshold: a
 # smaller write is hashed by the stream anyway).
@@ -35,17 +36,23 @@ THREADED_MIN_BYTES = KNOWN_SUM_MIN_BYTES
 class SnapshotChecksums:
     """Each entry's checksum (8 hex digits), by entry index: the small ones at once, the large ones as the thread gets to them."""
 
-    def __init__(self, slot: torch.Tensor, nbytes: Sequence[int], offsets: Sequence[int], algorithm: str) -> None:
+    def __init__(
+        self, slot: torch.Tensor, nbytes: Sequence[int], offsets: Sequence[int], algorithm: str, landing: SlotLanding | None = None
+    ) -> None:
         update = self._update = updater(algorithm)
         mapped: Any = slot.numpy() if slot.numel() else b""  # the slot's bytes (uint8), shared with it
         # One buffer over the whole slot, sliced per entry: a ctypes array per tensor cost 8 us each,
         # 0.3 s of a persist at 40,000 tensors (2-core VM).
         self._data = memoryview(mapped)
         self._spans = list(zip(offsets, nbytes))
+        # A pipelined snapshot's entries are hashed once they landed: the large ones by the thread in
+        # slot order (the order they land in), the small ones when asked for (by then they landed).
+        self._landing = self.landing = landing
         self._sums: list[str | None] = [
-            hex32(update(self._data[off : off + n], 0)) if n < THREADED_MIN_BYTES else None for off, n in self._spans
+            hex32(update(self._data[off : off + n], 0)) if n < THREADED_MIN_BYTES and landing is None else None
+            for off, n in self._spans
         ]
-        self._large = [i for i, s in enumerate(self._sums) if s is None]
+        self._large = sorted((i for i, (off, n) in enumerate(self._spans) if n >= THREADED_MIN_BYTES), key=lambda i: self._spans[i][0])
         self._ready = threading.Condition()
         self._busy: set[int] = set()  # entries being hashed, by the thread or by a caller of of()
         self._failure: BaseException | None = None
@@ -72,6 +79,8 @@ class SnapshotChecksums:
 
     def _hash(self, index: int) -> str:
         off, n = self._spans[index]
+        if self._landing is not None:
+            self._landing.wait_for(off + n)
         return hex32(self._update(self._data[off : off + n], 0))  # the GIL is released while it hashes
 
     def _store(self, index: int, checksum: str) -> None:

@@ -116,6 +116,8 @@ def _write_and_publish(
             assert group is not None  # node_layout() gives one only with a group
             _begin_on_every_node(attempt, group, layout)
         if req.export_formats:  # one process only (the Checkpointer refuses it distributed): whole tensors
+            if snapshot.landing is not None:
+                snapshot.landing.wait_all()  # the exports read every tensor at once
             exports.update(write_exports(store, attempt.directory, req.export_formats, snapshot.state_dict, req.extra_state, ctx.signing_key))
         if group is not None and layout is None and snapshot.saving is not None:
             streams = _save_in_group(ctx, group, store, attempt.directory, snapshot, write_manifest, prefix)
@@ -341,6 +343,8 @@ def _save(
     group = ctx.group
     writer = _make_writer(ctx, store, name, snapshot, write_manifest)
     planner = CoveringSavePlanner(snapshot.global_shapes)
+    if snapshot.landing is not None:
+        planner.before_reading = snapshot.landing.wait_for_tensor
     if group is None:
         with warnings.catch_warnings():
             # no_dist=True is deliberate: a single writer saves its own process's snapshot.

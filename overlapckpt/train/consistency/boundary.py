@@ -60,7 +60,9 @@ def _is_grad_scaler(obj: Any) -> bool:
 def _defer_tensors(value: Any, copier: Copier, tickets: list[CopyTicket]) -> Any:
     """Deep-copy ``value``, replacing device tensors by host copies that land with a ticket."""
     if isinstance(value, torch.Tensor):
-        if not copier.is_device_resident(value):
+        if not copier.is_device_resident(value) or (copier.device is not None and copier.device.host_is_the_device):
+            # On the host, or on a CPU device whose training stream is this thread: its value now, with no
+            # ticket to wait for (a pipelined persist sends the request before the side stream reaches it).
             return value.detach().clone()
         (host,), ticket = copy_values_to_host(copier, [value])
         if ticket is not None:

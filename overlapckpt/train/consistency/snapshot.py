@@ -102,6 +102,7 @@ class SnapshotStats:
     deferred: bool = False
     waited_for_slot_s: float = 0.0  # distributed: blocked in a hook for a free slot (not deferred: same version)
     writer_restarts: int = 0  # writer processes replaced so far in this run, when this one was sent
+    pipelined: bool = False  # sent while its copies still landed; the writer wrote each entry once it had (pipelined_persist.py)
     time_to_commit_s: float | None = None
     committed_at_unix_s: float | None = None
     persist_s: float | None = None
@@ -143,6 +144,9 @@ class Snapshot:
     deferred: bool = False
     waited_for_slot_s: float = 0.0  # distributed: the hook blocked this long for a free slot before starting
     tiers: tuple[str, ...] = (ROOT_TIER,)  # where the writer persists it, in order (the local tier first)
+    # Window 1 copied in batches in slot order, so the writer may write while they land (landing_page.py):
+    # each batch's ticket and the slot bytes landed once it has. None: one copy per group.
+    landing_batches: list[tuple[CopyTicket, int]] | None = None
 
     @classmethod
     def open(

@@ -8,6 +8,7 @@ first later hook (fence 2, ``transfer.py``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,6 +21,19 @@ from .boundary import capture_boundary
 from .gradlog import GradientLogger
 from .snapshot import Snapshot, SnapshotMode, SnapshotState
 from .stage_area import StagingArea
+
+# A pipelined snapshot's copy goes in batches of about this many bytes (the writer may write a
+# batch's entries once it landed); at most MAX_LANDING_BATCHES of them, each one event.
+LANDING_BATCH_BYTES = 16 << 20
+MAX_LANDING_BATCHES = 64
+
+
+@dataclass(frozen=True)
+class _Batches:
+    """A copy group's batches in slot order, kept per slot and plan (``HostSlot.batches``)."""
+
+    group: GroupTensors  # the gathered group they were cut from: a new one means new batches
+    batches: list[tuple[GroupTensors, int]]  # each batch, and the slot bytes landed once it has
 
 
 class SnapshotCopies:
@@ -78,6 +92,23 @@ class SnapshotCopies:
             group = self._gather(snap, j, from_staging, views)
             snap.slot.group_tensors[key] = group
             snap.slot.routes.pop(key, None)  # a route kept for another region's views would hold that region
+        if snap.landing_batches is not None:
+            # Window 1, in batches in slot order: each landed batch extends the bytes the writer may
+            # write while the rest still copy (a pipelined persist, landing_page.py).
+            for b, (batch, landed_end) in enumerate(self._batches(snap, key, group)):
+                ticket = self._enqueue(snap, ("batch", j, b), batch, hook, from_staging=False)
+                ticket.group_index = j
+                snap.landing_batches.append((ticket, landed_end))
+        else:
+            self._enqueue(snap, key, group, hook, from_staging).group_index = j
+        version = snap.started_step if snap.mode == SnapshotMode.STAGE else step
+        snap.ledger.group_enqueued(j, version)
+        if snap.replay_log is not None:
+            snap.replay_log.group_versions[j] = version
+        snap.next_group = j + 1
+
+    def _enqueue(self, snap: Snapshot, key: tuple[object, ...], group: GroupTensors, hook: int, from_staging: bool) -> CopyTicket:
+        """One copy of ``group``'s tensors (its route kept under ``key``), fenced as its kind of copy is."""
         src: list[torch.Tensor] = group.sources  # the run itself: the route knows it without comparing its tensors
         dst = group.destinations
         keepalive: list[torch.Tensor] = []
@@ -93,18 +124,50 @@ class SnapshotCopies:
         # (clones of buffers are not): the route keeps them, and is dropped above with a new region.
         route = snap.slot.route(self.copier, key, src, dst, keep_sources=not keepalive)
         ticket = self.copier.copy_async(src, dst, keepalive=keepalive, route=route)
-        ticket.group_index = j
         snap.tickets.append(ticket)
         if from_staging:
             self.staging.note_drain(ticket)  # no training kernel writes the region: fenced only before its reuse
         else:
             snap.unfenced.append(ticket)
             ticket.fence_after_hook = hook
-        version = snap.started_step if snap.mode == SnapshotMode.STAGE else step
-        snap.ledger.group_enqueued(j, version)
-        if snap.replay_log is not None:
-            snap.replay_log.group_versions[j] = version
-        snap.next_group = j + 1
+        return ticket
+
+    @staticmethod
+    def _batches(snap: Snapshot, key: tuple[object, ...], group: GroupTensors) -> list[tuple[GroupTensors, int]]:
+        """``group`` cut into batches in slot order, each with the slot bytes landed once it and those before it have.
+
+        Made once per slot and plan, like the group itself. A tensor is never cut: one larger
+        than a batch is a batch of its own. Batches are ``LANDING_BATCH_BYTES`` long, and at
+        most ``MAX_LANDING_BATCHES`` of them (each is one event on the side stream).
+        """
+        cached = snap.slot.batches.get(key)
+        if isinstance(cached, _Batches) and cached.group is group:
+            return cached.batches
+        for route_key in [k for k in snap.slot.routes if k[:2] == ("batch", key[1])]:
+            del snap.slot.routes[route_key]  # routes of the batches of a group gathered before
+        offsets, entries = snap.plan.offsets, snap.layout.entries
+        order = sorted(range(len(group.indices)), key=lambda k: offsets[group.indices[k]])
+        total = sum(entries[i].nbytes for i in group.indices)
+        batch_bytes = max(LANDING_BATCH_BYTES, -(-total // MAX_LANDING_BATCHES))
+        batches: list[tuple[GroupTensors, int]] = []
+        run: list[int] = []
+        run_bytes = 0
+        for n, k in enumerate(order):
+            run.append(k)
+            run_bytes += entries[group.indices[k]].nbytes
+            if run_bytes >= batch_bytes or n == len(order) - 1:
+                last = group.indices[run[-1]]
+                buffers = set(group.buffer_positions)
+                batch = GroupTensors(
+                    tuple(group.indices[k] for k in run),
+                    TensorRun(group.sources[k] for k in run),
+                    [group.destinations[k] for k in run],
+                    tuple(p for p, k in enumerate(run) if k in buffers),
+                )
+                batches.append((batch, offsets[last] + entries[last].nbytes))
+                run, run_bytes = [], 0
+        snap.slot.batches[key] = _Batches(group, batches)
+        return batches
 
     @staticmethod
     def _gather(snap: Snapshot, j: int, from_staging: bool, views: list[torch.Tensor]) -> GroupTensors:

@@ -28,6 +28,7 @@ class CpuDevice(WorkerStreams):
 
     pins_host_memory = False  # host memory is what the copies read and write: nothing to page-lock
     clone_is_cheap = False  # a clone costs what a copy costs: replay copies the gradients, fenced
+    host_is_the_device = True  # the training thread computes every value: a boundary's small tensors are read at the call
     packs_small_copies = False  # host to host, packing would copy the small tensors twice
 
     def __init__(self) -> None:

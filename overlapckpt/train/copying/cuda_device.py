@@ -19,6 +19,7 @@ class CudaDevice:
 
     pins_host_memory = True
     clone_is_cheap = True
+    host_is_the_device = False
     packs_small_copies = True  # one DMA for many small tensors
     locks_pages = True  # register_host page-locks for real (the emulated device only keeps the books)
 

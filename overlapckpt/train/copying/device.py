@@ -40,6 +40,9 @@ class StreamDevice(Protocol):
     # Small copies are gathered into one scratch span and sent in one transfer (packed_copy.py):
     # it saves a GPU's DMA launches; between host buffers it is a second memcpy for nothing.
     packs_small_copies: bool
+    # The training stream is the host thread itself (the CPU): a small value is read at the call,
+    # where a stream would queue it behind the copies already on the side stream.
+    host_is_the_device: bool
 
     def is_resident(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lives in device memory (copied through a stream), not in host memory."""

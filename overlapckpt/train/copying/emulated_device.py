@@ -56,6 +56,7 @@ class EmulatedDevice(WorkerStreams):
     """The emulated CUDA device (see the module docstring)."""
 
     pins_host_memory = True
+    host_is_the_device = False  # CUDA's model: a device value is read through the side stream
     packs_small_copies = True  # as CUDA does: the tests run the packed route's fences
     locks_pages = False  # registration is checked and recorded; no page is locked
 

@@ -39,6 +39,7 @@ from ...hostbuf import HostPinner, SharedHostBuffer
 from ..writer_client.client import WriterClient
 from ..writer_client.link import WriterLink
 from .device import TensorRun
+from .landing import OwnedLandingPage
 from .layout import StateLayout
 from .plan import CopyPlan
 from .transfer import Copier, CopyRoute, CopyTicket
@@ -95,6 +96,8 @@ class HostSlot:
     # Each copy group's sources and destinations under the cached views' plan, per route key:
     # gathered on the group's first copy, so that later copies do no Python per tensor.
     group_tensors: dict[tuple[object, ...], GroupTensors] = field(default_factory=dict)
+    # A pipelined copy's batches of each group, in slot order (snapshot_copies.py), per group key.
+    batches: dict[tuple[object, ...], object] = field(default_factory=dict)
 
     def entry_views(self, plan: CopyPlan, layout: StateLayout) -> list[torch.Tensor]:
         """Where each entry of ``layout`` lands in this slot under ``plan``."""
@@ -109,6 +112,7 @@ class HostSlot:
         """Drop what holds views of this slot's buffers for the cached plan (its views or a buffer changed)."""
         self.routes = {}
         self.group_tensors = {}
+        self.batches = {}
 
     def route(
         self,
@@ -154,6 +158,7 @@ class SlotPool:
         self._prepared: list[tuple[SharedHostBuffer, SharedHostBuffer | None]] = []
         self._prepare_error: BaseException | None = None
         self.prepared_sizes: tuple[int, int] | None = None  # (slot bytes, gradient bytes) asked for
+        self.landing: OwnedLandingPage | None = None  # made at the first pipelined snapshot (landing.py)
 
     # ---- allocation off the critical path ---------------------------------------
 
@@ -251,8 +256,18 @@ class SlotPool:
         slot.grad_buffer, slot.grad_buffer_id = buffer, self._new_buffer_id()
         self._announce(buffer, slot.grad_buffer_id)
 
+    def landing_page(self) -> OwnedLandingPage:
+        """The landing page of pipelined snapshots, made and handed to the writer on first use."""
+        if self.landing is None:
+            page = OwnedLandingPage(self._new_buffer_id())
+            self._announce(page.buffer, page.buffer_id)
+            self.landing = page
+        return self.landing
+
     def _hand_to(self, writer: WriterClient) -> None:
         """A new writer replaced a dead one: hand it every buffer (the memory itself never moved)."""
+        if self.landing is not None:
+            self._announce(self.landing.buffer, self.landing.buffer_id)
         for slot in self.slots:
             self._announce(slot.buffer, slot.buffer_id)
             if slot.grad_buffer is not None and slot.grad_buffer_id is not None:
@@ -293,6 +308,10 @@ class SlotPool:
             pass  # releasing: a failed allocation has nothing left to release
         for slot in list(self.slots):
             self.release_slot(slot)
+        if self.landing is not None:
+            self.landing.release()
+            self._tell_writer(p.ReleaseBufferRequest(self.landing.buffer_id))
+            self.landing = None
 
     def _release_gradient_buffer(self, slot: HostSlot) -> None:
         if slot.grad_buffer is None:

@@ -17,6 +17,7 @@ from ...errors import WriterDiedError
 from ..consistency.snapshot import SnapshotMode, SnapshotState
 from ..copying.transfer import CopyTicket
 from ..warnings_text import WRITER_RESTART_WARNING
+from .pipelined_persist import PipelinedPersist
 
 if TYPE_CHECKING:
     from .engine_parts import EngineParts
@@ -25,9 +26,10 @@ if TYPE_CHECKING:
 class SnapshotCompletion:
     """Handing landed snapshots to the writer and reading its answers; a dead writer's replacement."""
 
-    def __init__(self, parts: EngineParts) -> None:
+    def __init__(self, parts: EngineParts, pipelined: PipelinedPersist) -> None:
         self.p = parts
         self.s = parts.state
+        self.pipelined = pipelined
 
     def progress(self) -> None:
         """Hand landed snapshots to the writer and read its answers. Never blocks."""
@@ -57,7 +59,9 @@ class SnapshotCompletion:
             # copy read (replay's gradients) is freed when its own copy lands. Held until the
             # window landed, a replay window's clones would add up to (W-1)/2 x the parameters.
             landed = [self.p.copier.poll(t) for t in snap.tickets]
-            if snap.state == SnapshotState.LANDING and snap.all_enqueued and all(landed):
+            if snap.state != SnapshotState.LANDING or not snap.all_enqueued:
+                continue
+            if all(landed):
                 self.s.snapshots.remove(snap)
                 snap.staged_views = []  # its drains landed: nothing of it reads the staging region any more
                 proposal = self.p.windows.propose(self.p.plans, self.p.staging, snap.layout)
@@ -65,6 +69,14 @@ class SnapshotCompletion:
                 if snap.mode == SnapshotMode.STAGE:
                     self.p.staging.forget_landed_drains()
                 self.p.windows.observe_copies(stats.copied_nbytes, stats.copy_s)
+            elif self.pipelined.may_send_early(snap):
+                # Its boundary is final and its batches are queued: the writer starts now and writes
+                # each entry once it landed (pipelined_persist.py), which owns its tickets from here on.
+                self.s.snapshots.remove(snap)
+                proposal = self.p.windows.propose(self.p.plans, self.p.staging, snap.layout)
+                self.pipelined.send_early(snap, proposal)
+        for figures in self.pipelined.take_landed():
+            self.p.windows.observe_copies(figures.copied_nbytes, figures.copy_s)
 
     def _raise_pending(self) -> bool:
         """Raise the writer's error; True when it was a dead writer, now replaced (nothing raised).

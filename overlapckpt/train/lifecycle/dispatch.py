@@ -25,8 +25,10 @@ from ...errors import InternalError, OverlapCkptError, WriterDiedError, WritersR
 from ...format.key_layout import GET_STATE_DICT
 from ...format.manifest import CheckpointInfo
 from ...format.tiers import LOCAL_TIER, ROOT_TIER
+from ...landing_page import apply_landed_figures
 from ..consistency.boundary import resolve_boundary, resolve_values
 from ..consistency.snapshot import Snapshot, SnapshotState, SnapshotStats
+from ..copying.landing import LandedFigures
 from ..copying.replay_tables import replay_tables
 from ..copying.slots import SlotPool
 from ..run.lineage import Lineage
@@ -109,11 +111,15 @@ class PersistDispatcher:
     def in_flight(self) -> int:
         return len(self._sent)
 
-    def send(self, snap: Snapshot, proposed_next_window: int | None = None) -> SnapshotStats:
-        """Queue the persist request of a snapshot whose copies have all landed."""
+    def send(self, snap: Snapshot, proposed_next_window: int | None = None, landing_buffer_id: int | None = None) -> SnapshotStats:
+        """Queue the persist request of a snapshot whose copies have all landed.
+
+        ``landing_buffer_id``: pipelined (``pipelined_persist.py``), its copies still landing; the
+        landing page with that id tells the writer how far, and ``landed`` completes its figures.
+        """
         for g in snap.ledger.groups:
             landed = [t.landed_at_s or 0.0 for t in snap.tickets if t.group_index == g.index]
-            if landed:
+            if landed and landing_buffer_id is None:
                 g.landed_s = max(landed) - snap.ledger.requested_at
         if snap.boundary is None:  # checked before anything is marked sent
             raise InternalError(f"the snapshot of step {snap.version} was sent before its boundary state was captured")
@@ -121,6 +127,7 @@ class PersistDispatcher:
         snap.state = SnapshotState.SENT
         stats = snap.stats()
         stats.writer_restarts = self.link.restarts.count  # before the request's copy of the stats is made
+        stats.pipelined = landing_buffer_id is not None
         small_state, extra_state = resolve_boundary(snap.boundary)
         replay = snap.replay_log
         if replay is not None:
@@ -151,10 +158,29 @@ class PersistDispatcher:
             optimizer=self.options.optimizer,
             tiers=snap.tiers,
             local_keep=self.options.local_keep,
+            landing_buffer_id=landing_buffer_id,
         )
         self._sent[snap.request_id] = _Sent(snap, stats, request)
         self.link.writer.send(request)
         return stats
+
+    def landed(self, request_id: int, figures: LandedFigures) -> None:
+        """A pipelined snapshot's copies all landed: its figures, here and in the request a new writer would get.
+
+        From the landing publisher's thread, before it tells the writer (which answers only after).
+        """
+        sent = self._sent.get(request_id)
+        if sent is None:
+            return  # lost with its writer (a distributed regroup): nothing left to complete
+        sent.stats.copy_s = figures.copy_s
+        sent.stats.copied_nbytes = figures.copied_nbytes
+        ledger = sent.snapshot.ledger
+        for g in ledger.groups:
+            g.landed_s = figures.landed_after_request_s
+        ledger.complete_s = figures.landed_after_request_s
+        # Patched in place, as the writer patches its copy (writer/slot_landing.py): a writer that
+        # replaces a dead one persists this request with the same figures.
+        apply_landed_figures(sent.request.stats, sent.request.ledger, figures.copy_s, figures.copied_nbytes, figures.landed_after_request_s)
 
     def poll(self) -> None:
         """Handle every answer that has arrived; never blocks."""

@@ -48,6 +48,7 @@ from .blocking import BlockingCalls
 from .completion import SnapshotCompletion
 from .engine_parts import BuiltUnits, RunCallbacks, assemble_parts
 from .landing_watch import LandingWatch
+from .pipelined_persist import PipelinedPersist
 from .snapshot_restarts import SnapshotRestarts
 from .starting import SnapshotStarts
 from .step_hooks import StepPoint
@@ -96,9 +97,11 @@ class SnapshotEngine:
         # The collaborators, each given what it calls (engine_parts.py): the calls go one way.
         # Completion only answers whether a dead writer was replaced; the engine starts what is pending.
         self.restarts = SnapshotRestarts(p)
-        self.completion = SnapshotCompletion(p)
+        # Window-1 snapshots sent while their copies land, their landing published to the writer.
+        self.pipelined = PipelinedPersist(p.copier, p.slots, p.dispatcher, p.distributed)
+        self.completion = SnapshotCompletion(p, self.pipelined)
         self.blocking = BlockingCalls(p, self.completion)
-        self.starts = SnapshotStarts(p, self.blocking, self.restarts)
+        self.starts = SnapshotStarts(p, self.blocking, self.restarts, self.pipelined)
         # Held by every hook and blocking call, and by the landing watch while it hands a snapshot over.
         self.lock = threading.RLock()
         self.landing_watch = LandingWatch(self.lock, p.copier.await_landing, self.completion.send_landed, self._watch_failed)
@@ -138,6 +141,7 @@ class SnapshotEngine:
         s.hook_serial += 1
         for snap in s.snapshots:
             p.copies.fence_earlier_copies(snap, s.hook_serial)
+        self.pipelined.fence(p.copies, s.hook_serial)  # a sent snapshot's copies may still read the state
 
     @_counts_host_time
     def _before_update(self) -> None:
@@ -155,6 +159,7 @@ class SnapshotEngine:
         mutated_by = p.replay_guard.mutated()
         if mutated_by:
             self.restarts.replay_cannot_follow(mutated_by)
+        self.pipelined.fence(p.copies, s.hook_serial)  # the update writes what a sent snapshot's copies may still read
         for snap in list(s.snapshots):
             p.copies.fence_earlier_copies(snap, s.hook_serial)
             if snap.state == SnapshotState.AT_BOUNDARY:
@@ -186,6 +191,7 @@ class SnapshotEngine:
         s.step_count += 1
         self.restarts.note_grad_scaler()
         self.restarts.restart_if_state_grew()
+        self.pipelined.fence(p.copies, s.hook_serial)
         for snap in s.snapshots:
             p.copies.fence_earlier_copies(snap, s.hook_serial)  # the gradient copies logged before this update
             if not snap.all_enqueued:
@@ -280,7 +286,9 @@ class SnapshotEngine:
         """Remove the hooks, stop the landing watch and the writer, release host buffers (after the copies into them)."""
         self.parts.step_point.remove()
         self.landing_watch.close()
+        # The writer may be writing a pipelined snapshot: its landing is published until the writer exits.
         self.parts.link.close(timeout_s=writer_timeout_s)
+        self.pipelined.close()
         self.release()
 
     def release(self) -> None:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from ..copying.plan import CopyPlan
     from ..copying.slots import HostSlot
     from .engine_parts import EngineParts
+    from .pipelined_persist import PipelinedPersist
     from .snapshot_restarts import SnapshotRestarts
 
 
@@ -43,11 +44,12 @@ class SlotWaits(Protocol):
 class SnapshotStarts:
     """Starting snapshots: host slots sized once, a window and plan per snapshot, its first copies."""
 
-    def __init__(self, parts: EngineParts, waits: SlotWaits, restarts: SnapshotRestarts) -> None:
+    def __init__(self, parts: EngineParts, waits: SlotWaits, restarts: SnapshotRestarts, pipelined: PipelinedPersist) -> None:
         self.p = parts
         self.s = parts.state
         self.waits = waits
         self.restarts = restarts
+        self.pipelined = pipelined
 
     def prepare(self) -> None:
         """Size and allocate the host slots for the widest window, off the critical path."""
@@ -214,6 +216,8 @@ class SnapshotStarts:
             snap.replay_log = self.p.gradients.open(slot, plan, layout, base_step=s)
         slot.busy = True
         self.s.snapshots.append(snap)
+        if self.pipelined.copies_in_batches(snap):
+            snap.landing_batches = []  # copied in batches in slot order: it may go to the writer before they land
         self.p.copies.enqueue_group(snap, 0, self.s.step_count, self.s.hook_serial)
         if mode != SnapshotMode.REPLAY or snap.all_enqueued:
             # Window 1 and stage mode hold version s: every later group was staged above.
