@@ -256,8 +256,11 @@ def _storage_run(model: nn.Module, opt: torch.optim.Optimizer, base: str, repeat
             if i == 0:
                 dcp_cold = None if dcp_was_running else dcp_s
                 continue
-            steady["overlapckpt window=1"].append(ours.save_s())
-            steady[SERIAL_LABEL].append(serial.save_s())
+            # The two of ours alternate which goes first: the disk's state after the raw write (its old
+            # blocks freed) and after the other's retention differs, and would favour one position.
+            pair = [("overlapckpt window=1", ours), (SERIAL_LABEL, serial)]
+            for label, method in pair if i % 2 else pair[::-1]:
+                steady[label].append(method.save_s())
             steady["dcp.async_save PROCESS"].append(dcp_s)
             if staged is not None and staged_s is not None:
                 steady[staged.label].append(staged_s)

@@ -121,7 +121,7 @@ class SnapshotCopies:
                 src[k] = c
             keepalive = clones
         # The live tensors (or the region's staged views) are the same on every copy under this plan
-        # (clones of buffers are not): the route keeps them, and is dropped above with a new region.
+        # (clones of buffers are not): the route keeps them, and is dropped with a new region (enqueue_group).
         route = snap.slot.route(self.copier, key, src, dst, keep_sources=not keepalive)
         ticket = self.copier.copy_async(src, dst, keepalive=keepalive, route=route)
         snap.tickets.append(ticket)
@@ -149,6 +149,7 @@ class SnapshotCopies:
         order = sorted(range(len(group.indices)), key=lambda k: offsets[group.indices[k]])
         total = sum(entries[i].nbytes for i in group.indices)
         batch_bytes = max(LANDING_BATCH_BYTES, -(-total // MAX_LANDING_BATCHES))
+        buffers = set(group.buffer_positions)
         batches: list[tuple[GroupTensors, int]] = []
         run: list[int] = []
         run_bytes = 0
@@ -157,7 +158,6 @@ class SnapshotCopies:
             run_bytes += entries[group.indices[k]].nbytes
             if run_bytes >= batch_bytes or n == len(order) - 1:
                 last = group.indices[run[-1]]
-                buffers = set(group.buffer_positions)
                 batch = GroupTensors(
                     tuple(group.indices[k] for k in run),
                     TensorRun(group.sources[k] for k in run),
