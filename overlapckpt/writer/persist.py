@@ -106,7 +106,6 @@ def persist_snapshot(
     sums = SnapshotChecksums(ctx.buffers[req.buffer_id], [e.nbytes for e in plan.entries], plan.offsets, algorithm, landing)
     try:  # the large entries are hashed on a thread while DCP writes them (snapshot_sums.py)
         snapshot = _prepare(group, req, plan.entries, tensors, sums, algorithm, global_shapes, phases, started, state_dict, saving)
-        snapshot.landing = landing
         answers = _write_tiers(ctx, snapshot, purge_later)
     finally:
         sums.close()  # joined before the answer: the slot may be released after it
@@ -246,7 +245,9 @@ def _prepare(
 
     # Until the sections are taken (tier_write.py), this rank's own facts: what CheckpointInfo needs.
     manifest = build_manifest(req, entries, global_shapes, None, group)
-    return PreparedSnapshot(req, entries, global_shapes, manifest, algorithm, known, state_dict, phases, started, own_section, saving)
+    return PreparedSnapshot(
+        req, entries, global_shapes, manifest, algorithm, known, state_dict, phases, started, own_section, saving, landing=landing
+    )
 
 
 def _known_sum(sums: SnapshotChecksums, index: int) -> int:

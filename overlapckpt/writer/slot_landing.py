@@ -43,12 +43,11 @@ STALL_TIMEOUT_S = 300.0
 class SlotLanding:
     """How much of one pipelined snapshot's slot holds it, read from its landing page."""
 
-    def __init__(self, page: torch.Tensor, req: p.PersistRequest) -> None:
+    def __init__(self, page: torch.Tensor, slot: torch.Tensor, req: p.PersistRequest) -> None:
         self._page = page  # the mapping, kept alive while the words are read
         self._words = LandingWords(page.data_ptr())
         self._req = req
-        self._slot_base = -1
-        self._slot_nbytes = 0
+        self._slot_base, self._slot_nbytes = slot.data_ptr(), slot.numel()
         self._landed = 0  # the last count read: entries below it are never waited for again
         self._figures_applied = False
         about = self._words.read(REQUEST)
@@ -67,10 +66,7 @@ class SlotLanding:
         page = buffers.get(req.landing_buffer_id)
         if page is None:
             raise InternalError(f"checkpoint {req.name}'s landing page (buffer {req.landing_buffer_id}) was never mapped here")
-        landing = cls(page, req)
-        slot = buffers[req.buffer_id]
-        landing._slot_base, landing._slot_nbytes = slot.data_ptr(), slot.numel()
-        return landing
+        return cls(page, buffers[req.buffer_id], req)
 
     def wait_for(self, end_offset: int) -> None:
         """Return once the slot's first ``end_offset`` bytes hold the snapshot."""

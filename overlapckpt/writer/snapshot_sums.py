@@ -47,7 +47,7 @@ class SnapshotChecksums:
         self._spans = list(zip(offsets, nbytes))
         # A pipelined snapshot's entries are hashed once they landed: the large ones by the thread in
         # slot order (the order they land in), the small ones when asked for (by then they landed).
-        self._landing = self.landing = landing
+        self.landing = landing
         self._sums: list[str | None] = [
             hex32(update(self._data[off : off + n], 0)) if n < THREADED_MIN_BYTES and landing is None else None
             for off, n in self._spans
@@ -79,8 +79,8 @@ class SnapshotChecksums:
 
     def _hash(self, index: int) -> str:
         off, n = self._spans[index]
-        if self._landing is not None:
-            self._landing.wait_for(off + n)
+        if self.landing is not None:
+            self.landing.wait_for(off + n)
         return hex32(self._update(self._data[off : off + n], 0))  # the GIL is released while it hashes
 
     def _store(self, index: int, checksum: str) -> None:

@@ -69,7 +69,7 @@ class SnapshotCompletion:
                 if snap.mode == SnapshotMode.STAGE:
                     self.p.staging.forget_landed_drains()
                 self.p.windows.observe_copies(stats.copied_nbytes, stats.copy_s)
-            elif self.pipelined.may_send_early(snap):
+            elif self.pipelined.may_send_early(snap, landed):
                 # Its boundary is final and its batches are queued: the writer starts now and writes
                 # each entry once it landed (pipelined_persist.py), which owns its tickets from here on.
                 self.s.snapshots.remove(snap)

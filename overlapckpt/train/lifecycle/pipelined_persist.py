@@ -56,7 +56,6 @@ class _Publishing:
     snap: Snapshot
     stats: SnapshotStats
     page: OwnedLandingPage
-    figures: LandedFigures | None = None  # set once every batch landed (observed by the engine after)
 
 
 class PipelinedPersist:
@@ -87,12 +86,15 @@ class PipelinedPersist:
             and snap.plan.groups[0].nbytes >= 2 * snapshot_copies.LANDING_BATCH_BYTES  # two batches at least
         )
 
-    def may_send_early(self, snap: Snapshot) -> bool:
-        """Whether ``snap`` (its boundary final, every copy enqueued, not all landed) may go to the writer now."""
+    def may_send_early(self, snap: Snapshot, landed: list[bool]) -> bool:
+        """Whether ``snap`` (its boundary final, every copy enqueued, not all landed) may go to the writer now.
+
+        ``landed``: whether each of its tickets has landed, as the hook just polled them.
+        """
         if snap.landing_batches is None or self.busy() or self.dispatcher.in_flight:
             return False
         # Boundary values copied through the copier go in the request: they must be on the host.
-        return all(self.copier.poll(t) for t in snap.tickets if t.group_index is None)
+        return all(done for ticket, done in zip(snap.tickets, landed) if ticket.group_index is None)
 
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -154,12 +156,9 @@ class PipelinedPersist:
                 # the writer may read them.
                 self.copier.poll(ticket)
                 page.publish(landed_end)
-            for ticket in snap.tickets:  # the boundary's landed before the send; nothing else is left
-                self.copier.wait(ticket)
-                self.copier.poll(ticket)
+            # Every ticket has landed now: the batches above, the boundary's before the send (may_send_early).
             figures = self._figures(snap)
             self.dispatcher.landed(snap.request_id, figures)  # before the page says so: no answer can come before
-            job.figures = figures
             self._landed.append(figures)
             page.finish(figures)
         except BaseException:  # noqa: BLE001 - the writer refuses the checkpoint, and the training thread raises its answer
