@@ -100,6 +100,7 @@ bench-limits: install
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	$(PY) benchmarks/many_tensors.py --out $(LIMITS)/many-tensors
 	$(PY) benchmarks/durable.py --scale-mib '' --s3-mib 0 --replay-window 1 --out $(LIMITS)/durable
+	$(PY) benchmarks/hashing_priority.py --repeats 15 --out $(LIMITS)/hashing-priority
 	$(PY) benchmarks/small_checkpoint.py --out $(LIMITS)/small-checkpoint.txt
 	$(PY) benchmarks/short_every.py --out $(LIMITS)/short-every.md
 	{ echo '$$ python benchmarks/fused_replay_speed.py --repeats 9'; $(PY) benchmarks/fused_replay_speed.py --repeats 9; echo; \

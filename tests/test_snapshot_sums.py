@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -115,3 +116,82 @@ def test_a_write_that_overtakes_the_thread_hashes_its_entry_itself_once(monkeypa
     finally:
         sums.close()
     assert sorted(hashed_sizes) == [first, second]  # each hashed once: the thread skipped the one the write took
+
+
+class _Hashing:
+    """An updater that holds the hashing thread in its first chunk until ``release``, counting each thread's chunks."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.real = updater(CRC32C)
+        self.release = threading.Event()
+        self.by_thread: dict[str, int] = {}
+        self.changed = threading.Condition()
+        monkeypatch.setattr(snapshot_sums, "updater", lambda algorithm: self._update)
+
+    def _update(self, data, value):
+        name = threading.current_thread().name
+        with self.changed:
+            first_of_the_thread = name == "overlapckpt-snapshot-sums" and name not in self.by_thread
+            self.by_thread[name] = self.by_thread.get(name, 0) + 1
+            self.changed.notify_all()
+        if first_of_the_thread:
+            assert self.release.wait(timeout=30)
+        return self.real(data, value)
+
+    def wait_until(self, name: str, count: int) -> None:
+        with self.changed:
+            assert self.changed.wait_for(lambda: self.by_thread.get(name, 0) >= count, timeout=30), self.by_thread
+
+
+def test_a_write_waits_for_one_chunk_the_thread_holds_and_hashes_the_rest_of_the_entry_itself(monkeypatch):
+    """The thread runs at the lowest priority and may be starved: a write that needs a large entry waits for the chunk
+    the thread is on, never for the whole entry, and the chunks' checksums combine into the entry's CRC."""
+    monkeypatch.setattr(snapshot_sums, "HASH_CHUNK_BYTES", THREADED_MIN_BYTES)
+    hashing = _Hashing(monkeypatch)
+    sizes = [4 * THREADED_MIN_BYTES + 3]  # five chunks, the last of 3 bytes
+    slot, offsets = _slot(sizes)
+    sums = SnapshotChecksums(slot, sizes, offsets, CRC32C)
+    got: list[str] = []
+    waiter = threading.Thread(target=lambda: got.append(sums.of(0)), name="the-write")
+    try:
+        hashing.wait_until("overlapckpt-snapshot-sums", 1)  # the thread holds its first chunk
+        waiter.start()
+        hashing.wait_until("the-write", 4)  # the write hashed the other four itself...
+        assert hashing.by_thread == {"overlapckpt-snapshot-sums": 1, "the-write": 4}
+        assert got == []  # ...and waits for the held one
+        hashing.release.set()
+        waiter.join(timeout=30)
+        assert got == [hex32(hashing.real(memoryview(slot.numpy()), 0))]
+    finally:
+        hashing.release.set()
+        sums.close()
+
+
+def test_the_hashing_thread_runs_at_the_lowest_priority(monkeypatch):
+    """On two cores a pipelined persist has three busy threads: at the writer's own priority this one took half the
+    write's core (snapshot_sums.py's docstring). Linux keeps a nice value per thread."""
+    hashing = _Hashing(monkeypatch)
+    sizes = [THREADED_MIN_BYTES]
+    slot, offsets = _slot(sizes)
+    sums = SnapshotChecksums(slot, sizes, offsets, CRC32C)
+    try:
+        hashing.wait_until("overlapckpt-snapshot-sums", 1)
+        (thread,) = [t for t in threading.enumerate() if t.name == "overlapckpt-snapshot-sums"]
+        assert os.getpriority(os.PRIO_PROCESS, thread.native_id) == snapshot_sums.HASHING_THREAD_NICE == 19
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19  # the caller's own is left alone
+    finally:
+        hashing.release.set()
+        sums.close()
+
+
+def test_the_hashing_thread_s_nice_value_from_the_environment_is_checked(monkeypatch, caplog):
+    monkeypatch.setenv(snapshot_sums.HASHING_THREAD_NICE_ENV, "10")
+    assert snapshot_sums.hashing_thread_nice() == 10
+    for bad in ("high", "20", "-21"):
+        monkeypatch.setenv(snapshot_sums.HASHING_THREAD_NICE_ENV, bad)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="overlapckpt"):
+            assert snapshot_sums.hashing_thread_nice() == 19
+        assert f"OVERLAPCKPT_HASHING_THREAD_NICE={bad!r} is not a nice value; set an integer from -20 to 19" in caplog.text
+    monkeypatch.delenv(snapshot_sums.HASHING_THREAD_NICE_ENV)
+    assert snapshot_sums.hashing_thread_nice() == 19

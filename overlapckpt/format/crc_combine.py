@@ -45,6 +45,7 @@ def _powers(poly: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+@lru_cache(maxsize=256)  # a snapshot's chunks share one length: its operator is built once
 def _x_to_8n(n: int, poly: int) -> int:
     """x^(8n) modulo the polynomial: the operator that appends n zero bytes."""
     powers = _powers(poly)
