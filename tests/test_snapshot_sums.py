@@ -195,3 +195,46 @@ def test_the_hashing_thread_s_nice_value_from_the_environment_is_checked(monkeyp
         assert f"OVERLAPCKPT_HASHING_THREAD_NICE={bad!r} is not a nice value; set an integer from -20 to 19" in caplog.text
     monkeypatch.delenv(snapshot_sums.HASHING_THREAD_NICE_ENV)
     assert snapshot_sums.hashing_thread_nice() == 19
+
+
+def test_a_write_waiting_for_the_thread_s_chunk_gets_the_thread_s_failure_not_a_hash_of_its_own(monkeypatch):
+    """The thread gives its chunk back and records its failure in one hold of the lock: the waiter it wakes raises."""
+
+    class BrokenHash(Exception):
+        pass
+
+    monkeypatch.setattr(snapshot_sums, "HASH_CHUNK_BYTES", THREADED_MIN_BYTES)
+    hashing = _Hashing(monkeypatch)
+    real_update = hashing._update
+
+    def thread_fails(data, value):
+        result = real_update(data, value)  # counts, and holds the thread's first chunk until released
+        if threading.current_thread().name == "overlapckpt-snapshot-sums":
+            raise BrokenHash("injected")
+        return result
+
+    monkeypatch.setattr(hashing, "_update", thread_fails)
+    sizes = [2 * THREADED_MIN_BYTES]
+    slot, offsets = _slot(sizes)
+    sums = SnapshotChecksums(slot, sizes, offsets, CRC32C)
+    raised: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            sums.of(0)
+        except BaseException as e:  # noqa: BLE001 - checked below
+            raised.append(e)
+
+    waiter = threading.Thread(target=write, name="the-write")
+    try:
+        hashing.wait_until("overlapckpt-snapshot-sums", 1)
+        waiter.start()
+        hashing.wait_until("the-write", 1)  # its own chunk; now it waits for the thread's
+        hashing.release.set()
+        waiter.join(timeout=30)
+        assert [type(e) for e in raised] == [InternalError]
+        assert "hashing the snapshot failed: BrokenHash: injected" in str(raised[0])
+        assert hashing.by_thread == {"overlapckpt-snapshot-sums": 1, "the-write": 1}  # never hashed the thread's chunk
+    finally:
+        hashing.release.set()
+        sums.close()

@@ -104,23 +104,25 @@ class SnapshotChecksums:
                         if self._chunk_sums[i][k] is not None:  # a write took it already
                             continue
                         self._chunk_sums[i][k] = _BUSY
-                    self._hash_chunk(i, k)
+                    self._hash_chunk(i, k, by_the_thread=True)
         except BaseException as e:  # noqa: BLE001 - raised in every waiter
             with self._ready:
                 self._failure = e
                 self._ready.notify_all()
 
-    def _hash_chunk(self, index: int, k: int) -> None:
+    def _hash_chunk(self, index: int, k: int, by_the_thread: bool = False) -> None:
         """Hash chunk ``k`` of entry ``index``, which the caller claimed (``_BUSY``); on failure it is unclaimed again."""
         start, n = self._chunks[index][k]
         try:
             if self.landing is not None:
                 self.landing.wait_for(start + n)
             checksum = self._update(self._data[start : start + n], 0)  # the GIL is released while it hashes
-        except BaseException:
+        except BaseException as e:
             with self._ready:
                 self._chunk_sums[index][k] = None
-                self._ready.notify_all()  # a waiter for this chunk hashes it itself, or raises
+                if by_the_thread:  # in the same hold: a waiter woken by the chunk's return sees the failure
+                    self._failure = e
+                self._ready.notify_all()  # a waiter for this chunk raises the thread's failure, or hashes it itself
             raise
         with self._ready:
             self._chunk_sums[index][k] = checksum
