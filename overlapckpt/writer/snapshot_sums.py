@@ -13,12 +13,11 @@ write.
 The thread yields to the write. It runs at the lowest priority (nice 19): on two cores, a
 pipelined persist has three busy threads (the trainer's copy, the write, this one), and at
 the writer's own priority this thread took half the write's core while the copy ran. On
-tmpfs, 768 MiB, the typical persist took 0.36 to 0.39 s so, against 0.33 to 0.34 s now
-(minimum 0.36 against 0.29 s; ``benchmarks/results/limits/hashing-priority``). A large
-entry is hashed in chunks of ``HASH_CHUNK_BYTES``, combined afterwards
-(``format/crc_combine.py``): a write that needs an entry's checksum hashes every chunk the
-thread has not begun itself, so a starved thread holds it up for one chunk at most, never
-for a whole entry.
+tmpfs, 768 MiB, 15 repeats: 0.40 s at the median so, 0.36 s now, against the raw write's
+0.33 s (``benchmarks/results/limits/rerun-109683f/hashing-priority``). A large entry is
+hashed in chunks of ``HASH_CHUNK_BYTES``, combined afterwards (``format/crc_combine.py``):
+a write that needs an entry's checksum hashes every chunk the thread has not begun itself,
+so a starved thread holds it up for one chunk at most, never for a whole entry.
 
 The slot may be released once the persist answers, so the thread is always joined
 (``close``) before then.
