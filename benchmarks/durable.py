@@ -94,22 +94,26 @@ class _Overlapckpt:
         writer_threads: int | None,
         signing_key: str | None = None,
         pipelined: bool = True,
+        environment: dict[str, str] | None = None,
     ) -> None:
+        """``environment``: variables set while the Checkpointer is built (its writer reads them when spawned then)."""
         from overlapckpt import Checkpointer
         from overlapckpt.train.lifecycle.pipelined_persist import PIPELINED_PERSIST_ENV
 
         self.opt = opt
         rss_before = _status_mib("self", "VmRSS")
         # Read when the Checkpointer is built: "0" sends each snapshot once its copies landed (the write follows the copy).
-        previous = os.environ.get(PIPELINED_PERSIST_ENV)
-        os.environ[PIPELINED_PERSIST_ENV] = "1" if pipelined else "0"
+        settings = {PIPELINED_PERSIST_ENV: "1" if pipelined else "0", **(environment or {})}
+        previous = {name: os.environ.get(name) for name in settings}
+        os.environ.update(settings)
         try:
             self.ckpt = Checkpointer(model, opt, root, lease=False, keep=2, writer_threads=writer_threads, signing_key=signing_key)
         finally:
-            if previous is None:
-                os.environ.pop(PIPELINED_PERSIST_ENV, None)
-            else:
-                os.environ[PIPELINED_PERSIST_ENV] = previous
+            for name, value in previous.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         self.splits: list[dict[str, float]] = []  # per save: where its time to durable went
         self.cold_s = self.save_s()
         self.trainer_extra_rss_mib = _status_mib("self", "VmRSS") - rss_before  # the host slot, mostly

@@ -17,44 +17,18 @@ import argparse
 import os
 import shutil
 import tempfile
-import time
-from typing import Any
 
 import torch
-from durable import _raw_write_s, _state_bytes
+from durable import _Overlapckpt, _quiet, _raw_write_s, _state_bytes
 from load import build_model
 from measure import machine_description, write_results
 from stats import parse_repeated, spread, spread_text
 
-from overlapckpt import Checkpointer
 from overlapckpt.writer.snapshot_sums import HASHING_THREAD_NICE_ENV
 
 LOWEST = "overlapckpt window=1, hashing at nice 19 (the default)"
 WRITERS = "overlapckpt window=1, hashing at nice 10 (the writer's)"
 RAW = "raw write"
-
-
-def _checkpointer(model: Any, opt: Any, root: str, nice: int | None) -> Checkpointer:
-    previous = os.environ.pop(HASHING_THREAD_NICE_ENV, None)
-    if nice is not None:
-        os.environ[HASHING_THREAD_NICE_ENV] = str(nice)  # read by the writer spawned now
-    try:
-        return Checkpointer(model, opt, root, lease=False, keep=2)
-    finally:
-        os.environ.pop(HASHING_THREAD_NICE_ENV, None)
-        if previous is not None:
-            os.environ[HASHING_THREAD_NICE_ENV] = previous
-
-
-def _save_s(ckpt: Checkpointer, opt: Any) -> float:
-    opt.step()
-    ckpt.step()
-    os.sync()  # no save pays for another's pending writes
-    started = time.perf_counter()
-    ckpt.request()
-    ckpt.step()
-    ckpt.wait(timeout_s=900)
-    return time.perf_counter() - started
 
 
 def main() -> None:
@@ -65,25 +39,24 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/limits/hashing-priority")
     args = parse_repeated(parser)
     model, opt = build_model(args.mib)
+    os.environ.pop(HASHING_THREAD_NICE_ENV, None)  # the default is the default's
     base = tempfile.mkdtemp(dir=args.tmpfs, prefix="hashing-priority-")
     times: dict[str, list[float]] = {LOWEST: [], WRITERS: [], RAW: []}
     try:
+        # durable.py's Checkpointer (its first save, the cold one, in the constructor: not counted).
         methods = {
-            LOWEST: _checkpointer(model, opt, os.path.join(base, "lowest"), None),
-            WRITERS: _checkpointer(model, opt, os.path.join(base, "writers"), 10),
+            LOWEST: _Overlapckpt(model, opt, os.path.join(base, "lowest"), None),
+            WRITERS: _Overlapckpt(model, opt, os.path.join(base, "writers"), None, environment={HASHING_THREAD_NICE_ENV: "10"}),
         }
-        for ckpt in methods.values():
-            _save_s(ckpt, opt)  # the cold one: not counted
         for i in range(args.repeats):
             order = [LOWEST, WRITERS, RAW]
             for label in order[i % 3 :] + order[: i % 3]:  # each position in turn
                 if label == RAW:
-                    os.sync()
-                    times[RAW].append(_raw_write_s(_state_bytes(model), os.path.join(base, "raw")))
+                    times[RAW].append(_quiet(_raw_write_s, _state_bytes(model), os.path.join(base, "raw")))
                 else:
-                    times[label].append(_save_s(methods[label], opt))
-        for ckpt in methods.values():
-            ckpt.close()
+                    times[label].append(_quiet(methods[label].save_s))
+        for method in methods.values():
+            method.close()
     finally:
         shutil.rmtree(base, ignore_errors=True)
     raw = spread(times[RAW])["median"]
