@@ -111,11 +111,8 @@ class SnapshotChecksums:
 
     def _hash_chunk(self, index: int, k: int, by_the_thread: bool = False) -> None:
         """Hash chunk ``k`` of entry ``index``, which the caller claimed (``_BUSY``); on failure it is unclaimed again."""
-        start, n = self._chunks[index][k]
         try:
-            if self.landing is not None:
-                self.landing.wait_for(start + n)
-            checksum = self._update(self._data[start : start + n], 0)  # the GIL is released while it hashes
+            checksum = self._landed_checksum(*self._chunks[index][k])
         except BaseException as e:
             with self._ready:
                 self._chunk_sums[index][k] = None
@@ -127,6 +124,12 @@ class SnapshotChecksums:
             self._chunk_sums[index][k] = checksum
             self._ready.notify_all()
 
+    def _landed_checksum(self, start: int, n: int) -> int:
+        """The checksum of the slot's ``n`` bytes from ``start``, once they landed (a pipelined snapshot's)."""
+        if self.landing is not None:
+            self.landing.wait_for(start + n)
+        return self._update(self._data[start : start + n], 0)  # the GIL is released while it hashes
+
     def of(self, index: int) -> str:
         """Entry ``index``'s checksum: its chunks the thread has not begun hashed here, the others waited for.
 
@@ -137,10 +140,7 @@ class SnapshotChecksums:
         if checksum is not None:
             return checksum
         if index not in self._chunks:  # a small entry of a pipelined snapshot: hashed once it landed
-            off, n = self._spans[index]
-            if self.landing is not None:
-                self.landing.wait_for(off + n)
-            checksum = self._sums[index] = hex32(self._update(self._data[off : off + n], 0))
+            checksum = self._sums[index] = hex32(self._landed_checksum(*self._spans[index]))
             return checksum
         sums = self._chunk_sums[index]
         while True:
